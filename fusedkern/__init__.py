@@ -1,0 +1,21 @@
+"""fusedkern: an LM head fused with its loss (cross-entropy, SimPO) in Triton, never materializing
+the [tokens, vocab] logits.
+
+Public API: `linear_cross_entropy` / `LinearCrossEntropyLoss`, `linear_logprobs`,
+`linear_simpo_loss` / `LinearSimPOLoss`. References and baselines: `fusedkern.reference`.
+Benchmarks: `python -m fusedkern.bench --help`.
+"""
+
+from fusedkern import _runtime  # noqa: F401  (first: picks GPU or Triton's interpreter before kernels import)
+from fusedkern.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+from fusedkern.logprobs import linear_logprobs
+from fusedkern.simpo import LinearSimPOLoss, linear_simpo_loss
+
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyLoss",
+    "linear_logprobs",
+    "linear_simpo_loss",
+    "LinearSimPOLoss",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""Where the kernels run: on a CUDA GPU, or through Triton's interpreter on CPU tensors (tests, CI).
+
+The interpreter is chosen by the environment variable TRITON_INTERPRET=1, which Triton reads when a
+kernel is *decorated*, so it must be set before any module under `fusedkern.kernels` is imported.
+`fusedkern/__init__.py` imports this module first; when no GPU is visible and the user has not
+decided, it switches the interpreter on so that the same kernels run (slowly) on CPU.
+Nothing here touches the CUDA driver at import time beyond `torch.cuda.is_available()`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_configs(configs: list) -> list:
+    """All configs on a GPU; only the first in the interpreter (autotuning needs a driver)."""
+    return configs[:1] if interpreting() else configs
+
+
+def kernel_device_ok(device: torch.device) -> bool:
+    """Whether Triton kernels can run on tensors of `device` in this process."""
+    if interpreting():
+        return device.type == "cpu"
+    return device.type == "cuda"
+
+
+def expected_device_type() -> str:
+    return "cpu" if interpreting() else "cuda"

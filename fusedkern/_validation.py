@@ -1,0 +1,106 @@
+"""Argument checks shared by every public function.
+
+Each check raises `TypeError` (wrong type or dtype) or `ValueError` (wrong shape, range, device or
+option) with a message that names the argument and says what was expected, so that a bad call
+fails in Python rather than as a silent wrong answer or a crash inside a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from fusedkern._runtime import expected_device_type, interpreting
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, value, *, ndim: int | None = None, min_ndim: int | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None, allow_empty: bool = False) -> torch.Tensor:
+    """A tensor of the expected rank and dtype, not empty."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {value.dtype}")
+    if not allow_empty and value.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_kernel_device(name: str, value: torch.Tensor) -> None:
+    """The Triton kernels run on CUDA tensors (or CPU tensors under the interpreter)."""
+    want = expected_device_type()
+    if value.device.type != want:
+        how = "Triton's interpreter is on (TRITON_INTERPRET=1)" if interpreting() else "kernels run on the GPU"
+        raise ValueError(f"{name} must be on a {want} device because {how}; got a tensor on {value.device}")
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            raise ValueError(f"{name} must be on the same device as {reference_name} ({reference.device}), got {t.device}")
+
+
+def check_same_dtype(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.dtype != reference.dtype:
+            raise TypeError(f"{name} must have the same dtype as {reference_name} ({reference.dtype}), got {t.dtype}")
+
+
+def check_shape(name: str, value: torch.Tensor, expected: Sequence[int], what: str) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(value.shape)}")
+
+
+def check_target(target: torch.Tensor, expected_shape: Sequence[int], num_classes: int, ignore_index: int,
+                 name: str = "target") -> None:
+    """Integer class indices of the input's leading shape, each in [0, V) or equal to ignore_index.
+
+    The range check costs one device→host sync (a reduction over T integers); an out-of-range index
+    would otherwise read outside the logits row inside the kernel.
+    """
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must hold class indices with dtype int64 or int32, got {target.dtype}")
+    check_shape(name, target, expected_shape, "the leading dimensions of input")
+    bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = target[bad].flatten()[0].item()
+        raise ValueError(f"{name} values must be in [0, {num_classes}) or equal ignore_index={ignore_index}; found {first}")
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+def check_real(name: str, value, *, low: float | None = None, high: float | None = None,
+               low_inclusive: bool = True, high_inclusive: bool = True) -> float:
+    """A finite Python number within [low, high] (open ends where *_inclusive is False)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        raise ValueError(f"{name} must be {'>=' if low_inclusive else '>'} {low}, got {value}")
+    if high is not None and (value > high or (value == high and not high_inclusive)):
+        raise ValueError(f"{name} must be {'<=' if high_inclusive else '<'} {high}, got {value}")
+    return float(value)
+
+
+def check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value

@@ -1,0 +1,1 @@
+"""Triton kernels. Import `fusedkern._runtime` first: it picks GPU or interpreter."""

@@ -1,0 +1,301 @@
+"""`linear_cross_entropy`: F.cross_entropy(input @ linear_weightᵀ + linear_bias, target) without the
+[tokens, V] logits — the public function, its `nn.Module`, and the autograd wiring of both strategies.
+
+Scalar reductions with `impl="chunked"` form the gradient in the forward pass (three GEMMs in all) and
+the backward only rescales it by the upstream gradient; `reduction="none"` and `impl="fused"` save the
+per-token lse and recompute the logits in backward, which lets any per-token upstream gradient flow.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fusedkern import _validation as V_
+from fusedkern.chunked import (
+    GRAD_CHUNK_BUDGET_BYTES,
+    LossOptions,
+    chunk_tokens_for,
+    chunked_grads,
+    chunked_loss,
+    chunked_loss_and_grads,
+)
+
+IMPLS = ("auto", "chunked", "fused")
+REDUCTIONS = ("mean", "sum", "none")
+WEIGHT_GRAD_ACCUMS = ("fp32", "weight_dtype")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by the autograd Functions
+
+
+def _is_exactly_one(t: torch.Tensor) -> bool:
+    """Whether an upstream gradient is the scalar 1 (what `loss.backward()` passes), so rescaling a
+    1 GiB dW can be skipped. One device→host sync; never during CUDA-graph capture."""
+    if t.numel() != 1 or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return bool(t == 1)
+
+
+def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype, skip: bool):
+    """grad · scale in `out_dtype`, in place when the dtype already matches (the buffer is ours)."""
+    if grad is None:
+        return None
+    if grad.dtype == out_dtype:
+        return grad if skip else grad.mul_(scale)
+    if skip:
+        return grad.to(out_dtype)
+    out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
+    return torch.mul(grad, scale, out=out)  # one pass: fp32 read, scale, cast, write
+
+
+def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
+    return None if grad is None else grad.to(dtype)
+
+
+def _denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """D of the mean: Σ_{t not ignored} w_{y_t} (the count without class weights), fp32 on device."""
+    valid = target != ignore_index
+    if class_weight is None:
+        return valid.sum(dtype=torch.float32)
+    return (class_weight[torch.where(valid, target, 0)] * valid).sum(dtype=torch.float32)
+
+
+def _fused_ops():
+    from fusedkern.kernels import fused_ce
+
+    return fused_ce
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd Functions
+
+
+class _ChunkedScalarLoss(torch.autograd.Function):
+    """Chunked strategy, reduction mean/sum: gradients formed in the forward pass (three GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_weight, opts, reduction, weight_grad_accum, chunk_tokens):
+        need_dx, need_dw = x.requires_grad, w.requires_grad
+        need_db = b is not None and b.requires_grad
+        accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
+        if reduction == "mean":
+            denom = _denominator(target, class_weight, opts.ignore_index)
+            grad_scale = (1.0 / denom).reshape(1)
+        else:
+            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
+        loss_tok, lse, dx, dw, db = chunked_loss_and_grads(
+            x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw,
+            need_db=need_db, weight_grad_accum=accum, chunk_tokens=chunk_tokens)
+        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.used = False
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        if ctx.used:
+            raise RuntimeError("linear_cross_entropy (chunked, mean/sum) rescales its saved gradients in "
+                               "place and supports one backward pass; use reduction='none' for retain_graph")
+        ctx.used = True
+        dx, dw, db = ctx.saved_tensors
+        skip = _is_exactly_one(grad_loss)
+        scale = grad_loss.float()
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        return (_rescaled(dx, scale, x_dtype, skip), _rescaled(dw, scale, w_dtype, skip),
+                _rescaled(db, scale, b_dtype, skip) if db is not None else None,
+                None, None, None, None, None, None)
+
+
+class _PerTokenLoss(torch.autograd.Function):
+    """Per-token loss ℓ_t with the lse saved; backward recomputes the logits (four GEMMs in all) and
+    accepts any upstream ∂L/∂ℓ_t. Used by reduction='none', by impl='fused', and by linear_logprobs."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_weight, opts, impl, weight_grad_accum, chunk_tokens):
+        if impl == "fused":
+            loss_tok, lse = _fused_ops().fused_ce_forward(
+                x, w, b, target, class_weight, ignore_index=opts.ignore_index,
+                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
+        else:
+            loss_tok, lse = chunked_loss(x, w, b, target, class_weight, opts)
+        ctx.save_for_backward(x, w, b, target, class_weight, lse)
+        ctx.opts, ctx.impl, ctx.chunk_tokens = opts, impl, chunk_tokens
+        ctx.accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
+        ctx.mark_non_differentiable(lse)
+        return loss_tok, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss_tok, grad_lse):
+        x, w, b, target, class_weight, lse = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        opts = ctx.opts
+        grad_tok = grad_loss_tok.float().contiguous()
+        if ctx.impl == "fused":
+            dx, dw, db = _fused_ops().fused_ce_backward(
+                x, w, b, target, class_weight, lse, grad_tok, ignore_index=opts.ignore_index,
+                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
+                need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+        else:
+            dx, dw, db = chunked_grads(
+                x, w, b, target, class_weight, opts, lse, grad_tok, need_dx=need_dx, need_dw=need_dw,
+                need_db=need_db, weight_grad_accum=ctx.accum, chunk_tokens=ctx.chunk_tokens)
+        return (_cast(dx, x.dtype), _cast(dw, w.dtype), _cast(db, None if b is None else b.dtype),
+                None, None, None, None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and dispatch
+
+
+def _validate(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
+              ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
+              weight_grad_accum="fp32", chunk_tokens=None) -> None:
+    V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
+    V_.check_tensor("linear_weight", linear_weight, ndim=2, dtypes=V_.FLOAT_DTYPES)
+    V_.check_kernel_device("input", input)
+    V_.check_same_device("input", input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
+    V_.check_same_dtype("input", input, linear_weight=linear_weight, linear_bias=linear_bias)
+    vocab, hidden = linear_weight.shape
+    if input.shape[-1] != hidden:
+        raise ValueError(f"input's last dimension ({input.shape[-1]}) must equal linear_weight.shape[1] "
+                         f"(hidden = {hidden}); linear_weight is [vocab, hidden] = {tuple(linear_weight.shape)}")
+    if linear_bias is not None:
+        V_.check_tensor("linear_bias", linear_bias, ndim=1)
+        V_.check_shape("linear_bias", linear_bias, (vocab,), "one entry per vocabulary row of linear_weight")
+    if weight is not None:
+        V_.check_tensor("weight", weight, ndim=1, dtypes=V_.FLOAT_DTYPES)
+        V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
+    V_.check_int("ignore_index", ignore_index)
+    V_.check_target(target, input.shape[:-1], vocab, ignore_index)
+    V_.check_choice("reduction", reduction, REDUCTIONS)
+    V_.check_choice("impl", impl, IMPLS)
+    V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+    V_.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    V_.check_real("z_loss", z_loss, low=0.0)
+    if softcap is not None:
+        V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
+    if chunk_tokens is not None and (V_.check_int("chunk_tokens", chunk_tokens) <= 0):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+
+
+def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str) -> str:
+    """'auto' → 'chunked' (the faster strategy), unless its buffers do not fit the free GPU memory:
+    then 'fused', which needs only O(tokens) extra."""
+    if impl != "auto":
+        return impl
+    if x2d.is_cuda:
+        vocab, hidden = w.shape
+        C = chunk_tokens_for(x2d.shape[0], vocab, x2d.dtype, GRAD_CHUNK_BUDGET_BYTES)
+        need = C * vocab * x2d.element_size()
+        if weight_grad_accum == "fp32" and w.dtype != torch.float32:
+            need += vocab * hidden * 4
+        if torch.cuda.mem_get_info(x2d.device)[0] < need:
+            return "fused"
+    return "chunked"
+
+
+@torch.compiler.disable  # a graph break: the launcher syncs once (target range check) and runs Triton
+def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                         linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                         reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False,
+                         impl: str = "auto", weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+    """Cross-entropy of a linear layer's output without materializing the logits.
+
+    Computes `F.cross_entropy(input @ linear_weight.T + linear_bias, target, weight=weight,
+    reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing)` plus
+    `z_loss · lse²` per token, with optional softcap z → c·tanh(z/c) before the softmax
+    (docs/design.md has the exact formula and its gradient).
+
+    Args:
+        input: [..., H] activations, float32 / float16 / bfloat16.
+        linear_weight: [V, H] LM-head weight, same dtype as input.
+        target: [...] int64/int32 class indices (input's leading shape); `ignore_index` is skipped.
+        linear_bias: optional [V] bias, same dtype as input.
+        weight: optional [V] class weights (torch's `weight`).
+        reduction: "mean" (over non-ignored tokens, class-weighted like torch), "sum" or "none".
+        label_smoothing: ε in [0, 1].  z_loss: coefficient of lse² (≥ 0).  softcap: c > 0 or None.
+        return_lse: also return the per-token log-sum-exp [...] (float32, not differentiable).
+        impl: "chunked" (cuBLAS GEMMs over bounded token chunks + Triton row kernel; three GEMMs for
+            mean/sum), "fused" (Triton GEMM + online LSE, no logits buffer; logits recomputed in
+            backward) or "auto" ("chunked" unless its buffers do not fit free GPU memory).
+        weight_grad_accum: "fp32" (dW accumulated across chunks in one fp32 [V, H] buffer: no loss of
+            precision with many tokens) or "weight_dtype" (memory-lean: accumulate in the weight's dtype).
+        chunk_tokens: tokens per chunk (default: largest multiple of 64 keeping the buffer ≤ 256 MiB).
+
+    Returns:
+        the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
+        `return_lse`. All targets ignored with "mean" gives NaN and zero gradients, like torch.
+    """
+    _validate(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
+              ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+              impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    lead_shape = input.shape[:-1]
+    x2d = input.reshape(-1, input.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    y = target.reshape(-1)
+    class_weight = None if weight is None else weight.float().contiguous()
+    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
+    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
+    wants_grad = torch.is_grad_enabled() and (
+        input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
+
+    if impl == "chunked" and reduction != "none" and wants_grad:
+        loss, lse = _ChunkedScalarLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts,
+                                             reduction, weight_grad_accum, chunk_tokens)
+    else:
+        if wants_grad:
+            loss_tok, lse = _PerTokenLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, impl,
+                                                weight_grad_accum, chunk_tokens)
+        elif impl == "fused":
+            loss_tok, lse = _fused_ops().fused_ce_forward(
+                x2d, linear_weight, linear_bias, y, class_weight, ignore_index=opts.ignore_index,
+                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
+        else:
+            loss_tok, lse = chunked_loss(x2d, linear_weight, linear_bias, y, class_weight, opts, chunk_tokens)
+        if reduction == "none":
+            loss = loss_tok.reshape(lead_shape)
+        elif reduction == "sum":
+            loss = loss_tok.sum()
+        else:
+            loss = loss_tok.sum() / _denominator(y, class_weight, ignore_index)
+    lse = lse.reshape(lead_shape)
+    return (loss, lse) if return_lse else loss
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """`nn.Module` form of `linear_cross_entropy`: options at construction, tensors at call.
+
+    Example:
+        >>> loss_fn = LinearCrossEntropyLoss(ignore_index=-100, label_smoothing=0.1)
+        >>> loss = loss_fn(hidden_states, lm_head.weight, labels)   # [B, S, H], [V, H], [B, S]
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, *, reduction: str = "mean", ignore_index: int = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                 return_lse: bool = False, impl: str = "auto", weight_grad_accum: str = "fp32",
+                 chunk_tokens: int | None = None):
+        super().__init__()
+        V_.check_choice("reduction", reduction, REDUCTIONS)
+        V_.check_choice("impl", impl, IMPLS)
+        V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+        self.register_buffer("weight", weight)
+        self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
+        self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
+        self.impl, self.weight_grad_accum, self.chunk_tokens = impl, weight_grad_accum, chunk_tokens
+
+    def forward(self, input, linear_weight, target, linear_bias=None):
+        return linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
+            ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+            softcap=self.softcap, return_lse=self.return_lse, impl=self.impl,
+            weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens)
+
+    def extra_repr(self) -> str:
+        return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"z_loss={self.z_loss}, softcap={self.softcap}, impl={self.impl!r}, weight_grad_accum={self.weight_grad_accum!r}")
