@@ -93,25 +93,28 @@ def _row_kernel_args(class_weight: torch.Tensor | None, opts: LossOptions) -> di
     )
 
 
-def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None):
-    """Per-token loss and lse, no gradient: one GEMM's work, a ≤ 64 MiB logits buffer.
+def lse_of(stats: torch.Tensor) -> torch.Tensor:
+    """Per-token log-sum-exp [T] from the saved row statistics [2, T] = (max, log Σ exp(s − max))."""
+    return stats[0] + stats[1]
 
-    x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, lse [T] fp32)
+
+def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None):
+    """Per-token loss and row statistics, no gradient: one GEMM's work, a ≤ 64 MiB logits buffer.
+
+    x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`)
     """
     T, V = x.shape[0], w.shape[0]
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
-    lse = torch.empty(T, device=x.device, dtype=torch.float32)
-    if T == 0:
-        return loss_tok, lse
+    stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
     buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
     kernel_args = _row_kernel_args(class_weight, opts)
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
         z = _logits_into(buf, x[c0:c1], w, b)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], lse=lse[c0:c1], grad=None,
+        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=None,
                 compute_stats=True, **kernel_args)
-    return loss_tok, lse
+    return loss_tok, stats
 
 
 def _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum):
@@ -140,46 +143,42 @@ def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
     """Loss and gradients in one pass (three GEMMs) for a loss whose per-token weight is known.
 
     grad_scale: [1] fp32 on device, ∂L/∂ℓ_t shared by every non-ignored token (1/D for the mean).
-    Returns (loss_tok [T], lse [T], dx [T, H] | None, dw [V, H] fp32 or weight dtype | None,
+    Returns (loss_tok [T], stats [2, T], dx [T, H] | None, dw [V, H] fp32 or weight dtype | None,
     db [V] fp32 | None); the caller rescales by the final upstream gradient.
     """
     T, V = x.shape[0], w.shape[0]
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
-    lse = torch.empty(T, device=x.device, dtype=torch.float32)
+    stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
     dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    if dw is not None and T == 0:
-        dw.zero_()
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype) if T else None
+    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
     kernel_args = _row_kernel_args(class_weight, opts)
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         x_c = x[c0:c1]
         z = _logits_into(buf, x_c, w, b)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], lse=lse[c0:c1], grad=grad_scale,
+        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
                 compute_stats=True, per_token_grad=False, **kernel_args)
         _chunk_grads(z, x_c, w, dx, dw, db, c0, c1, first=i == 0)
-    return loss_tok, lse, dx, dw, db
+    return loss_tok, stats, dx, dw, db
 
 
-def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, lse: torch.Tensor, grad_tok: torch.Tensor, *,
+def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch.Tensor, grad_tok: torch.Tensor, *,
                   need_dx: bool, need_dw: bool, need_db: bool, weight_grad_accum: str,
                   chunk_tokens: int | None = None):
     """Backward with a per-token upstream gradient: recompute each logits chunk (lse saved), then
-    the two gradient GEMMs. grad_tok [T] fp32 = ∂L/∂ℓ_t. Returns (dx, dw, db) like
+    the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t. Returns (dx, dw, db) like
     `chunked_loss_and_grads` (dw fp32 when accumulating in fp32; the caller casts)."""
     T, V = x.shape[0], w.shape[0]
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
     dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    if dw is not None and T == 0:
-        dw.zero_()
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype) if T else None
+    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
     kernel_args = _row_kernel_args(class_weight, opts)
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         x_c = x[c0:c1]
         z = _logits_into(buf, x_c, w, b)
-        ce_rows(z, target[c0:c1], loss=None, lse=lse[c0:c1], grad=grad_tok[c0:c1],
+        ce_rows(z, target[c0:c1], loss=None, stats=stats[:, c0:c1], grad=grad_tok[c0:c1],
                 compute_stats=False, per_token_grad=True, **kernel_args)
         _chunk_grads(z, x_c, w, dx, dw, db, c0, c1, first=i == 0)
     return dx, dw, db

@@ -19,6 +19,7 @@ from fusedkern.chunked import (
     chunked_grads,
     chunked_loss,
     chunked_loss_and_grads,
+    lse_of,
 )
 
 IMPLS = ("auto", "chunked", "fused")
@@ -85,9 +86,10 @@ class _ChunkedScalarLoss(torch.autograd.Function):
             grad_scale = (1.0 / denom).reshape(1)
         else:
             grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        loss_tok, lse, dx, dw, db = chunked_loss_and_grads(
+        loss_tok, stats, dx, dw, db = chunked_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw,
             need_db=need_db, weight_grad_accum=accum, chunk_tokens=chunk_tokens)
+        lse = lse_of(stats)
         loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
         ctx.save_for_backward(dx, dw, db)
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
@@ -111,7 +113,7 @@ class _ChunkedScalarLoss(torch.autograd.Function):
 
 
 class _PerTokenLoss(torch.autograd.Function):
-    """Per-token loss ℓ_t with the lse saved; backward recomputes the logits (four GEMMs in all) and
+    """Per-token loss ℓ_t with the row statistics saved; backward recomputes the logits (four GEMMs in all) and
     accepts any upstream ∂L/∂ℓ_t. Used by reduction='none', by impl='fused', and by linear_logprobs."""
 
     @staticmethod
@@ -120,9 +122,11 @@ class _PerTokenLoss(torch.autograd.Function):
             loss_tok, lse = _fused_ops().fused_ce_forward(
                 x, w, b, target, class_weight, ignore_index=opts.ignore_index,
                 label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
+            saved_stats = lse
         else:
-            loss_tok, lse = chunked_loss(x, w, b, target, class_weight, opts)
-        ctx.save_for_backward(x, w, b, target, class_weight, lse)
+            loss_tok, saved_stats = chunked_loss(x, w, b, target, class_weight, opts)
+            lse = lse_of(saved_stats)
+        ctx.save_for_backward(x, w, b, target, class_weight, saved_stats)
         ctx.opts, ctx.impl, ctx.chunk_tokens = opts, impl, chunk_tokens
         ctx.accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
         ctx.mark_non_differentiable(lse)
@@ -130,18 +134,18 @@ class _PerTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss_tok, grad_lse):
-        x, w, b, target, class_weight, lse = ctx.saved_tensors
+        x, w, b, target, class_weight, saved_stats = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         opts = ctx.opts
         grad_tok = grad_loss_tok.float().contiguous()
         if ctx.impl == "fused":
             dx, dw, db = _fused_ops().fused_ce_backward(
-                x, w, b, target, class_weight, lse, grad_tok, ignore_index=opts.ignore_index,
+                x, w, b, target, class_weight, saved_stats, grad_tok, ignore_index=opts.ignore_index,
                 label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
                 need_dx=need_dx, need_dw=need_dw, need_db=need_db)
         else:
             dx, dw, db = chunked_grads(
-                x, w, b, target, class_weight, opts, lse, grad_tok, need_dx=need_dx, need_dw=need_dw,
+                x, w, b, target, class_weight, opts, saved_stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
                 need_db=need_db, weight_grad_accum=ctx.accum, chunk_tokens=ctx.chunk_tokens)
         return (_cast(dx, x.dtype), _cast(dw, w.dtype), _cast(db, None if b is None else b.dtype),
                 None, None, None, None, None, None)
@@ -257,7 +261,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                 x2d, linear_weight, linear_bias, y, class_weight, ignore_index=opts.ignore_index,
                 label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
         else:
-            loss_tok, lse = chunked_loss(x2d, linear_weight, linear_bias, y, class_weight, opts, chunk_tokens)
+            loss_tok, stats = chunked_loss(x2d, linear_weight, linear_bias, y, class_weight, opts, chunk_tokens)
+            lse = lse_of(stats)
         if reduction == "none":
             loss = loss_tok.reshape(lead_shape)
         elif reduction == "sum":

@@ -1,11 +1,14 @@
 """Row kernels of the chunked strategy: per-token LSE, loss and logits-gradient over a logits chunk.
 
-The chunked strategy lets cuBLAS form a bounded chunk of logits [C, V] (C tokens) and then runs one
-program per row here: pass 1 streams the row once for an online max / sum-exp (and the label-smoothing
-sum), pass 2 streams it again and overwrites it *in place* with the gradient ∂L/∂z, so that the same
-buffer feeds the dX and dW GEMMs. Trade-off: the logits chunk is read twice and written once
-(3·C·V·elt bytes, ~4 % of the three GEMMs at V = 128256), in exchange for cuBLAS-speed GEMMs and a
-buffer whose size does not grow with the number of tokens. Math: docs/design.md.
+The chunked strategy lets cuBLAS form a bounded chunk of logits [C, V] (C tokens); each row is then
+split into SPLIT slices so that C·SPLIT programs keep enough loads in flight (one program per row of
+250 KB was latency-bound at ~2.3 TB/s on the H200). Kernel 1 (`_row_stats_kernel`) streams each slice
+once for a partial online max / sum-exp (and the label-smoothing sum). Kernel 2
+(`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a gradient is wanted,
+streams its slice again and overwrites it *in place* with ∂L/∂z, so the same buffer feeds the dX and
+dW GEMMs. Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
+GEMMs at V = 128256) in exchange for cuBLAS-speed GEMMs and a buffer that does not grow with the
+number of tokens. Math: docs/design.md.
 """
 
 from __future__ import annotations
@@ -35,87 +38,118 @@ def _tanh(u, USE_LIBDEVICE: tl.constexpr):
         return tl.where(u < 0, -r, r)
 
 
-_ROW_CONFIGS = [
-    triton.Config({"BLOCK_V": 4096}, num_warps=8),
+_CONFIGS = [
     triton.Config({"BLOCK_V": 2048}, num_warps=8),
-    triton.Config({"BLOCK_V": 8192}, num_warps=16),
+    triton.Config({"BLOCK_V": 4096}, num_warps=8),
+    triton.Config({"BLOCK_V": 1024}, num_warps=4),
     triton.Config({"BLOCK_V": 4096}, num_warps=16),
-    triton.Config({"BLOCK_V": 2048}, num_warps=4),
 ]
 if interpreting():  # tiny shapes on CPU: a small block keeps the masked tail paths exercised
-    _ROW_CONFIGS = [triton.Config({"BLOCK_V": 64}, num_warps=1)]
+    _CONFIGS = [triton.Config({"BLOCK_V": 32}, num_warps=1)]
 
 
-@triton.autotune(
-    configs=autotune_configs(_ROW_CONFIGS),
-    key=["V", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD"],
-    # the kernel overwrites the logits with the gradient: each autotune trial must start from them
-    restore_value=["logits_ptr"],
-)
 @triton.jit
-def _ce_rows_kernel(
+def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    if HAS_SOFTCAP:
+        return softcap * _tanh(z / softcap, USE_LIBDEVICE)
+    else:
+        return z
+
+
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP"])
+@triton.jit
+def _row_stats_kernel(
+    # pointers
+    partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
+    partial_sumexp_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max) over the slice
+    partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (label smoothing)
+    logits_ptr,  # (C, V) input dtype, read only
+    class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
+    # shapes and strides
+    V, stride_row, span,  # span = columns per slice (the last slice ends at V)
+    # options
+    softcap,
+    # meta-parameters
+    SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    # int64 offsets: row · stride reaches 32768 · 128256 > 2^31 when a caller passes a big chunk
+    row_ptr = logits_ptr + row * stride_row
+    offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+    col0 = split * span
+    col1 = tl.minimum(col0 + span, V)
+    m = -float("inf")
+    d = 0.0
+    ws = 0.0
+    for start in range(col0, col1, BLOCK_V):
+        cols = start + offs
+        mask = cols < col1
+        s = _softcapped(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
+        s_masked = tl.where(mask, s, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s_masked, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(s_masked - m_new), axis=0)
+        m = m_new
+        if HAS_WEIGHT:
+            ws += tl.sum(tl.load(class_weight_ptr + cols, mask=mask, other=0.0) * s, axis=0)
+        else:
+            ws += tl.sum(tl.where(mask, s, 0.0), axis=0)
+    out = row * SPLIT + split
+    tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·BLOCK_V): merged as 0 mass
+    tl.store(partial_sumexp_ptr + out, d)
+    tl.store(partial_wsum_ptr + out, ws)
+
+
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD"],
+                 # the kernel overwrites the logits with the gradient: every autotune trial starts from them
+                 restore_value=["logits_ptr"])
+@triton.jit
+def _row_finish_kernel(
     # pointers
     logits_ptr,  # (C, V) input dtype. In: logits z. Out (WRITE_GRAD): ∂L/∂z, in place
     loss_ptr,  # (C,) fp32 out: per-token loss ℓ_t, 0 where ignored (COMPUTE_STATS)
-    lse_ptr,  # (C,) fp32: out when COMPUTE_STATS, else in (saved by the forward)
+    row_max_ptr,  # (C,) fp32 m = max_v s_v: out when COMPUTE_STATS, else in (saved by the forward)
+    log_sumexp_ptr,  # (C,) fp32 log Σ_v exp(s_v − m), so lse = m + log_sumexp: out / in like row_max
+    partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
     class_weight_ptr,  # (V,) fp32 class weights w_v (HAS_WEIGHT)
     class_weight_sum_ptr,  # (1,) fp32 Σ_v w_v (HAS_WEIGHT)
     grad_ptr,  # fp32 upstream ∂L/∂ℓ_t: (C,) if PER_TOKEN_GRAD else (1,) shared by all tokens
     # shapes and strides
-    V,  # vocabulary size (row length)
-    stride_row,  # elements between rows of logits
+    V, stride_row, span,
     # options
     ignore_index,
     label_smoothing,  # ε
     z_loss,  # coefficient of lse²
     softcap,  # c in s = c·tanh(z/c) (HAS_SOFTCAP)
     # meta-parameters
-    HAS_WEIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    COMPUTE_STATS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    PER_TOKEN_GRAD: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    # int64 row offset: row · stride reaches 32768 · 128256 > 2^31 when a caller passes a big chunk
+    split = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_row
-    offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
     safe_target = tl.where(is_valid, target, 0)
 
-    # 1. Statistics: online max / sum-exp over the (softcapped) row, and Σ_v w_v·s_v for smoothing.
+    # 1. lse from the row's partials (every program of the row merges them: SPLIT loads, no sync).
     if COMPUTE_STATS:
-        m = -float("inf")
-        d = 0.0
-        ws = 0.0
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            mask = cols < V
-            s = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap, USE_LIBDEVICE)
-            s_masked = tl.where(mask, s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s_masked, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(s_masked - m_new), axis=0)
-            m = m_new
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
-                ws += tl.sum(w * s, axis=0)
-            else:
-                ws += tl.sum(tl.where(mask, s, 0.0), axis=0)
-        lse = m + tl.log(d)
-        tl.store(lse_ptr + row, lse)
+        parts = row * SPLIT + tl.arange(0, SPLIT)  # (SPLIT,)
+        pm = tl.load(partial_max_ptr + parts)
+        m = tl.max(pm, axis=0)
+        d = tl.sum(tl.where(pm == -float("inf"), 0.0, tl.load(partial_sumexp_ptr + parts) * tl.exp(pm - m)), axis=0)
+        log_d = tl.log(d)
     else:
-        lse = tl.load(lse_ptr + row)
+        m = tl.load(row_max_ptr + row)
+        log_d = tl.load(log_sumexp_ptr + row)
+    # lse is kept as m + log_d: with |s| ~ 1e3 a rounded fp32 lse would cost p = exp(s − lse) ~1e-4
+    # relative error, while s − m is exact and log_d is small
+    lse = m + log_d
 
     # 2. The target's logit and class weight (ignored rows read index 0 and are masked below).
-    s_y = tl.load(row_ptr + safe_target).to(tl.float32)
-    if HAS_SOFTCAP:
-        s_y = softcap * _tanh(s_y / softcap, USE_LIBDEVICE)
+    s_y = _softcapped(tl.load(row_ptr + safe_target).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
     if HAS_WEIGHT:
         w_y = tl.load(class_weight_ptr + safe_target)
         w_sum = tl.load(class_weight_sum_ptr)
@@ -124,13 +158,17 @@ def _ce_rows_kernel(
         w_sum = V * 1.0
 
     if COMPUTE_STATS:
-        # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²
-        loss = (1.0 - label_smoothing) * w_y * (lse - s_y)
-        loss += (label_smoothing / V) * (w_sum * lse - ws)
-        loss += z_loss * lse * lse
-        tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
+        if split == 0:
+            # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²
+            ws = tl.sum(tl.load(partial_wsum_ptr + parts), axis=0)
+            loss = (1.0 - label_smoothing) * w_y * ((m - s_y) + log_d)
+            loss += (label_smoothing / V) * (w_sum * lse - ws)
+            loss += z_loss * lse * lse
+            tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
+            tl.store(row_max_ptr + row, m)
+            tl.store(log_sumexp_ptr + row, log_d)
 
-    # 3. Gradient, in place: g·{[(1−ε)w_y + ε·W/V + 2·z_loss·lse]·p − (1−ε)w_y·1[v=y] − (ε/V)·w_v}·tanh'
+    # 3. Gradient of the slice, in place: g·{[(1−ε)w_y + ε·W/V + 2·z_loss·lse]·p − (1−ε)w_y·1[v=y] − (ε/V)·w_v}·tanh'
     if WRITE_GRAD:
         if PER_TOKEN_GRAD:
             g = tl.load(grad_ptr + row)
@@ -140,16 +178,19 @@ def _ce_rows_kernel(
         coef_p = g * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V + 2.0 * z_loss * lse)
         coef_y = g * (1.0 - label_smoothing) * w_y
         coef_w = g * label_smoothing / V
-        for start in range(0, V, BLOCK_V):
+        offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        col0 = split * span
+        col1 = tl.minimum(col0 + span, V)
+        for start in range(col0, col1, BLOCK_V):
             cols = start + offs
-            mask = cols < V
+            mask = cols < col1
             z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 t = _tanh(z / softcap, USE_LIBDEVICE)
                 s = softcap * t
             else:
                 s = z
-            grad = coef_p * tl.exp(s - lse)
+            grad = coef_p * tl.exp((s - m) - log_d)
             grad -= tl.where(cols == target, coef_y, 0.0)
             if HAS_WEIGHT:
                 grad -= coef_w * tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
@@ -160,12 +201,23 @@ def _ce_rows_kernel(
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+def _split_for(C: int, V: int) -> int:
+    """Slices per row: enough programs (≥ ~8k) to keep the H200's memory system busy, slices of at
+    least 4096 columns. A power of two (the merge loads the partials as one vector)."""
+    if interpreting():
+        return 2 if V > 64 else 1  # exercise the merge on CPU at tiny shapes
+    split = 1
+    while split < 64 and C * split < 8192 and V // (split * 2) >= 4096:
+        split *= 2
+    return split
+
+
 def ce_rows(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
     loss: torch.Tensor | None,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     class_weight: torch.Tensor | None,
     class_weight_sum: torch.Tensor | None,
     grad: torch.Tensor | None,
@@ -176,29 +228,33 @@ def ce_rows(
     compute_stats: bool,
     per_token_grad: bool = False,
 ) -> None:
-    """Launch `_ce_rows_kernel` over a logits chunk, in place.
+    """Per-row statistics and (optionally) the in-place logits gradient of a logits chunk.
 
     logits [C, V] (unit column stride) · target [C] · loss [C] fp32 (written when compute_stats) ·
-    lse [C] fp32 (written when compute_stats, else read) · grad: None (no gradient), or fp32 upstream
+    stats [2, C] fp32 = (row max m, log Σ exp(s − m)); lse = m + log Σ; written when compute_stats,
+    else read · grad: None (no gradient), or fp32 upstream
     ∂L/∂ℓ: [C] when per_token_grad, else a [1] scalar shared by all tokens. When grad is given the
     logits are overwritten with ∂L/∂z.
     """
     C, V = logits.shape
-    if C == 0:
-        return
-    assert logits.stride(1) == 1
-    dummy = lse  # any fp32 tensor: never read when its flag is off
-    _ce_rows_kernel[(C,)](
-        logits, loss if loss is not None else dummy, lse, target,
-        class_weight if class_weight is not None else dummy,
-        class_weight_sum if class_weight_sum is not None else dummy,
-        grad if grad is not None else dummy,
-        V, logits.stride(0),
-        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
-        HAS_WEIGHT=class_weight is not None,
-        HAS_SOFTCAP=softcap is not None,
-        COMPUTE_STATS=compute_stats,
-        WRITE_GRAD=grad is not None,
-        PER_TOKEN_GRAD=per_token_grad,
-        USE_LIBDEVICE=not interpreting(),
-    )
+    assert logits.stride(1) == 1 and C > 0
+    split = _split_for(C, V)
+    dummy = stats  # any fp32 tensor: never read when its flag is off
+    common = dict(SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
+                  USE_LIBDEVICE=not interpreting())
+    cw = class_weight if class_weight is not None else dummy
+    cap = float(softcap or 1.0)
+    span = triton.cdiv(triton.cdiv(V, split), 64) * 64  # columns per slice; 64-aligned keeps loads 16-byte aligned
+    if compute_stats:
+        parts = torch.empty((3, C, split), device=logits.device, dtype=torch.float32)
+        _row_stats_kernel[(C, split)](parts[0], parts[1], parts[2], logits, cw, V, logits.stride(0),
+                                      span, cap, **common)
+    else:
+        parts = (dummy, dummy, dummy)
+    write_grad = grad is not None
+    _row_finish_kernel[(C, split if write_grad else 1)](
+        logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1], parts[2], target, cw,
+        class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
+        V, logits.stride(0), span,
+        ignore_index, float(label_smoothing), float(z_loss), cap,
+        COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad, **common)

@@ -1,0 +1,890 @@
+"""Measure the LM head + loss: every provider in one process, on the same inputs, same protocol.
+
+    python -m fusedkern.bench ce --tokens 4096 8192 16384 32768
+    python -m fusedkern.bench simpo --batch 2 4 8 16 --seq 1024
+    python -m fusedkern.bench accuracy --tokens 4096 32768
+
+Why a harness of our own rather than the seed's (Liger-Kernel's scripts, `triton.testing.do_bench`):
+the seed timed "forward" for providers that do very different work in it (Liger forms dX and dW
+inside its forward), and it reported peak memory with the weights included. Here every provider is
+timed in four modes — `loss_only` (no autograd), `forward` (autograd on, the seed's "forward"),
+`backward` (forward untimed, `loss.backward()` timed) and `full` (both) — and memory is the peak
+*above* the inputs and the gradients' own storage, so the numbers compare equal work.
+The GEMM floors (`cublas_3gemm`, `cublas_1gemm`) run in the same process, so a ratio to them is
+a ratio measured on the same GPU, clocks and library versions.
+
+Pieces: `PROVIDERS` (op -> name -> `Provider`, whose `build(inputs)` returns a `Step` per mode),
+`time_step` (CUDA events per rep, p20/p50/p80), `measure_step` (one run: loss and peak extra
+memory), `run_sweep` / `run_accuracy` (rows in the schema of `fusedkern.results`), `main` (CLI).
+Competitors and fusedkern itself are imported inside the builders, so a provider whose package is
+missing or unfinished is skipped (and logged) instead of breaking the module. On CPU the same code
+runs at tiny shapes for the tests: wall-clock timing, NaN memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import math
+import re
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fusedkern.results import MODES, write_results
+
+__all__ = [
+    "MODES",
+    "Inputs",
+    "Step",
+    "Provider",
+    "PROVIDERS",
+    "ProviderUnavailable",
+    "make_ce_inputs",
+    "make_simpo_inputs",
+    "time_step",
+    "measure_step",
+    "run_sweep",
+    "run_accuracy",
+    "fp64_linear_cross_entropy_grads_chunked",
+    "format_table",
+    "main",
+]
+
+MIB = 2**20
+IGNORE_INDEX = -100
+# W ~ N(0, LOGIT_STD²/H) with x ~ N(0, 1) gives logits ~ N(0, LOGIT_STD²): with 2.0 the largest of
+# 128256 logits is ≈ 2·sqrt(2·ln V) ≈ 10, the O(1–10) range of a trained LM head. (The seed's
+# `nn.Linear` default init gives std ≈ 0.58, an untrained head on which bf16 rounding hides.)
+LOGIT_STD = 2.0
+# Floors: the GEMMs a provider cannot avoid in that mode (docs/design.md, reference README §3).
+FLOOR_OF_MODE = {"loss_only": "cublas_1gemm", "forward": "cublas_1gemm", "backward": "cublas_3gemm", "full": "cublas_3gemm"}
+
+
+def _say(message: str) -> None:
+    """One log line on stderr that does not break a tqdm bar."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """One workload, shared by every provider of a sweep point (the gradients are cleared between)."""
+
+    op: str  # "ce" or "simpo"
+    x: torch.Tensor  # [T, H] (ce) or [2B, S, H] (simpo), leaf, requires grad
+    w: torch.Tensor  # [V, H], leaf, requires grad
+    target: torch.Tensor  # [T] or [2B, S] int64, IGNORE_INDEX where masked
+
+    @property
+    def params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.x, self.w)
+
+    def x2d(self) -> torch.Tensor:
+        return self.x.detach().reshape(-1, self.x.shape[-1])  # [T, H], a view
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients' own storage (one tensor like each input that requires grad)."""
+        return sum(p.numel() * p.element_size() for p in self.params if p.requires_grad)
+
+
+def _randn(shape: tuple[int, ...], std: float, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    # Drawn in fp32 and rounded once, so bf16 and fp32 runs of one seed see the same values.
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def make_ce_inputs(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype, device, seed: int = 0) -> Inputs:
+    """x [T, H] ~ N(0, 1), W [V, H] ~ N(0, LOGIT_STD²/H), uniform targets [T] (none ignored,
+    as in the seed)."""
+    device = torch.device(device)
+    gen = _generator(device, seed)
+    x = _randn((tokens, hidden), 1.0, dtype, device, gen).requires_grad_()
+    w = _randn((vocab, hidden), LOGIT_STD / math.sqrt(hidden), dtype, device, gen).requires_grad_()
+    target = torch.randint(vocab, (tokens,), generator=gen, device=device)
+    return Inputs("ce", x, w, target)
+
+
+def make_simpo_inputs(
+    batch: int, seq: int, hidden: int, vocab: int, *, dtype: torch.dtype, device, seed: int = 0
+) -> Inputs:
+    """x [batch, S, H], targets [batch, S]: rows 0..batch/2−1 chosen, the rest rejected.
+
+    `batch` counts rows (chosen + rejected), as the seed's x-axis did: batch 2 is one pair.
+    Each row starts with a prompt of random length in [S/8, S/2) marked IGNORE_INDEX, so the
+    length normalization of SimPO sees responses of different lengths.
+    """
+    if batch % 2:
+        raise ValueError(f"batch counts chosen + rejected rows and must be even, got {batch}")
+    device = torch.device(device)
+    gen = _generator(device, seed)
+    x = _randn((batch, seq, hidden), 1.0, dtype, device, gen).requires_grad_()
+    w = _randn((vocab, hidden), LOGIT_STD / math.sqrt(hidden), dtype, device, gen).requires_grad_()
+    target = torch.randint(vocab, (batch, seq), generator=gen, device=device)
+    low = seq // 8
+    prompt_len = torch.randint(low, max(low + 1, seq // 2), (batch, 1), generator=gen, device=device)
+    positions = torch.arange(seq, device=device)  # [S]
+    target = torch.where(positions < prompt_len, torch.full_like(target, IGNORE_INDEX), target)
+    return Inputs("simpo", x, w, target)
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps and providers
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_setup() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Step:
+    """The unit of work of one mode: `setup()` runs untimed before each rep, `run(state)` is timed.
+
+    `run` returns the detached loss (or None for the GEMM floors); its value is recorded once.
+    """
+
+    run: Callable[[Any], torch.Tensor | None]
+    setup: Callable[[], Any] = _no_setup
+
+
+def _loss_steps(loss_fn: Callable[[], torch.Tensor]) -> dict[str, Step]:
+    """The four modes of a provider given as a function that returns a scalar loss."""
+
+    def loss_only(_):
+        with torch.no_grad():
+            return loss_fn()
+
+    def forward(_):
+        return loss_fn().detach()  # the graph is freed here, inside the timed region, as in the seed
+
+    def backward(loss):
+        loss.backward()
+        return loss.detach()
+
+    def full(_):
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach()
+
+    return {
+        "loss_only": Step(loss_only),
+        "forward": Step(forward),
+        "backward": Step(backward, setup=loss_fn),
+        "full": Step(full),
+    }
+
+
+class ProviderUnavailable(RuntimeError):
+    """A provider cannot run in this environment (package missing, torch too old, no GPU)."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A named way to compute the op; `build(inputs)` returns its steps by mode.
+
+    `label()` is the name written to the CSV: the key, except for Liger, whose two versions share
+    one file and so carry theirs ("liger-kernel 0.8.5"). Every competitor's version is also in
+    the sidecar JSON.
+    """
+
+    key: str
+    build: Callable[[Inputs], dict[str, Step]]
+    label: Callable[[], str]
+    is_floor: bool = False
+    accuracy: bool = True  # whether it takes part in the accuracy sweep (floors compute no loss)
+
+
+def _key_label(key: str) -> Callable[[], str]:
+    return lambda: key
+
+
+def _dist_label(distribution: str) -> Callable[[], str]:
+    def label() -> str:
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            return distribution
+
+    return label
+
+
+def _require_cuda(inputs: Inputs, what: str) -> None:
+    if inputs.x.device.type != "cuda":
+        raise ProviderUnavailable(f"{what} runs only on CUDA tensors")
+
+
+# Cross-entropy providers -----------------------------------------------------------------------
+
+
+def _ce_hf_bf16(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import hf_linear_cross_entropy
+
+    return _loss_steps(lambda: hf_linear_cross_entropy(inp.x, inp.w, inp.target))
+
+
+def _ce_upcast(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import upcast_linear_cross_entropy
+
+    return _loss_steps(lambda: upcast_linear_cross_entropy(inp.x, inp.w, inp.target))
+
+
+def _ce_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_cross_entropy
+
+        return _loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **options))
+
+    return build
+
+
+def _ce_liger(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "Liger-Kernel")
+    try:  # the public module, what users call
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except (ImportError, AttributeError):
+        # 0.4.2's `liger_kernel.transformers` package imports Hugging Face model code that newer
+        # transformers removed. Its module is a thin wrapper over this Function, with these defaults.
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        return _loss_steps(lambda: LigerFusedLinearCrossEntropyFunction.apply(inp.x, inp.w, inp.target))
+
+    loss_module = LigerFusedLinearCrossEntropyLoss()  # mean over non-ignored tokens, ignore -100
+    return _loss_steps(lambda: loss_module(inp.w, inp.x, inp.target))
+
+
+def _ce_cut_cross_entropy(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "cut-cross-entropy")
+    from cut_cross_entropy import linear_cross_entropy
+
+    # Default filter_eps ("high"): the setting a user gets, and the one its README benchmarks.
+    return _loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target))
+
+
+def _ce_torch_linear_cross_entropy(inp: Inputs) -> dict[str, Step]:
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy"):
+        raise ProviderUnavailable(f"torch {torch.__version__} has no F.linear_cross_entropy")
+    # Its ignore_index defaults to None (no masking); pass -100 like every other provider.
+    return _loss_steps(lambda: F.linear_cross_entropy(inp.x, inp.w, inp.target, ignore_index=IGNORE_INDEX))
+
+
+def _cublas_3gemm(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import cublas_3gemm
+
+    x2d, w = inp.x2d(), inp.w.detach()
+    # A pre-made logits gradient G: the floor measures GEMM work only, G's values do not matter.
+    grad_logits = torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device)  # [T, V]
+
+    def full(_):
+        with torch.no_grad():
+            cublas_3gemm(x2d, w, grad_logits)
+
+    def backward(_):
+        # The backward floor when G is formed in forward: dX = G W and dW = Gᵀ x only.
+        with torch.no_grad():
+            grad_logits @ w
+            grad_logits.T @ x2d
+
+    return {"backward": Step(backward), "full": Step(full)}
+
+
+def _cublas_1gemm(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import cublas_1gemm
+
+    x2d, w = inp.x2d(), inp.w.detach()
+
+    def logits_only(_):
+        with torch.no_grad():
+            cublas_1gemm(x2d, w)
+
+    return {"loss_only": Step(logits_only), "forward": Step(logits_only)}
+
+
+# SimPO providers ------------------------------------------------------------------------------
+
+
+def _simpo_hf_fp32(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import hf_linear_simpo_loss
+
+    return _loss_steps(lambda: hf_linear_simpo_loss(inp.x, inp.w, inp.target)[0])
+
+
+def _simpo_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_simpo_loss
+
+        return _loss_steps(lambda: linear_simpo_loss(inp.x, inp.w, inp.target, **options)[0])
+
+    return build
+
+
+def _simpo_liger(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "Liger-Kernel")
+    from liger_kernel.chunked_loss import LigerFusedLinearSimPOLoss
+
+    # Defaults β=0.1, γ=0.5, α=1 with the NLL term on: CPO-SimPO as in TRL and fusedkern. Left at
+    # compiled=True (torch.compile of its per-chunk step) like the seed; warm-up absorbs the compile.
+    loss_module = LigerFusedLinearSimPOLoss()
+
+    def loss_fn() -> torch.Tensor:
+        out = loss_module(inp.w, inp.x, inp.target)
+        return out[0] if isinstance(out, tuple) else out  # 0.8.5 returns (loss, metrics)
+
+    return _loss_steps(loss_fn)
+
+
+PROVIDERS: dict[str, dict[str, Provider]] = {
+    "ce": {
+        p.key: p
+        for p in (
+            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
+            Provider("huggingface_bf16", _ce_hf_bf16, _key_label("huggingface_bf16")),
+            Provider("torch_fp32_upcast", _ce_upcast, _key_label("torch_fp32_upcast")),
+            Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
+            Provider(
+                "fusedkern_chunked_lean",
+                _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
+                _key_label("fusedkern_chunked_lean"),
+            ),
+            Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
+            Provider("liger", _ce_liger, _dist_label("liger-kernel")),
+            Provider("cut_cross_entropy", _ce_cut_cross_entropy, _key_label("cut_cross_entropy")),
+            Provider(
+                "torch_linear_cross_entropy", _ce_torch_linear_cross_entropy, _key_label("torch_linear_cross_entropy")
+            ),
+        )
+    },
+    "simpo": {
+        p.key: p
+        for p in (
+            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
+            Provider("huggingface_fp32", _simpo_hf_fp32, _key_label("huggingface_fp32")),
+            Provider("fusedkern_chunked", _simpo_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
+            Provider(
+                "fusedkern_chunked_lean",
+                _simpo_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
+                _key_label("fusedkern_chunked_lean"),
+            ),
+            Provider("liger", _simpo_liger, _dist_label("liger-kernel")),
+        )
+    },
+}
+
+
+def _select_providers(op: str, names: list[str] | None, *, accuracy: bool = False) -> list[Provider]:
+    registry = PROVIDERS[op]
+    if names is None:
+        return [p for p in registry.values() if p.accuracy or not accuracy]
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise ValueError(f"unknown {op} providers {unknown}; choose from {sorted(registry)}")
+    return [registry[n] for n in names]
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory
+# ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_memory(device: torch.device) -> None:
+    """Between providers: return everything the last one left to the driver.
+
+    GPU only: a full gc pass costs ~0.5 s with torch and the competitors imported, and on CPU
+    there is no memory measurement for garbage to disturb.
+    """
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def time_step(
+    step: Step,
+    inputs: Inputs,
+    *,
+    warmup: int = 2,
+    reps: int = 20,
+    min_reps: int = 5,
+    max_case_s: float = 1.5,
+) -> dict[str, float | int]:
+    """Time `step.run` per rep; returns ms_p20, ms_p50, ms_p80 and n_reps.
+
+    Gradients are set to None and `step.setup()` runs before each rep, untimed. On CUDA each rep
+    is bracketed by its own pair of events (GPU time in stream order, CPU launch gaps included, as
+    do_bench measures); on CPU by `time.perf_counter`. The rep count adapts to the cost: as many
+    as fit in `max_case_s` of wall time (setup included, judged from the last warm-up rep), between
+    `min_reps` and `reps`, so the 600 ms cases do not starve the budget of the 5 ms ones.
+    """
+    device = inputs.x.device
+    wall_s_per_rep = 0.0
+    for _ in range(max(warmup, 1)):  # at least one: it compiles/autotunes, and sizes the rep count
+        inputs.clear_grads()
+        start = time.perf_counter()
+        step.run(step.setup())
+        _sync(device)
+        wall_s_per_rep = time.perf_counter() - start
+    n_reps = int(min(reps, max(min_reps, max_case_s // max(wall_s_per_rep, 1e-9))))
+
+    times_ms: list[float] = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_reps)]
+        for begin, end in events:
+            inputs.clear_grads()
+            state = step.setup()
+            begin.record()
+            step.run(state)
+            end.record()
+            del state  # the backward mode's graph is already freed; drop the reference too
+        torch.cuda.synchronize(device)
+        times_ms = [begin.elapsed_time(end) for begin, end in events]
+    else:
+        for _ in range(n_reps):
+            inputs.clear_grads()
+            state = step.setup()
+            start = time.perf_counter()
+            step.run(state)
+            times_ms.append((time.perf_counter() - start) * 1e3)
+            del state
+    inputs.clear_grads()
+    p20, p50, p80 = np.quantile(np.asarray(times_ms), [0.2, 0.5, 0.8])
+    return {"ms_p20": float(p20), "ms_p50": float(p50), "ms_p80": float(p80), "n_reps": n_reps}
+
+
+def measure_step(step: Step, inputs: Inputs, mode: str) -> tuple[float, float]:
+    """Run `step` once; returns (loss, peak_extra_mib).
+
+    peak_extra_mib = peak allocation during the run − allocation before it (the inputs and
+    whatever the builder made, such as the floor's pre-made G) − in backward/full modes the bytes
+    of the gradients' own storage (`Inputs.grad_bytes`), which any implementation must allocate.
+    In `backward` mode the peak window opens after the untimed forward, so what the forward saved
+    for backward counts, the forward's own transient peak does not. NaN on CPU (no allocator
+    statistics). The gradients are left in place for the caller (the accuracy sweep reads them).
+    """
+    device = inputs.x.device
+    inputs.clear_grads()
+    # No gc pass here: garbage alive before the run stays alive through it and cancels out.
+    if device.type != "cuda":
+        loss = step.run(step.setup())
+        return (math.nan if loss is None else float(loss)), math.nan
+
+    before = torch.cuda.memory_allocated(device)
+    state = step.setup()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = step.run(state)
+    del state
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    grads = inputs.grad_bytes() if mode in ("backward", "full") else 0
+    return (math.nan if loss is None else float(loss)), (peak - before - grads) / MIB
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweeps
+# ----------------------------------------------------------------------------------------------
+
+
+def _nan_row(**fields) -> dict:
+    return {"ms_p20": math.nan, "ms_p50": math.nan, "ms_p80": math.nan, "peak_extra_mib": math.nan,
+            "n_reps": 0, "loss": math.nan, "note": "", **fields}
+
+
+def _error_note(error: BaseException) -> str:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "OOM"
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}: {first_line}"[:200]
+
+
+def _build(provider: Provider, inputs: Inputs, skipped: dict[str, str]) -> dict[str, Step] | None:
+    """The provider's steps, or None (logged once per sweep) when it cannot run here."""
+    if provider.key in skipped:
+        return None
+    try:
+        return provider.build(inputs)
+    except (ImportError, ProviderUnavailable) as error:
+        skipped[provider.key] = f"{type(error).__name__}: {error}"
+        _say(f"skipping provider {provider.key}: {skipped[provider.key]}")
+        return None
+
+
+def _progress(total: int, enabled: bool, description: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit="case", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+
+
+def run_sweep(
+    op: str,
+    xs: list[int],
+    *,
+    hidden: int = 4096,
+    vocab: int = 128256,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    seq: int = 1024,
+    providers: list[str] | None = None,
+    modes: tuple[str, ...] | list[str] = MODES,
+    warmup: int = 2,
+    reps: int = 20,
+    min_reps: int = 5,
+    max_case_s: float = 1.5,
+    seed: int = 0,
+    progress: bool = True,
+    checkpoint: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Time and measure every provider of `op` ("ce" or "simpo") at every x, in every mode.
+
+    xs: token counts (ce) or batch rows (simpo, with `seq` tokens each). Inputs are made once per
+    x and shared by all providers. Returns rows in the schema of `fusedkern.results` plus `note`
+    ("" when fine, "OOM", or "error: ..."); a provider/mode that errors (other than OOM) is not
+    retried at larger x. `checkpoint(rows)` is called after each x, so a run cut short by a time
+    limit still leaves the points it finished.
+    """
+    if op not in PROVIDERS:
+        raise ValueError(f"op must be one of {sorted(PROVIDERS)}, got {op!r}")
+    bad_modes = [m for m in modes if m not in MODES]
+    if bad_modes:
+        raise ValueError(f"unknown modes {bad_modes}; choose from {MODES}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen = _select_providers(op, providers)
+    x_name = "tokens" if op == "ce" else "batch"
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    failed: set[tuple[str, str]] = set()
+    with _progress(len(xs) * len(chosen) * len(modes), progress, f"{op} sweep") as bar:
+        for x in xs:
+            if op == "ce":
+                inputs = make_ce_inputs(x, hidden, vocab, dtype=dtype, device=device, seed=seed)
+            else:
+                inputs = make_simpo_inputs(x, seq, hidden, vocab, dtype=dtype, device=device, seed=seed)
+            for provider in chosen:
+                bar.set_postfix_str(f"{x_name}={x} {provider.key}")
+                steps = _build(provider, inputs, skipped)
+                if steps is None:
+                    bar.update(len(modes))
+                    continue
+                label = provider.label()
+                for mode in modes:
+                    bar.update(1)
+                    if mode not in steps or (provider.key, mode) in failed:
+                        continue
+                    row = {"op": op, "provider": label, "x_name": x_name, "x": x, "mode": mode, "note": ""}
+                    try:
+                        # Timing first: its warm-up absorbs compilation and autotuning, whose
+                        # scratch allocations must not count as the provider's memory.
+                        row.update(time_step(steps[mode], inputs, warmup=warmup, reps=reps, min_reps=min_reps,
+                                             max_case_s=max_case_s))
+                        row["loss"], row["peak_extra_mib"] = measure_step(steps[mode], inputs, mode)
+                    except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
+                        row = _nan_row(**{k: row[k] for k in ("op", "provider", "x_name", "x", "mode")},
+                                       note=_error_note(error))
+                        if row["note"] != "OOM":
+                            failed.add((provider.key, mode))
+                            _say("".join(traceback.format_exception_only(type(error), error)).rstrip())
+                    inputs.clear_grads()
+                    rows.append(row)
+                    _say(f"{op} {x_name}={x:<6} {label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
+                         f"extra {row['peak_extra_mib']:9.1f} MiB  n={row['n_reps']:<3} loss {row['loss']:.5f} "
+                         f"{row['note']}")
+                del steps
+                _free_memory(device)
+            del inputs
+            _free_memory(device)
+            if checkpoint is not None:
+                checkpoint(rows)
+    return rows
+
+
+def fp64_linear_cross_entropy_grads_chunked(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact mean cross-entropy of `x @ w.T` and its gradients, in float64, chunk by chunk.
+
+    x [..., H], w [V, H], target [...] int64 -> (loss 0-d, dX shaped like x, dW [V, H]), float64.
+    The truth the accuracy sweep compares against at 32768 × 128256, where the whole fp64 logits
+    (34 GB) and autograd's copies of them would not fit: per chunk of `chunk_tokens` tokens the
+    logits are formed in float64 ([C, V], 1 GB at C = 1024), turned in place into
+    G = (softmax − onehot)/N (N = non-ignored tokens, ignored rows 0), then dX_chunk = G W and
+    dW += Gᵀ x_chunk. Same math as `fusedkern.reference.linear_cross_entropy_fp64` (mean
+    reduction; all tokens ignored gives NaN like torch), which the tests check it against.
+    """
+    hidden = x.shape[-1]
+    x2d = x.detach().reshape(-1, hidden)  # [T, H]
+    flat_target = target.reshape(-1)  # [T]
+    w64 = w.detach().double()  # [V, H]
+    mask = flat_target != ignore_index  # [T]
+    n_valid = mask.sum().double()  # 0-d
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    grad_x = torch.empty(x2d.shape, dtype=torch.float64, device=x.device)  # [T, H]
+    grad_w = torch.zeros_like(w64)  # [V, H]
+    for start in range(0, x2d.shape[0], chunk_tokens):
+        stop = min(start + chunk_tokens, x2d.shape[0])
+        x_chunk = x2d[start:stop].double()  # [C, H]
+        valid = mask[start:stop]  # [C]
+        safe_target = torch.where(valid, flat_target[start:stop], 0)  # [C], in range for gathers
+        logits = x_chunk @ w64.T  # [C, V]
+        lse = torch.logsumexp(logits, dim=-1)  # [C]
+        picked = logits.gather(1, safe_target[:, None]).squeeze(1)  # [C]
+        loss_sum += torch.where(valid, lse - picked, 0.0).sum()
+        grad = logits.sub_(lse[:, None]).exp_()  # [C, V], softmax, in place: one buffer per chunk
+        rows = torch.arange(stop - start, device=x.device)
+        grad[rows, safe_target] -= valid.double()  # − onehot, only where the token counts
+        grad.mul_((valid.double() / n_valid)[:, None])  # ignored rows 0; 1/N of the mean
+        grad_x[start:stop] = grad @ w64
+        grad_w.addmm_(grad.T, x_chunk)
+    return loss_sum / n_valid, grad_x.reshape(x.shape), grad_w
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖value − reference‖_F / ‖reference‖_F, in float64."""
+    return float(torch.linalg.vector_norm(value.double() - reference) / torch.linalg.vector_norm(reference))
+
+
+def run_accuracy(
+    tokens: list[int],
+    *,
+    hidden: int = 4096,
+    vocab: int = 128256,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    providers: list[str] | None = None,
+    seed: int = 0,
+    chunk_tokens: int = 1024,
+    progress: bool = True,
+    checkpoint: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Errors of each cross-entropy provider against the fp64 truth, mean reduction, mode "full".
+
+    Adds to the schema err_loss = |loss − ref|/|ref|, err_dx, err_dw (relative Frobenius
+    errors, see `_relative_error`) and `note`. The same-dtype PyTorch computation
+    (`huggingface_bf16` for bf16 inputs) and the fp32 upcast are among the providers: they are
+    the yardstick for what "accurate" means in this dtype. Times are not measured (NaN, n_reps 0);
+    peak_extra_mib comes from the same single run.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen = _select_providers("ce", providers, accuracy=True)
+    floors = [p.key for p in chosen if p.is_floor]
+    if floors:
+        raise ValueError(f"the GEMM floors compute no loss and cannot be checked for accuracy: {floors}")
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    with _progress(len(tokens) * len(chosen), progress, "accuracy") as bar:
+        for n_tokens in tokens:
+            inputs = make_ce_inputs(n_tokens, hidden, vocab, dtype=dtype, device=device, seed=seed)
+            ref_loss, ref_dx, ref_dw = fp64_linear_cross_entropy_grads_chunked(
+                inputs.x, inputs.w, inputs.target, chunk_tokens=chunk_tokens
+            )
+            for provider in chosen:
+                bar.set_postfix_str(f"tokens={n_tokens} {provider.key}")
+                bar.update(1)
+                steps = _build(provider, inputs, skipped)
+                if steps is None:
+                    continue
+                row = _nan_row(op="ce", provider=provider.label(), x_name="tokens", x=n_tokens, mode="full")
+                try:
+                    row["loss"], row["peak_extra_mib"] = measure_step(steps["full"], inputs, "full")
+                    row["err_loss"] = abs(row["loss"] - float(ref_loss)) / abs(float(ref_loss))
+                    row["err_dx"] = _relative_error(inputs.x.grad, ref_dx)
+                    row["err_dw"] = _relative_error(inputs.w.grad, ref_dw)
+                except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
+                    row["note"] = _error_note(error)
+                    _say("".join(traceback.format_exception_only(type(error), error)).rstrip())
+                rows.append(row)
+                _say(f"accuracy tokens={n_tokens:<6} {row['provider']:<28} err_loss {row.get('err_loss', math.nan):.3e} "
+                     f"err_dx {row.get('err_dx', math.nan):.3e} err_dw {row.get('err_dw', math.nan):.3e} {row['note']}")
+                inputs.clear_grads()
+                del steps
+                _free_memory(device)
+            del inputs, ref_dx, ref_dw
+            _free_memory(device)
+            if checkpoint is not None:
+                checkpoint(rows)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary table
+# ----------------------------------------------------------------------------------------------
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text summary: per mode, provider × x of ms_p50 and the ratio to that mode's floor
+    (cublas_1gemm for loss_only/forward, cublas_3gemm for backward/full); for accuracy rows,
+    provider × x of err_loss / err_dx / err_dw."""
+    if not rows:
+        return "(no rows)"
+    xs = sorted({r["x"] for r in rows})
+    x_name = rows[0]["x_name"]
+    width = max(len(r["provider"]) for r in rows) + 2
+    lines: list[str] = []
+    if any("err_dx" in r for r in rows):
+        lines.append(f"relative errors vs fp64 (loss / dX / dW), {x_name}:")
+        lines.append(" " * width + "".join(f"{x:>32}" for x in xs))
+        for provider in sorted({r["provider"] for r in rows}):
+            cells = []
+            for x in xs:
+                match = [r for r in rows if r["provider"] == provider and r["x"] == x]
+                errs = [match[0].get(k, math.nan) for k in ("err_loss", "err_dx", "err_dw")] if match else [math.nan] * 3
+                cells.append(f"{errs[0]:10.2e} {errs[1]:10.2e} {errs[2]:10.2e}")
+            lines.append(f"{provider:<{width}}" + "".join(f"{c:>32}" for c in cells))
+        return "\n".join(lines)
+    for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
+        mode_rows = [r for r in rows if r["mode"] == mode]
+        floor = {r["x"]: r["ms_p50"] for r in mode_rows if r["provider"] == FLOOR_OF_MODE[mode]}
+        lines.append(f"\n{mode}: ms_p50 (× {FLOOR_OF_MODE[mode]}), by {x_name}")
+        lines.append(" " * width + "".join(f"{x:>20}" for x in xs))
+        for provider in sorted({r["provider"] for r in mode_rows}):
+            cells = []
+            for x in xs:
+                match = [r for r in mode_rows if r["provider"] == provider and r["x"] == x]
+                if not match:
+                    cells.append("-")
+                elif math.isnan(match[0]["ms_p50"]):
+                    cells.append(match[0]["note"][:18] or "nan")
+                else:
+                    ms = match[0]["ms_p50"]
+                    ratio = ms / floor[x] if x in floor else math.nan
+                    cells.append(f"{ms:9.2f} ({ratio:5.2f}×)")
+            lines.append(f"{provider:<{width}}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines).lstrip("\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _device_slug() -> str:
+    """Folder name for default outputs: "h200" for "NVIDIA H200", "cpu" without a GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "gpu"
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--hidden", type=int, default=4096, help="H (default: %(default)s)")
+    common.add_argument("--vocab", type=int, default=128256, help="V (default: %(default)s, Llama 3)")
+    common.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="input and weight dtype")
+    common.add_argument("--providers", nargs="+", metavar="NAME",
+                        help="registry keys to run (default: all of the op, listed below)")
+    common.add_argument("--out", type=Path,
+                        help="results CSV (JSON sidecar beside it); default data/measured/<gpu>/<sweep>.csv")
+    common.add_argument("--append", action="store_true",
+                        help="merge into an existing CSV (e.g. a second competitor version) instead of replacing it")
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar (the per-case log lines stay)")
+
+    timing = argparse.ArgumentParser(add_help=False)
+    timing.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    timing.add_argument("--warmup", type=int, default=2, help="untimed reps per case (≥ 1)")
+    timing.add_argument("--reps", type=int, default=20, help="most timed reps per case")
+    timing.add_argument("--min-reps", type=int, default=5, help="fewest timed reps per case")
+    timing.add_argument("--max-case-s", type=float, default=1.5,
+                        help="wall-time budget per case that sets the rep count between the two")
+
+    registry = "; ".join(f"{op}: {', '.join(PROVIDERS[op])}" for op in PROVIDERS)
+    parser = argparse.ArgumentParser(
+        prog="python -m fusedkern.bench",
+        description="Benchmark the LM head + loss (fusedkern vs baselines and competitors).",
+        epilog=f"providers — {registry}. The accuracy sweep takes the ce providers without the cublas floors.",
+    )
+    sub = parser.add_subparsers(dest="sweep", required=True)
+    ce = sub.add_parser("ce", parents=[common, timing], help="cross-entropy timing and memory sweep",
+                        epilog=f"providers: {', '.join(PROVIDERS['ce'])}")
+    ce.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    simpo = sub.add_parser("simpo", parents=[common, timing], help="SimPO timing and memory sweep",
+                           epilog=f"providers: {', '.join(PROVIDERS['simpo'])}")
+    simpo.add_argument("--batch", type=int, nargs="+", default=[2, 4, 8, 16],
+                       help="rows of the input, chosen + rejected (2 = one pair), as in the seed")
+    simpo.add_argument("--seq", type=int, default=1024)
+    accuracy_providers = ", ".join(p.key for p in PROVIDERS["ce"].values() if p.accuracy)
+    accuracy = sub.add_parser("accuracy", parents=[common], help="cross-entropy errors against an fp64 truth",
+                              epilog=f"providers: {accuracy_providers}")
+    accuracy.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    accuracy.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per fp64 reference chunk")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    dtype = _DTYPES[args.dtype]
+    out = args.out or Path("data/measured") / _device_slug() / f"{args.sweep}.csv"
+    meta: dict[str, Any] = {"sweep": args.sweep, "hidden": args.hidden, "vocab": args.vocab,
+                            "dtype": args.dtype, "seed": args.seed, "logit_std": LOGIT_STD}
+    command = shlex.join(["python", "-m", "fusedkern.bench", *argv])
+    common = dict(hidden=args.hidden, vocab=args.vocab, dtype=dtype, device=args.device,
+                  providers=args.providers, seed=args.seed, progress=not args.no_progress)
+
+    from fusedkern.results import collect_environment
+
+    environment = collect_environment(command)
+
+    def save(rows: list[dict]) -> None:
+        if rows:
+            write_results(rows, out, meta=meta, environment=environment, append=args.append)
+
+    started = time.perf_counter()
+    if args.sweep == "accuracy":
+        meta["chunk_tokens"] = args.chunk_tokens
+        rows = run_accuracy(args.tokens, chunk_tokens=args.chunk_tokens, checkpoint=save, **common)
+    else:
+        timing = dict(modes=args.modes, warmup=args.warmup, reps=args.reps, min_reps=args.min_reps,
+                      max_case_s=args.max_case_s, checkpoint=save)
+        meta.update(warmup=args.warmup, reps=args.reps, min_reps=args.min_reps, max_case_s=args.max_case_s)
+        if args.sweep == "ce":
+            rows = run_sweep("ce", args.tokens, **common, **timing)
+        else:
+            meta["seq"] = args.seq
+            rows = run_sweep("simpo", args.batch, seq=args.seq, **common, **timing)
+    print(format_table(rows))
+    print(f"\n{args.sweep}: {len(rows)} rows -> {out if rows else '(nothing written)'} "
+          f"in {time.perf_counter() - started:.1f} s")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,660 @@
+"""Fused LM head + cross-entropy ("fused" strategy): a Triton GEMM whose epilogue is an online
+log-sum-exp, and a backward that recomputes the logit tiles. The [T, V] logits are never stored,
+not even in chunks: the forward keeps per-token statistics only, the backward forms each gradient
+tile G = ∂L/∂z (BLOCK_T × BLOCK_V) in registers and immediately contracts it into dX = G·W and
+dW = Gᵀ·X. Math (loss with every option and its gradient): docs/design.md.
+
+Based on: the online softmax (Milakov & Gimelshein, 2018) as used by FlashAttention (Dao et al.,
+2022) for the forward epilogue; the Triton matmul tutorial for the tiling; and, for the backward,
+the recompute-and-accumulate scheme of Cut Cross-Entropy (Wijmans et al., 2024), here with fp32
+atomics into small, L2-resident workspaces instead of locks.
+
+Forward (`fused_ce_forward`)
+    grid = V-splits × T-blocks (split index fastest, so the programs in flight share a few
+    T-blocks' rows of X in L2 and each stream their own slice of W). A program walks its V-split
+    tile by tile; per tile it runs the K-loop over H (tl.dot, fp32 accumulation), adds the bias,
+    softcaps, and folds the tile into a running max / sum-exp per row, the target logit, and
+    Σ_v w_v·s_v (label smoothing). It writes fp32 partials [4, n_split, T]; a few torch ops combine
+    them into lse and ℓ_t. The number of splits is chosen so the GPU is full even for small T.
+
+Backward (`fused_ce_backward`)
+    Each program recomputes one logit tile (the K-loop again), forms G with the saved lse and
+    per-row coefficients, then loops over H in BLOCK_H chunks: dX[t, h] += G·W[v, h] and
+    dW[v, h] += Gᵀ·X[t, h] with `tl.atomic_add` (relaxed) into fp32 accumulators, db[v] += Σ_t G.
+    Where the accumulators live is the memory/time trade-off (`max_workspace_bytes`, 16 MiB by
+    default, the "extra memory" budget):
+      * fp32 operands accumulate straight into the returned gradients (no workspace);
+      * a bf16/fp16 dX needs an fp32 [T, H] accumulator and dW an fp32 [V, H] one, far above the
+        budget at LM sizes (0.5 GiB and 2 GiB at T=32768, V=128256, H=4096). So the grid is cut
+        into launches whose accumulators fit the budget: "single pass" when the whole fp32 dX fits
+        (small T): V-chunks of Vc rows, each launch covering all T, dW chunk flushed (cast) after
+        each launch; otherwise "two passes": pass A over T-chunks of Tc rows (all V) computes dX
+        (+db), pass B over V-chunks of Vc rows (all T) computes dW. Pass B recomputes the logits
+        a second time: +1 GEMM of FLOPs, in exchange for O(budget) memory; every accumulator
+        stays in L2 while its atomics land, and both gradients are rounded once, from fp32.
+      * T ≤ BLOCK_T (one token block): dW/db have a single writer per element and are stored
+        directly in the weight's dtype, no accumulator.
+    Atomic adds make dX/dW non-deterministic in the last bits (fp32 summation order).
+
+Where the time goes (H200, bf16, T=32768, H=4096, V=128256; one GEMM = 2·T·V·H = 3.44e13 FLOP,
+~45 ms at ~750 TFLOP/s):
+    forward   1 GEMM of FLOPs + T·V = 4.2e9 exp (+ tanh with softcap) on the MUFU (~1-2 ms).
+              L2→SM operand traffic (BT+BV)·H·2 bytes per BT·BV tile: 64 FLOP/B at 128×128, which
+              is why a 128×256 config is offered; HBM traffic is small (W re-read once per group
+              of T-blocks in flight, X rows stay in L2): ~35 GB, < 10 ms, overlapped.
+    backward  3 GEMMs of FLOPs (recompute, dX, dW), 4 in the two-pass mode; plus the fp32 atomics:
+              T·H·V/BV + V·H·T/BT = 2.7e11 element adds (1.1 TB) at BT = BV = 128. They target
+              L2-resident workspaces, but the L2's atomic throughput, not the tensor cores, is
+              the likely bound of the backward: expect ~2-3× the time of three cuBLAS GEMMs for
+              forward+backward, not 1.5×. Larger tiles (BV=256) halve the dX share; a
+              materialize-G-per-SM scheme would be needed to do better (see the chunked strategy).
+    memory    forward: 16·n_split·T bytes of partials (≤ 16 MiB by construction) + 8·T outputs.
+              backward: ≤ max_workspace_bytes of fp32 workspace + 12·T bytes of row coefficients
+              (`workspace_bytes` reports it), plus the gradients themselves.
+
+Indexing: row offsets are formed in int64 (`offs.to(tl.int64) * stride`): with arbitrary strides
+(views into larger buffers) and at LM sizes a row index times a row stride can exceed 2^31 (e.g.
+V=256k × H=16k = 4.2e9, or 32768 × 128256 = 4.2e9 for any [T, V]-sized index), and int32 would
+silently wrap.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fusedkern._runtime import autotune_configs, interpreting
+
+#: default extra-memory budget of the backward's fp32 accumulators (bytes)
+DEFAULT_WORKSPACE_BYTES = 16 << 20
+#: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
+_V_GRANULE = 256
+
+__all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes", "DEFAULT_WORKSPACE_BYTES"]
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _tanh(u, USE_LIBDEVICE: tl.constexpr):
+    """tanh in fp32: libdevice on the GPU; in the interpreter a Taylor series near 0 (where 1 − e
+    would cancel) and the overflow-free form sign(u)·(1 − e)/(1 + e), e = exp(−2|u|), elsewhere."""
+    if USE_LIBDEVICE:
+        return libdevice.tanh(u)
+    else:
+        a = tl.abs(u)
+        e = tl.exp(-2.0 * a)
+        big = (1.0 - e) / (1.0 + e)
+        a2 = a * a
+        small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
+                                                             + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))))
+        r = tl.where(a < 0.125, small, big)
+        return tl.where(u < 0, -r, r)
+
+
+@triton.jit
+def _logit_tile(
+    x_ptr, w_ptr, b_ptr,  # pointers
+    offs_t, offs_v, mask_t, mask_v, H,  # rows, columns, shapes
+    stride_xt, stride_xh, stride_wv, stride_wh, stride_b,  # strides
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,  # options
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,  # meta-parameters
+):
+    """z = x[offs_t] · W[offs_v]ᵀ (+ b): fp32 (BLOCK_T, BLOCK_V); 0 in masked rows/columns (+ bias)."""
+    # int64 row offsets: row × stride can exceed 2^31 (see the module docstring)
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt  # (BLOCK_T, 1)
+    w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv  # (BLOCK_V, 1)
+    acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
+        w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
+        acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_V)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_v * stride_b, mask=mask_v, other=0.0).to(tl.float32)  # (BLOCK_V,)
+        acc += bias[None, :]
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------
+# forward kernel
+
+
+def _fwd_configs():
+    c = triton.Config
+    return [
+        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 128}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4, num_stages=4),
+    ]
+
+
+# The interpreter runs only the first config: a small one, so that the tiny test shapes still span
+# several tiles in T, V and H and the masked tails are exercised.
+_INTERP_CONFIG = triton.Config({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16}, num_warps=4, num_stages=1)
+_FWD_CONFIGS = autotune_configs([_INTERP_CONFIG] if interpreting() else _fwd_configs())
+
+
+@triton.jit
+def _fused_ce_fwd_kernel(
+    # outputs
+    part_ptr,  # (4, N_SPLIT, T) fp32: running max m, sum-exp d (relative to m), target logit s_y, Σ_v w_v·s_v
+    # pointers
+    x_ptr,  # (T, H) input
+    w_ptr,  # (V, H) input dtype
+    b_ptr,  # (V,) bias (HAS_BIAS)
+    y_ptr,  # (T,) int64 targets
+    cw_ptr,  # (V,) fp32 class weights (HAS_WEIGHT)
+    # shapes
+    T, V, H,
+    N_SPLIT, SPLIT_V,  # number of V-splits, columns per split
+    T_BUCKET,  # autotune key only (next power of two of T)
+    # strides
+    stride_xt, stride_xh, stride_wv, stride_wh, stride_b,
+    stride_pk, stride_ps,  # partials: statistic, split (token stride 1)
+    # options
+    SOFTCAP,  # fp32 softcap c (HAS_SOFTCAP)
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # meta-parameters
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # 1. which token block and which V-split (split fastest: the programs in flight share X rows)
+    pid = tl.program_id(0)
+    pid_s = pid % N_SPLIT
+    pid_t = pid // N_SPLIT
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    mask_t = offs_t < T
+    # targets as int32 (V < 2^31): an int64 compare over a (BLOCK_T, BLOCK_V) tile costs registers
+    y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1).to(tl.int32)  # (BLOCK_T,)
+    v_lo = pid_s * SPLIT_V
+    v_hi = tl.minimum(v_lo + SPLIT_V, V)
+
+    m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # running max
+    d_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # running Σ exp(s − m_i)
+    sy_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # target logit (if it lies in this split)
+    sws_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # Σ_v w_v·s_v over this split
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        mask_v = offs_v < v_hi
+        # 2. logit tile: K-loop over H, fp32 accumulation, + bias
+        s = _logit_tile(x_ptr, w_ptr, b_ptr, offs_t, offs_v, mask_t, mask_v, H,
+                        stride_xt, stride_xh, stride_wv, stride_wh, stride_b,
+                        HAS_BIAS, DOT_PRECISION, BLOCK_T, BLOCK_V, BLOCK_H)  # (BLOCK_T, BLOCK_V)
+        # 3. softcap s = c·tanh(z/c)
+        if HAS_SOFTCAP:
+            s = SOFTCAP * _tanh(s / SOFTCAP, USE_LIBDEVICE)
+        # 4. online max / sum-exp (every tile has ≥ 1 valid column, so m_new is finite)
+        s_m = tl.where(mask_v[None, :], s, float("-inf"))  # (BLOCK_T, BLOCK_V)
+        m_new = tl.maximum(m_i, tl.max(s_m, axis=1))  # (BLOCK_T,)
+        d_i = d_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s_m - m_new[:, None]), axis=1)
+        m_i = m_new
+        # 5. target logit and the label-smoothing sum
+        # (compared as a local column index: a loop-invariant (BLOCK_T, BLOCK_V) broadcast of y
+        # would be hoisted out of the loop and pin 64 registers per thread)
+        is_y = (tl.arange(0, BLOCK_V)[None, :] == (y - v0)[:, None]) & mask_v[None, :]  # (BLOCK_T, BLOCK_V)
+        sy_i += tl.sum(tl.where(is_y, s, 0.0), axis=1)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                wv = tl.load(cw_ptr + offs_v, mask=mask_v, other=0.0)  # (BLOCK_V,)
+                sws_i += tl.sum(tl.where(mask_v[None, :], s * wv[None, :], 0.0), axis=1)
+            else:
+                sws_i += tl.sum(tl.where(mask_v[None, :], s, 0.0), axis=1)
+
+    # 6. partials of this (T-block, split)
+    out = part_ptr + pid_s * stride_ps + offs_t  # (BLOCK_T,)
+    tl.store(out, m_i, mask=mask_t)
+    tl.store(out + stride_pk, d_i, mask=mask_t)
+    tl.store(out + 2 * stride_pk, sy_i, mask=mask_t)
+    if HAS_SMOOTHING:
+        tl.store(out + 3 * stride_pk, sws_i, mask=mask_t)
+
+
+_fused_ce_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=["V", "H", "T_BUCKET"])(_fused_ce_fwd_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward kernel
+
+
+def _bwd_configs():
+    c = triton.Config
+    return [
+        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=4),
+        # (128 × 256 would need ~280 KB of shared memory for the pipelined operands: over the 228 KB)
+        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=4, num_stages=4),
+        c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 128}, num_warps=4, num_stages=3),
+    ]
+
+
+_BWD_CONFIGS = autotune_configs([_INTERP_CONFIG] if interpreting() else _bwd_configs())
+# mode keys (autotune key: each pass is tuned on its own)
+_MODE_SINGLE, _MODE_DX, _MODE_DW = 0, 1, 2
+
+
+@triton.jit
+def _fused_ce_bwd_kernel(
+    # outputs
+    dx_ptr,  # fp32 accumulator of dX rows T_START.. (row 0 = token T_START) (COMPUTE_DX)
+    dw_ptr,  # dW rows V_START.. (row 0 = vocab row V_START): fp32 accumulator, or the weight's dtype if GRAD_W_STORE (COMPUTE_DW)
+    db_ptr,  # (V,) fp32: accumulator, or stored if GRAD_W_STORE (COMPUTE_DB)
+    # pointers
+    x_ptr,  # (T, H) input
+    w_ptr,  # (V, H) input dtype
+    b_ptr,  # (V,) bias (HAS_BIAS)
+    y_ptr,  # (T,) int64 targets
+    cw_ptr,  # (V,) fp32 class weights (HAS_WEIGHT and HAS_SMOOTHING)
+    lse_ptr,  # (T,) fp32 lse from the forward
+    coef_ptr,  # (3, T) fp32 per-row coefficients a_t, b_t, c_t (0 for ignored rows): G = (a·p − b·[v=y] − c·w_v)·s'
+    # shapes
+    T, V, H,
+    T_START, T_END, V_START, V_END,  # the rectangle of (token, vocab) this launch covers
+    T_BUCKET, MODE,  # autotune keys only
+    # strides
+    stride_xt, stride_xh, stride_wv, stride_wh, stride_b,
+    stride_dxt, stride_dwv,  # accumulators (unit last stride)
+    # options
+    IGNORE_INDEX, SOFTCAP,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    GRAD_W_STORE: tl.constexpr,  # one token block covers all T: store dW/db instead of accumulating
+    V_FASTEST: tl.constexpr,  # program order: vocab tiles fastest (V-chunked launches) or token blocks fastest
+    USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # meta-parameters
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # 1. which (token block, vocab tile); the chunked axis runs fastest so that the programs in
+    #    flight hit the same accumulator rows while those sit in L2
+    pid = tl.program_id(0)
+    if V_FASTEST:
+        n_v = tl.cdiv(V_END - V_START, BLOCK_V)
+        pid_v = pid % n_v
+        pid_t = pid // n_v
+    else:
+        n_t = tl.cdiv(T_END - T_START, BLOCK_T)
+        pid_t = pid % n_t
+        pid_v = pid // n_t
+    offs_t = T_START + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    offs_v = V_START + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+    mask_t = offs_t < T_END
+    mask_v = offs_v < V_END
+    y = tl.load(y_ptr + offs_t, mask=mask_t, other=IGNORE_INDEX)  # (BLOCK_T,) int64
+    valid = mask_t & (y != IGNORE_INDEX)  # (BLOCK_T,)
+    y = y.to(tl.int32)  # V < 2^31; int32 compares over the tile are cheaper
+    if not GRAD_W_STORE:
+        # a block of ignored tokens (padding) contributes nothing: skip the three GEMM tiles
+        if tl.max(valid.to(tl.int32), axis=0) == 0:
+            return
+
+    # 2. recompute the logit tile
+    z = _logit_tile(x_ptr, w_ptr, b_ptr, offs_t, offs_v, mask_t, mask_v, H,
+                    stride_xt, stride_xh, stride_wv, stride_wh, stride_b,
+                    HAS_BIAS, DOT_PRECISION, BLOCK_T, BLOCK_V, BLOCK_H)  # (BLOCK_T, BLOCK_V)
+    if HAS_SOFTCAP:
+        th = _tanh(z / SOFTCAP, USE_LIBDEVICE)
+        s = SOFTCAP * th
+    else:
+        s = z
+
+    # 3. G = g_t·∂ℓ_t/∂z_tv = (a_t·p_tv − b_t·[v = y_t] − c_t·w_v)·(1 − (s/c)²)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    ca = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    cb = tl.load(coef_ptr + T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    p = tl.exp(s - lse[:, None])  # (BLOCK_T, BLOCK_V)
+    g = ca[:, None] * p - tl.where(offs_v[None, :] == y[:, None], cb[:, None], 0.0)
+    if HAS_SMOOTHING:
+        cc = tl.load(coef_ptr + 2 * T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+        if HAS_WEIGHT:
+            wv = tl.load(cw_ptr + offs_v, mask=mask_v, other=0.0)  # (BLOCK_V,)
+            g -= cc[:, None] * wv[None, :]
+        else:
+            g -= cc[:, None]
+    if HAS_SOFTCAP:
+        g *= 1.0 - th * th
+    # ignored / out-of-range rows and out-of-range columns are exactly 0 (where, not a product:
+    # p may be inf/NaN in padded rows)
+    g = tl.where(valid[:, None] & mask_v[None, :], g, 0.0)  # (BLOCK_T, BLOCK_V) fp32
+
+    # 4. db = Σ_t G
+    if COMPUTE_DB:
+        db_part = tl.sum(g, axis=0)  # (BLOCK_V,)
+        if GRAD_W_STORE:
+            tl.store(db_ptr + offs_v, db_part, mask=mask_v)
+        else:
+            tl.atomic_add(db_ptr + offs_v, db_part, mask=mask_v, sem="relaxed")
+
+    # 5. dX[t, h] += G·W[v, h] and dW[v, h] += Gᵀ·X[t, h], BLOCK_H columns of H at a time; the
+    #    GEMM operands are G rounded to the input dtype (as a same-dtype torch backward would),
+    #    the products accumulate in fp32
+    gc = g.to(x_ptr.dtype.element_ty)  # (BLOCK_T, BLOCK_V)
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt  # (BLOCK_T, 1)
+    w_rows = w_ptr + offs_v.to(tl.int64)[:, None] * stride_wv  # (BLOCK_V, 1)
+    dx_rows = dx_ptr + (offs_t - T_START).to(tl.int64)[:, None] * stride_dxt  # (BLOCK_T, 1)
+    dw_rows = dw_ptr + (offs_v - V_START).to(tl.int64)[:, None] * stride_dwv  # (BLOCK_V, 1)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+        mask_h = offs_h < H
+        if COMPUTE_DX:
+            w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
+            dx_part = tl.dot(gc, w_tile, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_H) fp32
+            tl.atomic_add(dx_rows + offs_h[None, :], dx_part, mask=valid[:, None] & mask_h[None, :], sem="relaxed")
+        if COMPUTE_DW:
+            x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
+            dw_part = tl.dot(tl.trans(gc), x_tile, input_precision=DOT_PRECISION)  # (BLOCK_V, BLOCK_H) fp32
+            if GRAD_W_STORE:
+                tl.store(dw_rows + offs_h[None, :], dw_part.to(dw_ptr.dtype.element_ty), mask=mask_v[:, None] & mask_h[None, :])
+            else:
+                tl.atomic_add(dw_rows + offs_h[None, :], dw_part, mask=mask_v[:, None] & mask_h[None, :], sem="relaxed")
+
+
+# Autotuning runs the kernel several times on the real arguments: the accumulators are zeroed
+# before each trial and after the last one. That is correct because a pass is tuned on its first
+# launch (the key is constant within a pass), when every accumulator it adds into is still zero;
+# accumulators a launch does not use are passed as a private dummy.
+_fused_ce_bwd_tuned = triton.autotune(
+    configs=_BWD_CONFIGS, key=["V", "H", "T_BUCKET", "MODE"], reset_to_zero=["dx_ptr", "dw_ptr", "db_ptr"],
+)(_fused_ce_bwd_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side: launch geometry
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: geometry does not matter
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _wave_efficiency(n_programs: int, n_sm: int) -> float:
+    return n_programs / (_cdiv(n_programs, n_sm) * n_sm)
+
+
+def _forward_splits(T: int, V: int, n_sm: int, granule: int, block_t: int) -> tuple[int, int]:
+    """(n_split, split_v): enough programs for ≥ ~4 waves, few idle SMs in the last wave, partials
+    ≤ 16 MiB. Splits are multiples of `granule` columns (whole tiles)."""
+    n_tb = _cdiv(T, block_t)
+    n_granules = _cdiv(V, granule)
+    cap = max(1, min(n_granules, (DEFAULT_WORKSPACE_BYTES // (16 * max(T, 1)))))
+    lo = max(1, min(cap, _cdiv(4 * n_sm, n_tb)))
+    best = None
+    for n in range(lo, min(cap, max(lo, 64)) + 1):
+        split_v = _round_up(_cdiv(V, n), granule)
+        n_split = _cdiv(V, split_v)
+        eff = _wave_efficiency(n_tb * n_split, n_sm)
+        if best is None or eff > best[0] + 0.005:
+            best = (eff, n_split, split_v)
+    return best[1], best[2]
+
+
+def _chunk_rows(budget: int, H: int, granule: int, total: int) -> int:
+    """Rows of an fp32 [rows, H] accumulator that fit `budget` bytes (a multiple of `granule`, at least
+    one granule, at most `total` rounded up)."""
+    rows = max(granule, (budget // (4 * H)) // granule * granule)
+    return min(rows, _round_up(total, granule))
+
+
+def _plan_backward(T, V, H, x_dtype, w_dtype, need_dx, need_dw, budget, granule_t, granule_v, min_block_t):
+    """Launch plan: list of passes (mode, axis, chunk) and the workspace shapes."""
+    dx_direct = x_dtype == torch.float32
+    dw_store = T <= min_block_t
+    dw_direct = w_dtype == torch.float32 or dw_store
+    dx_scratch = need_dx and not dx_direct
+    dw_scratch = need_dw and not dw_direct
+    if not dw_scratch:
+        # no V-chunking needed; chunk T only if a bf16/fp16 dX accumulator does not fit
+        tc = T if (not dx_scratch or 4 * T * H <= budget) else _chunk_rows(budget, H, granule_t, T)
+        return [(_MODE_SINGLE, "T", tc)], dw_store
+    if not dx_scratch or 4 * T * H + 4 * granule_v * H <= budget:
+        vc = _chunk_rows(budget - (4 * T * H if dx_scratch else 0), H, granule_v, V)
+        return [(_MODE_SINGLE, "V", vc)], dw_store
+    passes = []
+    if need_dx:
+        passes.append((_MODE_DX, "T", _chunk_rows(budget, H, granule_t, T)))
+    passes.append((_MODE_DW, "V", _chunk_rows(budget, H, granule_v, V)))
+    return passes, dw_store
+
+
+def workspace_bytes(T: int, V: int, H: int, dtype: torch.dtype, *, need_dx: bool = True, need_dw: bool = True,
+                    max_workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> dict:
+    """Extra device memory of the fused strategy beyond inputs and returned gradients (bytes, upper
+    bounds): {'forward': partials + loss/lse, 'backward': fp32 accumulators + row coefficients}."""
+    n_split, _ = _forward_splits(T, V, 132, _V_GRANULE, 128)
+    fwd = 16 * n_split * T + 8 * T
+    passes, _ = _plan_backward(T, V, H, dtype, dtype, need_dx, need_dw, max_workspace_bytes, 128, _V_GRANULE, 64)
+    ws = 0
+    for mode, axis, chunk in passes:
+        rows = 0
+        if need_dx and dtype != torch.float32 and mode in (_MODE_SINGLE, _MODE_DX):
+            rows += min(chunk, T) if axis == "T" else T
+        if need_dw and dtype != torch.float32 and mode in (_MODE_SINGLE, _MODE_DW) and axis == "V":
+            rows += min(chunk, V)
+        ws = max(ws, 4 * rows * H)
+    return {"forward": fwd, "backward": ws + 12 * T + 4 * V}
+
+
+# ----------------------------------------------------------------------------------------------
+# host side: entry points
+
+
+def _meta(block_config):
+    """(launch kwargs for the raw kernel or None for the autotuned one, min BLOCK_T, T granule, V granule)."""
+    if block_config is None:
+        cfgs = _BWD_CONFIGS
+        min_bt = min(c.kwargs["BLOCK_T"] for c in cfgs)
+        max_bt = max(c.kwargs["BLOCK_T"] for c in cfgs)
+        granule_v = max(_V_GRANULE if not interpreting() else 0, max(c.kwargs["BLOCK_V"] for c in cfgs))
+        return None, min_bt, max_bt, granule_v
+    kw = {k: block_config[k] for k in ("BLOCK_T", "BLOCK_V", "BLOCK_H")}
+    kw["num_warps"] = block_config.get("num_warps", 4)
+    kw["num_stages"] = block_config.get("num_stages", 1 if interpreting() else 3)
+    return kw, kw["BLOCK_T"], kw["BLOCK_T"], kw["BLOCK_V"]
+
+
+def _options(x, weight, softcap, label_smoothing):
+    has_softcap = softcap is not None and float(softcap) != 0.0
+    return dict(
+        HAS_SOFTCAP=has_softcap,
+        HAS_SMOOTHING=float(label_smoothing) > 0.0,
+        USE_LIBDEVICE=not interpreting(),
+        # fp32 operands: exact fp32 products like torch's default (TF32 off for matmuls)
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    ), (float(softcap) if has_softcap else 1.0)
+
+
+def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, label_smoothing, z_loss, softcap,
+                     block_config=None, n_split=None):
+    """Per-token loss and lse without materializing the logits.
+
+    x [T, H], weight [V, H] (same dtype: fp32, fp16 or bf16; unit last stride is fastest), bias [V] or
+    None, target [T] int64, class_weight [V] fp32 or None. Returns (loss_tok [T] fp32, lse [T] fp32):
+    ℓ_t of docs/design.md (0 for ignored tokens) and logsumexp_v s_tv (for every token).
+    `block_config` / `n_split` (tests): fixed BLOCK_T/BLOCK_V/BLOCK_H (+ num_warps, num_stages) instead
+    of autotuning, and a fixed number of V-splits.
+    """
+    T, H = x.shape
+    V = weight.shape[0]
+    dev = x.device
+    if T == 0:
+        return torch.zeros(0, device=dev, dtype=torch.float32), torch.zeros(0, device=dev, dtype=torch.float32)
+    target = target.contiguous()
+    eps = float(label_smoothing)
+    has_weight = class_weight is not None
+    cw = class_weight.contiguous().to(torch.float32) if has_weight else None
+    opts, cap = _options(x, weight, softcap, eps)
+    kw, _, max_bt, granule_v = _meta(block_config)
+    if n_split is None:
+        n_split, split_v = _forward_splits(T, V, _sm_count(dev), granule_v, max_bt)
+    else:
+        split_v = _round_up(_cdiv(V, n_split), granule_v)
+        n_split = _cdiv(V, split_v)
+
+    # 1. per-(split, token) partials; NaN-poisoned so that an unwritten element cannot go unnoticed
+    part = torch.full((4, n_split, T), float("nan"), device=dev, dtype=torch.float32)
+    args = (part, x, weight, bias if bias is not None else x, target, cw if has_weight else part,
+            T, V, H, n_split, split_v, triton.next_power_of_2(T),
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+            part.stride(0), part.stride(1), cap)
+    flags = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
+    if kw is None:
+        grid = lambda META: (n_split * triton.cdiv(T, META["BLOCK_T"]),)  # noqa: E731
+        _fused_ce_fwd_tuned[grid](*args, **flags)
+    else:
+        _fused_ce_fwd_kernel[(n_split * triton.cdiv(T, kw["BLOCK_T"]),)](*args, **flags, **kw)
+
+    # 2. combine the splits: lse = M + log Σ_s d_s·exp(m_s − M)
+    m, d, sy = part[0], part[1], part[2]
+    big_m = m.amax(dim=0)
+    lse = big_m + torch.log((d * torch.exp(m - big_m)).sum(dim=0))
+    sy = sy.sum(dim=0)  # only the split holding y_t contributes
+
+    # 3. ℓ_t = (1−ε)·w_y·(lse − s_y) + (ε/V)·(W_sum·lse − Σ_v w_v·s_v) + z_loss·lse²
+    valid = target != ignore_index
+    w_y = cw[target.clamp(0, V - 1)] if has_weight else 1.0
+    loss = (1.0 - eps) * w_y * (lse - sy)
+    if eps > 0.0:
+        w_sum = cw.sum() if has_weight else float(V)
+        loss = loss + (eps / V) * (w_sum * lse - part[3].sum(dim=0))
+    if z_loss:
+        loss = loss + float(z_loss) * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return loss, lse
+
+
+def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, ignore_index, label_smoothing,
+                      z_loss, softcap, need_dx, need_dw, need_db, max_workspace_bytes=None, block_config=None):
+    """Gradients of Σ_t grad_tok[t]·ℓ_t, recomputing the logits tile by tile.
+
+    grad_tok [T] fp32 = ∂L/∂ℓ_t (ignored tokens are zeroed here too), lse [T] fp32 from the forward.
+    Returns (dx [T, H] in x.dtype or None, dw [V, H] in weight.dtype or None, db [V] in bias.dtype or
+    None). `max_workspace_bytes` bounds the fp32 accumulators (default 16 MiB; larger allows one pass
+    instead of two when x is bf16/fp16); `block_config` (tests): fixed block sizes, see forward.
+    """
+    T, H = x.shape
+    V = weight.shape[0]
+    dev = x.device
+    need_db = bool(need_db) and bias is not None
+    need_dx, need_dw = bool(need_dx), bool(need_dw)
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    if T == 0:
+        return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(weight) if need_dw else None,
+                torch.zeros_like(bias) if need_db else None)
+    budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else int(max_workspace_bytes)
+    eps = float(label_smoothing)
+    has_weight = class_weight is not None
+    cw = class_weight.contiguous().to(torch.float32) if has_weight else None
+    opts, cap = _options(x, weight, softcap, eps)
+    kw, min_bt, max_bt, granule_v = _meta(block_config)
+    target = target.contiguous()
+    lse = lse.contiguous().to(torch.float32)
+
+    # 1. per-row coefficients of G (0 for ignored rows):
+    #    a = g·((1−ε)·w_y + ε·W_sum/V + 2·z_loss·lse), b = g·(1−ε)·w_y, c = g·ε/V
+    valid = target != ignore_index
+    g = torch.where(valid, grad_tok.to(torch.float32), torch.zeros((), device=dev))
+    w_y = cw[target.clamp(0, V - 1)] if has_weight else torch.ones((), device=dev)
+    w_sum = cw.sum() if has_weight else float(V)
+    coef = torch.empty((3, T), device=dev, dtype=torch.float32)
+    coef[0] = torch.where(valid, g * ((1.0 - eps) * w_y + eps * w_sum / V + 2.0 * float(z_loss) * lse), 0.0)
+    coef[1] = g * ((1.0 - eps) * w_y)
+    coef[2] = g * (eps / V)
+
+    # 2. outputs and fp32 accumulators (see the module docstring for the plan)
+    passes, dw_store = _plan_backward(T, V, H, x.dtype, weight.dtype, need_dx, need_dw, budget,
+                                      max_bt, granule_v, min_bt)
+    dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+    dx = dx_acc = None
+    if need_dx:
+        if x.dtype == torch.float32:
+            dx = dx_acc = torch.zeros((T, H), device=dev, dtype=torch.float32)
+        else:
+            dx = torch.full((T, H), float("nan"), device=dev, dtype=x.dtype)  # poison: every row is flushed
+    dw = None
+    if need_dw:
+        if dw_store:
+            dw = torch.full_like(weight, float("nan"), memory_format=torch.contiguous_format)
+        elif weight.dtype == torch.float32:
+            dw = torch.zeros((V, H), device=dev, dtype=torch.float32)
+        else:
+            dw = torch.full((V, H), float("nan"), device=dev, dtype=weight.dtype)
+    db_acc = (torch.full((V,), float("nan"), device=dev, dtype=torch.float32) if dw_store
+              else torch.zeros(V, device=dev, dtype=torch.float32)) if need_db else None
+
+    flags_common = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
+    t_bucket = triton.next_power_of_2(T)
+    for mode, axis, chunk in passes:
+        do_dx = need_dx and mode in (_MODE_SINGLE, _MODE_DX)
+        do_dw = need_dw and mode in (_MODE_SINGLE, _MODE_DW)
+        do_db = need_db and mode in (_MODE_SINGLE, _MODE_DX if need_dx else _MODE_DW)
+        # fp32 workspaces of this pass
+        dx_ws = None
+        if do_dx and dx_acc is None:
+            dx_ws = torch.zeros((min(chunk, T) if axis == "T" else T, H), device=dev, dtype=torch.float32)
+        dw_ws = None
+        if do_dw and not dw_store and weight.dtype != torch.float32:
+            dw_ws = torch.zeros((min(chunk, V), H), device=dev, dtype=torch.float32)
+        n = T if axis == "T" else V
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            t0, t1, v0, v1 = (lo, hi, 0, V) if axis == "T" else (0, T, lo, hi)
+            dx_arg = (dx_ws if dx_ws is not None else dx_acc[t0:]) if do_dx else dummy
+            dw_arg = (dw_ws if dw_ws is not None else dw[v0:]) if do_dw else dummy
+            db_arg = db_acc if do_db else dummy
+            args = (dx_arg, dw_arg, db_arg, x, weight, bias if bias is not None else x, target,
+                    cw if has_weight else dummy, lse, coef,
+                    T, V, H, t0, t1, v0, v1, t_bucket, mode,
+                    x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                    bias.stride(0) if bias is not None else 0, dx_arg.stride(0), dw_arg.stride(0),
+                    ignore_index, cap)
+            flags = dict(COMPUTE_DX=do_dx, COMPUTE_DW=do_dw, COMPUTE_DB=do_db, GRAD_W_STORE=dw_store,
+                         V_FASTEST=axis == "V", **flags_common)
+            if kw is None:
+                grid = lambda META: (triton.cdiv(t1 - t0, META["BLOCK_T"]) * triton.cdiv(v1 - v0, META["BLOCK_V"]),)  # noqa: E731
+                _fused_ce_bwd_tuned[grid](*args, **flags)
+            else:
+                grid = (triton.cdiv(t1 - t0, kw["BLOCK_T"]) * triton.cdiv(v1 - v0, kw["BLOCK_V"]),)
+                _fused_ce_bwd_kernel[grid](*args, **flags, **kw)
+            # 3. flush the chunk's fp32 workspace into the output dtype
+            if dx_ws is not None and axis == "T":
+                dx[t0:t1].copy_(dx_ws[: t1 - t0])
+                if hi < n:
+                    dx_ws.zero_()
+            if dw_ws is not None:
+                dw[v0:v1].copy_(dw_ws[: v1 - v0])
+                if hi < n:
+                    dw_ws.zero_()
+        if dx_ws is not None and axis == "V":
+            dx.copy_(dx_ws)
+        del dx_ws, dw_ws
+
+    db = db_acc.to(bias.dtype) if need_db else None
+    if dx is not None and dx.dtype != x.dtype:
+        dx = dx.to(x.dtype)
+    return dx, dw, db

@@ -1,0 +1,252 @@
+"""Analytic peak extra memory of each provider, for forward + backward (the benchmarks' `full` mode).
+
+"Extra" follows the measurement convention of `data/measured/` and the H200 anchors: the peak
+allocation during forward + backward *above* the inputs (x, W, targets) and the gradients' own
+storage (dX, and dW in the weight's dtype). Gradient storage is subtracted even when the peak
+happens before the gradients are allocated (as for the Hugging Face baselines, whose peak is inside
+`log_softmax`'s backward): the model does the same, with an explicit negative term, so that its
+numbers compare one to one with the measured column.
+
+Each provider is a list of `Term`s: a name, a size in bytes and the formula, so that a notebook can
+print where the memory goes. Symbols: T tokens, H hidden, V vocab, C chunk rows, e bytes per
+element of the input dtype. Only the terms that scale with T·V, V·H or T are modelled; allocator
+rounding, cuBLAS workspaces and scalars are not (a few MiB at most).
+
+Providers (the names used in the results CSVs):
+
+- `huggingface_bf16` — the cross-entropy seed's baseline: `nn.Linear` then `nn.CrossEntropyLoss` on
+  logits in the input dtype. Peak inside `log_softmax`'s backward: the saved log-probabilities, the
+  dense gradient w.r.t. them and the gradient w.r.t. the logits, three T×V buffers (3·T·V·e).
+- `torch_fp32_upcast`, `huggingface_fp32` — the same with the logits upcast to fp32 first (the
+  SimPO seed's baseline is the latter): the same three buffers in fp32 (3·T·V·4).
+- `fusedkern_chunked` — one reused C×V logits buffer plus an fp32 V×H accumulator for dW when the
+  weight is not fp32; the accumulator is cast into dW's storage at the end while the buffer is
+  still alive.
+- `fusedkern_chunked_lean` — the chunk buffer only (dW accumulated in the weight's dtype, in place).
+- `fusedkern_fused` — no logits buffer: per-token fp32 statistics (O(T)).
+- `liger-kernel 0.8.5` — one reused C×V buffer, C = min(next_pow2(⌈T / ⌈V/H⌉⌉), T); dW
+  accumulated in place in the weight's dtype (its default `accum_dtype=None`).
+- `liger-kernel 0.4.2` — same chunk rule, but each chunk is upcast to fp32 and the previous chunk's
+  gradient is still referenced while the next chunk's logits are formed: 2·C·V·e + C·V·4.
+- `cut_cross_entropy` — per-token fp32 LSE (O(T)); its fixed workspace (~1.5 MiB measured) is not
+  modelled.
+- `cublas_3gemm`, `cublas_1gemm` — the timing floor, not a loss: 0 (its output buffers are
+  allocated before the measured region).
+
+SimPO (`op="simpo"`): the same terms with T = batch·seq for every provider except Liger, whose
+preference base runs one chosen/rejected pair (2·seq tokens) at a time through `torch.func`:
+the pair's fp32 log-softmax plus the pair's weight-sized gradient before it is added to the
+accumulator (approximate: the compiled graph's other temporaries are not modelled).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "MIB",
+    "PROVIDERS",
+    "Term",
+    "element_size",
+    "default_chunk_size",
+    "liger_chunk_size",
+    "terms",
+    "peak_extra_bytes",
+    "peak_extra_mib",
+    "terms_table",
+]
+
+MIB = 2**20
+
+PROVIDERS = (
+    "huggingface_bf16",
+    "torch_fp32_upcast",
+    "huggingface_fp32",
+    "fusedkern_chunked",
+    "fusedkern_chunked_lean",
+    "fusedkern_fused",
+    "liger-kernel 0.8.5",
+    "liger-kernel 0.4.2",
+    "cut_cross_entropy",
+    "cublas_3gemm",
+    "cublas_1gemm",
+)
+
+_ELEMENT_SIZE = {
+    "float64": 8,
+    "fp64": 8,
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+}
+
+# The design's chunk budget (docs/design.md, "Strategies"): the largest multiple of 64 rows whose
+# logits chunk fits in 256 MiB; 64 rows keeps every chunk a whole number of GEMM tiles.
+_CHUNK_BUDGET_BYTES = 256 * MIB
+_CHUNK_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class Term:
+    """One contribution to the peak: what it is, its size in bytes and the formula for it."""
+
+    name: str
+    nbytes: int
+    formula: str
+
+    @property
+    def mib(self) -> float:
+        return self.nbytes / MIB
+
+
+def element_size(dtype) -> int:
+    """Bytes per element of `dtype`: a torch dtype or a name such as "bfloat16" or "bf16"."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _ELEMENT_SIZE[name]
+    except KeyError:
+        raise ValueError(f"dtype: unsupported {dtype!r}; expected one of {sorted(_ELEMENT_SIZE)}") from None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_chunk_size(vocab: int, dtype="bfloat16", budget_bytes: int = _CHUNK_BUDGET_BYTES) -> int:
+    """fusedkern's default chunk rows: the largest multiple of 64 with C·V·e ≤ 256 MiB (at least 64)."""
+    rows = budget_bytes // (vocab * element_size(dtype))
+    return max(_CHUNK_MULTIPLE, rows // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+
+
+def liger_chunk_size(tokens: int, hidden: int, vocab: int, version: str = "0.8.5") -> int:
+    """Liger-Kernel's cross-entropy chunk rows: next_pow2(⌈T / ⌈V/H⌉⌉), capped at T from 0.8 on.
+
+    The rule bounds the logits chunk by roughly the size of the input (T·H); both versions use it.
+    """
+    inc_factor = math.ceil(vocab / hidden)
+    rows = _next_power_of_2(math.ceil(tokens / inc_factor))
+    return rows if version.startswith("0.4") else min(rows, tokens)
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def _grad_storage(tokens: int, hidden: int, vocab: int, e: int) -> list[Term]:
+    """dX and dW in the input dtype: live at the peak of every chunked provider."""
+    return [
+        Term("dX (gradient storage, live at the peak)", tokens * hidden * e, "T·H·e"),
+        Term("dW (gradient storage, live at the peak)", vocab * hidden * e, "V·H·e"),
+    ]
+
+
+def _minus_grad_storage(tokens: int, hidden: int, vocab: int, e: int) -> Term:
+    return Term(
+        "− gradient storage (dX, dW): excluded by the measurement convention",
+        -(tokens * hidden + vocab * hidden) * e,
+        "−(T·H + V·H)·e",
+    )
+
+
+def _per_token_stats(tokens: int, count: int, what: str) -> Term:
+    return Term(f"per-token fp32 {what}", count * tokens * 4, f"{count}·T·4" if count > 1 else "T·4")
+
+
+def terms(
+    provider: str,
+    tokens: int,
+    hidden: int,
+    vocab: int,
+    *,
+    dtype="bfloat16",
+    chunk_size: int | None = None,
+    op: str = "ce",
+    seq: int = 1024,
+) -> list[Term]:
+    """The terms of `provider`'s peak extra memory in full mode (forward + backward).
+
+    tokens: T, all rows of the LM head (for SimPO: batch·seq, chosen and rejected together).
+    chunk_size: the rows per chunk for `fusedkern_chunked*` (default: `default_chunk_size`).
+    op: "ce" or "simpo" (only Liger differs between the two). seq: SimPO sequence length.
+    """
+    _check_sizes(tokens=tokens, hidden=hidden, vocab=vocab, seq=seq)
+    if op not in ("ce", "simpo"):
+        raise ValueError(f"op: expected 'ce' or 'simpo', got {op!r}")
+    e = element_size(dtype)
+    T, H, V = tokens, hidden, vocab
+
+    if provider == "huggingface_bf16":
+        return [
+            Term("log-probabilities saved by log_softmax", T * V * e, "T·V·e"),
+            Term("dense gradient w.r.t. the log-probabilities", T * V * e, "T·V·e"),
+            Term("gradient w.r.t. the logits (log_softmax backward)", T * V * e, "T·V·e"),
+            _minus_grad_storage(T, H, V, e),
+        ]
+    if provider in ("torch_fp32_upcast", "huggingface_fp32"):
+        return [
+            Term("fp32 log-probabilities saved by log_softmax", T * V * 4, "T·V·4"),
+            Term("fp32 dense gradient w.r.t. the log-probabilities", T * V * 4, "T·V·4"),
+            Term("fp32 gradient w.r.t. the upcast logits", T * V * 4, "T·V·4"),
+            _minus_grad_storage(T, H, V, e),
+        ]
+    if provider in ("fusedkern_chunked", "fusedkern_chunked_lean"):
+        rows = min(chunk_size if chunk_size is not None else default_chunk_size(V, dtype), T)
+        _check_sizes(chunk_size=rows)
+        out = [Term(f"reused logits chunk buffer (C = {rows})", rows * V * e, "C·V·e")]
+        if provider == "fusedkern_chunked" and e < 4:
+            out.append(Term("fp32 dW accumulator", V * H * 4, "V·H·4"))
+        out.append(_per_token_stats(T, 1, "LSE"))
+        return out + _grad_storage(T, H, V, e) + [_minus_grad_storage(T, H, V, e)]
+    if provider == "fusedkern_fused":
+        return [_per_token_stats(T, 2, "LSE and loss")]
+    if provider in ("liger-kernel 0.8.5", "liger-kernel 0.4.2") and op == "simpo":
+        pair = 2 * seq
+        return [
+            Term(f"fp32 log-softmax of one pair ({pair} tokens)", pair * V * 4, "2·S·V·4"),
+            Term("the pair's weight gradient before accumulation", V * H * e, "V·H·e"),
+            _per_token_stats(T, 1, "target log-probability"),
+        ]
+    if provider == "liger-kernel 0.8.5":
+        rows = liger_chunk_size(T, H, V, "0.8.5")
+        return [
+            Term(f"reused logits chunk buffer (C = {rows})", rows * V * e, "C·V·e"),
+            _per_token_stats(T, 1, "loss"),
+        ]
+    if provider == "liger-kernel 0.4.2":
+        rows = liger_chunk_size(T, H, V, "0.4.2")
+        out = [
+            Term(f"logits chunk (C = {rows})", rows * V * e, "C·V·e"),
+            Term("previous chunk's gradient, still referenced", rows * V * e, "C·V·e"),
+        ]
+        if e < 4:
+            out.append(Term("fp32 upcast of the chunk", rows * V * 4, "C·V·4"))
+        return out + [_per_token_stats(T, 1, "loss")]
+    if provider == "cut_cross_entropy":
+        return [_per_token_stats(T, 1, "LSE")]
+    if provider in ("cublas_3gemm", "cublas_1gemm"):
+        return []
+    raise ValueError(f"provider: unknown {provider!r}; expected one of {list(PROVIDERS)}")
+
+
+def peak_extra_bytes(provider: str, tokens: int, hidden: int, vocab: int, **kwargs) -> int:
+    """Sum of `terms(...)`, floored at 0 (see `terms` for the arguments)."""
+    return max(0, sum(t.nbytes for t in terms(provider, tokens, hidden, vocab, **kwargs)))
+
+
+def peak_extra_mib(provider: str, tokens: int, hidden: int, vocab: int, **kwargs) -> float:
+    """`peak_extra_bytes` in MiB, the unit of the results' `peak_extra_mib` column."""
+    return peak_extra_bytes(provider, tokens, hidden, vocab, **kwargs) / MIB
+
+
+def terms_table(provider: str, tokens: int, hidden: int, vocab: int, **kwargs) -> list[dict]:
+    """The terms as rows (term, formula, MiB), ending with the total: ready for a DataFrame."""
+    rows = [{"term": t.name, "formula": t.formula, "mib": t.mib} for t in terms(provider, tokens, hidden, vocab, **kwargs)]
+    rows.append({"term": "peak extra", "formula": "sum, ≥ 0", "mib": peak_extra_mib(provider, tokens, hidden, vocab, **kwargs)})
+    return rows

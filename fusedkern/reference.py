@@ -1,0 +1,437 @@
+"""Reference implementations in plain PyTorch: the one place tests and benchmarks import them from.
+
+What lives here, and what each is for:
+
+- `hf_linear_cross_entropy`: the seed benchmark's Hugging Face baseline exactly as it ran
+  (`nn.Linear` then `nn.CrossEntropyLoss` on logits in the input dtype, no fp32 upcast).
+- `upcast_linear_cross_entropy`: the modern baseline (logits in the input dtype, then `.float()`)
+  with every option of the contract in docs/design.md.
+- `linear_cross_entropy_fp64`, `linear_logprobs_fp64`, `linear_simpo_loss_fp64`: exact references,
+  everything in float64 and differentiable, so tests can take fp64 gradients with autograd.
+- `hf_linear_simpo_loss`: the seed's SimPO baseline as Liger-Kernel's benchmark ran the Hugging Face
+  side (TRL's CPO-SimPO on fp32-upcast logits).
+- `cublas_3gemm`, `cublas_1gemm`: the GEMM floor the benchmarks compare the fused op to.
+
+The loss math follows docs/design.md exactly. The cross-entropy core is written with explicit
+logsumexp arithmetic rather than `F.cross_entropy`, so that testing it against torch is an
+independent check of both. Shapes: T tokens, H hidden, V vocab, B pairs, S sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "hf_linear_cross_entropy",
+    "upcast_linear_cross_entropy",
+    "linear_cross_entropy_fp64",
+    "linear_logprobs_fp64",
+    "hf_linear_simpo_loss",
+    "linear_simpo_loss_fp64",
+    "cublas_3gemm",
+    "cublas_1gemm",
+    "SIMPO_METRIC_KEYS",
+]
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+# TRL's CPOTrainer metric names, in the order TRL logs them.
+SIMPO_METRIC_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
+    # Minimal checks so that a typo in a test cannot silently select another formula.
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    _check_softcap(softcap)
+
+
+def _check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+
+
+def _apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """s = c·tanh(z/c) (Gemma 2's logit softcap), or z unchanged when c is None."""
+    if softcap is None:
+        return logits
+    return softcap * torch.tanh(logits / softcap)
+
+
+def _logsumexp(s: torch.Tensor) -> torch.Tensor:
+    """lse over the last axis, [..., V] -> [...], written out instead of calling torch.logsumexp.
+
+    The max shift is detached: it cancels exactly in the math, and detaching it keeps autograd from
+    routing a (mathematically zero) gradient through `amax`, whose tie-breaking is arbitrary.
+    """
+    m = s.amax(dim=-1, keepdim=True).detach()  # [..., 1]
+    return m.squeeze(-1) + torch.log(torch.exp(s - m).sum(dim=-1))  # [...]
+
+
+def _safe_target(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, target with ignored entries replaced by class 0 so that gathers stay in range)."""
+    mask = target != ignore_index  # [...] bool
+    return mask, torch.where(mask, target, torch.zeros_like(target))
+
+
+def _cross_entropy_from_logits(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    return_lse: bool,
+):
+    """Cross-entropy with every option of docs/design.md, computed in `logits.dtype`.
+
+    logits: [..., V] raw logits z; target: [...] int64; weight: [V] class weights or None.
+    Per token t with y_t != ignore_index:
+        ℓ_t = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v·(lse − s_v) + z_loss·lse²,   s = softcap(z)
+    and ℓ_t = 0 for ignored tokens. "mean" divides Σ_t ℓ_t by D = Σ_{t not ignored} w_{y_t}
+    (torch's normalization; all ignored gives 0/0 = NaN, as torch does).
+    Returns the loss ([...] for "none", 0-d otherwise), or (loss, lse) with lse: [...] in
+    `logits.dtype`, the lse of the softcapped logits for every token, ignored ones included.
+    """
+    _check_options(reduction, label_smoothing, softcap)
+    vocab = logits.shape[-1]
+    s = _apply_softcap(logits, softcap)  # [..., V]
+    lse = _logsumexp(s)  # [...]
+
+    mask, safe_target = _safe_target(target, ignore_index)
+    s_target = s.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # [...]
+    if weight is None:
+        w = torch.ones(vocab, dtype=s.dtype, device=s.device)  # [V]
+    else:
+        w = weight.to(s.dtype)  # [V]
+    w_target = w[safe_target]  # [...]
+
+    loss = (1.0 - label_smoothing) * w_target * (lse - s_target)  # [...]
+    if label_smoothing > 0.0:
+        # (ε/V)·Σ_v w_v·(lse − s_v) = (ε/V)·(W_sum·lse − Σ_v w_v·s_v)
+        smooth = w.sum() * lse - (s * w).sum(dim=-1)  # [...]
+        loss = loss + (label_smoothing / vocab) * smooth
+    if z_loss != 0.0:
+        # Not class-weighted (design.md); it shares the "mean" denominator below.
+        loss = loss + z_loss * lse * lse
+    # torch.where, not a multiply: an ignored token's loss must be exactly 0 even if it were inf.
+    loss = torch.where(mask, loss, torch.zeros_like(loss))  # [...]
+
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        denominator = torch.where(mask, w_target, torch.zeros_like(w_target)).sum()
+        loss = loss.sum() / denominator  # 0/0 = NaN when every token is ignored, like torch
+    return (loss, lse) if return_lse else loss
+
+
+def _target_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int, softcap: float | None
+) -> torch.Tensor:
+    """logp_t = s_{t,y_t} − lse_t, 0 where ignored. logits [..., V] -> [...] in logits.dtype."""
+    s = _apply_softcap(logits, softcap)  # [..., V]
+    mask, safe_target = _safe_target(target, ignore_index)
+    logp = s.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) - _logsumexp(s)  # [...]
+    return torch.where(mask, logp, torch.zeros_like(logp))
+
+
+def _fp64_logits(
+    input: torch.Tensor, linear_weight: torch.Tensor, linear_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """z = x Wᵀ + b with every operand upcast to float64 first (no rounding before the matmul)."""
+    bias64 = None if linear_bias is None else linear_bias.double()
+    return F.linear(input.double(), linear_weight.double(), bias64)  # [..., V] float64
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def hf_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The seed benchmark's Hugging Face baseline, exactly as it ran.
+
+    `nn.Linear` then `nn.CrossEntropyLoss`: the logits stay in the input dtype (bf16 logits for
+    bf16 input, no fp32 upcast) and the loss comes back in that dtype too.
+    input [..., H], linear_weight [V, H], target [...] -> loss 0-d, or [...] for "none".
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    logits = F.linear(input, linear_weight, linear_bias)  # [..., V], input dtype
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),  # [T, V]
+        target.reshape(-1),  # [T]
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def upcast_linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+):
+    """The modern baseline: logits GEMM in the input dtype, then `.float()`, then the loss in fp32.
+
+    input [..., H], linear_weight [V, H], target [...] int64, linear_bias [V], weight [V] class
+    weights. Returns loss (fp32; [...] for "none") or (loss, lse) with lse [...] fp32.
+    Materializes the [T, V] logits twice (input dtype and fp32): this is the memory it costs.
+    """
+    logits_fp32 = F.linear(input, linear_weight, linear_bias).float()  # [..., V]
+    return _cross_entropy_from_logits(
+        logits_fp32,
+        target,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        return_lse=return_lse,
+    )
+
+
+def linear_cross_entropy_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+):
+    """Exact reference: every operand upcast to float64 before the matmul, loss in float64.
+
+    Same signature and semantics as `upcast_linear_cross_entropy`; loss (and lse) are float64.
+    Differentiable: autograd gives float64-accurate gradients, cast back to each input's dtype.
+    """
+    return _cross_entropy_from_logits(
+        _fp64_logits(input, linear_weight, linear_bias),
+        target,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        return_lse=return_lse,
+    )
+
+
+def linear_logprobs_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Per-token target log-probabilities in float64: logp_t = s_{t,y_t} − lse_t, 0 where ignored.
+
+    input [..., H], linear_weight [V, H], target [...] -> [...] float64, differentiable.
+    """
+    _check_softcap(softcap)
+    return _target_logprobs(
+        _fp64_logits(input, linear_weight, linear_bias),
+        target,
+        ignore_index=ignore_index,
+        softcap=softcap,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# SimPO (TRL CPOTrainer, loss_type="simpo")
+# ----------------------------------------------------------------------------------------------
+
+
+def _simpo_from_logprobs(
+    logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+    gamma: float,
+    alpha: float,
+    label_smoothing: float,
+    chosen_nll: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The O(B·S) part of CPO-SimPO: per-token log-probs -> (loss, metrics), in `logps.dtype`.
+
+    logps [2B, S] target log-probs (any value where masked: they are zeroed here), mask [2B, S]
+    bool (True = token counts). Rows 0..B−1 are chosen, B..2B−1 rejected, paired by index.
+    A_i = Σ_t logp_it / max(n_i, 1): an all-ignored response gets A = 0 instead of the NaN every
+    public implementation produces, so the pair stays finite and only the other response gets a
+    gradient. NLL = −Σ_{chosen non-ignored} logp / max(N_w, 1), or `chosen_nll` when given (the
+    Hugging Face path computes it with its own cross-entropy pass, as TRL does: same value).
+    """
+    if logps.shape[0] % 2 != 0:
+        raise ValueError(f"SimPO needs an even leading dimension (chosen then rejected), got {logps.shape[0]}")
+    n_pairs = logps.shape[0] // 2
+    logps = torch.where(mask, logps, torch.zeros_like(logps))  # [2B, S]
+    n_tokens = mask.sum(dim=-1).clamp_min(1).to(logps.dtype)  # [2B]
+    avg_logps = logps.sum(dim=-1) / n_tokens  # [2B], A (length-normalized)
+    chosen_avg, rejected_avg = avg_logps[:n_pairs], avg_logps[n_pairs:]  # [B], [B]
+
+    # TRL writes logits = (A_w − A_l) − γ/β and then logσ(β·logits): the same z = β(A_w − A_l) − γ.
+    z = beta * (chosen_avg - rejected_avg) - gamma  # [B]
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)  # [B]
+
+    if chosen_nll is None:
+        n_chosen_tokens = mask[:n_pairs].sum().clamp_min(1).to(logps.dtype)  # 0-d, max(N_w, 1)
+        nll = -logps[:n_pairs].sum() / n_chosen_tokens  # 0-d
+    else:
+        nll = chosen_nll
+    # Same order of terms as the Hugging Face side of Liger's benchmark: nll·α + mean(losses).
+    loss = nll * alpha + losses.mean()
+
+    chosen_rewards = (beta * chosen_avg).detach()  # [B]
+    rejected_rewards = (beta * rejected_avg).detach()  # [B]
+    metrics = {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).to(logps.dtype).mean(),
+        "logps/chosen": chosen_avg.detach().mean(),
+        "logps/rejected": rejected_avg.detach().mean(),
+        "nll_loss": nll.detach(),
+    }
+    return loss, metrics
+
+
+def hf_linear_simpo_loss(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The seed's SimPO baseline, as Liger-Kernel's benchmark ran the Hugging Face (TRL) side.
+
+    Logits GEMM in the input dtype, `.float()` on the whole [2B, S, V] logits, `log_softmax`,
+    gather of the targets, length-normalized average, TRL's CPO-SimPO loss, plus α·NLL from a
+    separate cross-entropy over the chosen half of the fp32 logits (TRL's second pass, kept because
+    its time and memory are part of what the baseline costs).
+    input [2B, S, H] (first B rows chosen, last B rejected), target [2B, S].
+    Returns (loss fp32 0-d, metrics: dict of detached fp32 0-d tensors, keys SIMPO_METRIC_KEYS).
+
+    Differences from the code that ran, both only where that code returned NaN: all-ignored
+    responses average to 0 (max(n, 1)) and an all-ignored chosen half gives NLL = 0 (the
+    cross-entropy is summed, then divided by max(N_w, 1)). TRL's "logits/chosen" and
+    "logits/rejected" means are not computed.
+    """
+    if input.shape[0] % 2 != 0:
+        raise ValueError(f"SimPO needs an even leading dimension (chosen then rejected), got {input.shape[0]}")
+    n_pairs = input.shape[0] // 2
+    logits_fp32 = F.linear(input, linear_weight, linear_bias).float()  # [2B, S, V]
+    mask, safe_target = _safe_target(target, ignore_index)  # [2B, S]
+    logps = logits_fp32.log_softmax(dim=-1).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # [2B, S]
+
+    chosen_nll_sum = F.cross_entropy(
+        logits_fp32[:n_pairs].reshape(-1, logits_fp32.shape[-1]),  # [B·S, V]
+        target[:n_pairs].reshape(-1),  # [B·S]
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    chosen_nll = chosen_nll_sum / mask[:n_pairs].sum().clamp_min(1)  # 0-d, /max(N_w, 1)
+    return _simpo_from_logprobs(
+        logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing,
+        chosen_nll=chosen_nll,
+    )
+
+
+def linear_simpo_loss_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Exact CPO-SimPO reference: same signature and semantics as `hf_linear_simpo_loss`, with
+    every operand upcast to float64 before the matmul. Loss and metrics are float64; the loss is
+    differentiable (float64 gradients through autograd).
+    """
+    mask = target != ignore_index  # [2B, S]
+    logps = linear_logprobs_fp64(
+        input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index
+    )  # [2B, S] float64
+    return _simpo_from_logprobs(
+        logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The GEMM floor
+# ----------------------------------------------------------------------------------------------
+
+
+def cublas_3gemm(
+    x2d: torch.Tensor, w: torch.Tensor, grad_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The floor of the fused op, forward + backward: the three GEMMs it cannot avoid.
+
+    logits = x Wᵀ [T, V], dX = G W [T, H], dW = Gᵀ x [V, H], each 2·T·H·V FLOPs (cuBLAS on a GPU).
+    x2d [T, H], w [V, H], grad_logits G [T, V] (any values: only the GEMM work is measured).
+    A fused op that forms G while the logits are computed does exactly this work plus an O(T·V)
+    epilogue; one that recomputes the logits in backward does a fourth GEMM.
+    """
+    logits = x2d @ w.T  # [T, V]
+    grad_input = grad_logits @ w  # [T, H]
+    grad_weight = grad_logits.T @ x2d  # [V, H]
+    return logits, grad_input, grad_weight
+
+
+def cublas_1gemm(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The floor of the loss-only (no-grad) op: the logits GEMM alone, x [T, H] @ Wᵀ -> [T, V]."""
+    return x2d @ w.T
