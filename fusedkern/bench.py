@@ -66,7 +66,12 @@ IGNORE_INDEX = -100
 # `nn.Linear` default init gives std ≈ 0.58, an untrained head on which bf16 rounding hides.)
 LOGIT_STD = 2.0
 # Floors: the GEMMs a provider cannot avoid in that mode (docs/design.md, reference README §3).
-FLOOR_OF_MODE = {"loss_only": "cublas_1gemm", "forward": "cublas_1gemm", "backward": "cublas_3gemm", "full": "cublas_3gemm"}
+FLOOR_OF_MODE = {
+    "loss_only": "cublas_1gemm",
+    "forward": "cublas_1gemm",
+    "backward": "cublas_3gemm",
+    "full": "cublas_3gemm",
+}
 
 
 def _say(message: str) -> None:
@@ -570,8 +575,8 @@ def run_sweep(
     xs: token counts (ce) or batch rows (simpo, with `seq` tokens each). Inputs are made once per
     x and shared by all providers. Returns rows in the schema of `fusedkern.results` plus `note`
     ("" when fine, "OOM", or "error: ..."); a provider/mode that errors (other than OOM) is not
-    retried at larger x. `checkpoint(rows)` is called after each x, so a run cut short by a time
-    limit still leaves the points it finished.
+    retried at larger x. `checkpoint(rows)` is called after each provider, so a run cut short by a
+    time limit still leaves what it finished.
     """
     if op not in PROVIDERS:
         raise ValueError(f"op must be one of {sorted(PROVIDERS)}, got {op!r}")
@@ -613,7 +618,7 @@ def run_sweep(
                                        note=_error_note(error))
                         if row["note"] != "OOM":
                             failed.add((provider.key, mode))
-                            _say("".join(traceback.format_exception_only(type(error), error)).rstrip())
+                            _say(traceback.format_exc().rstrip())  # the GPU run is one-shot: keep the whole story
                     inputs.clear_grads()
                     rows.append(row)
                     _say(f"{op} {x_name}={x:<6} {label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
@@ -621,10 +626,10 @@ def run_sweep(
                          f"{row['note']}")
                 del steps
                 _free_memory(device)
+                if checkpoint is not None:
+                    checkpoint(rows)
             del inputs
             _free_memory(device)
-            if checkpoint is not None:
-                checkpoint(rows)
     return rows
 
 
@@ -726,17 +731,17 @@ def run_accuracy(
                     row["err_dw"] = _relative_error(inputs.w.grad, ref_dw)
                 except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
                     row["note"] = _error_note(error)
-                    _say("".join(traceback.format_exception_only(type(error), error)).rstrip())
+                    _say(traceback.format_exc().rstrip())
                 rows.append(row)
-                _say(f"accuracy tokens={n_tokens:<6} {row['provider']:<28} err_loss {row.get('err_loss', math.nan):.3e} "
-                     f"err_dx {row.get('err_dx', math.nan):.3e} err_dw {row.get('err_dw', math.nan):.3e} {row['note']}")
+                errors = " ".join(f"{k} {row.get(k, math.nan):.3e}" for k in ("err_loss", "err_dx", "err_dw"))
+                _say(f"accuracy tokens={n_tokens:<6} {row['provider']:<28} {errors} {row['note']}")
                 inputs.clear_grads()
                 del steps
                 _free_memory(device)
+                if checkpoint is not None:
+                    checkpoint(rows)
             del inputs, ref_dx, ref_dw
             _free_memory(device)
-            if checkpoint is not None:
-                checkpoint(rows)
     return rows
 
 
@@ -762,8 +767,8 @@ def format_table(rows: list[dict]) -> str:
             cells = []
             for x in xs:
                 match = [r for r in rows if r["provider"] == provider and r["x"] == x]
-                errs = [match[0].get(k, math.nan) for k in ("err_loss", "err_dx", "err_dw")] if match else [math.nan] * 3
-                cells.append(f"{errs[0]:10.2e} {errs[1]:10.2e} {errs[2]:10.2e}")
+                errors = [match[0].get(k, math.nan) if match else math.nan for k in ("err_loss", "err_dx", "err_dw")]
+                cells.append(" ".join(f"{e:10.2e}" for e in errors))
             lines.append(f"{provider:<{width}}" + "".join(f"{c:>32}" for c in cells))
         return "\n".join(lines)
     for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:

@@ -259,7 +259,9 @@ def write_results(
     if append and csv_path.exists():
         old_record = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
         conflicts = {
-            k: (old_record[k], meta[k]) for k in WORKLOAD_KEYS if k in meta and k in old_record and old_record[k] != meta[k]
+            k: (old_record[k], meta[k])
+            for k in WORKLOAD_KEYS
+            if k in meta and k in old_record and old_record[k] != meta[k]
         }
         if conflicts:
             raise ValueError(f"cannot append to {csv_path}: the workloads differ (old, new): {conflicts}")

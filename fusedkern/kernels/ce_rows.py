@@ -80,21 +80,26 @@ def _row_stats_kernel(
     offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     col0 = split * span
     col1 = tl.minimum(col0 + span, V)
-    m = -float("inf")
-    d = 0.0
-    ws = 0.0
+    # Per-lane running max / sum-exp, reduced across lanes once after the loop: a block-wide
+    # reduction per iteration put two barriers between consecutive loads.
+    m_lane = tl.full((BLOCK_V,), -float("inf"), tl.float32)  # (BLOCK_V,)
+    d_lane = tl.zeros((BLOCK_V,), tl.float32)
+    ws_lane = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(col0, col1, BLOCK_V):
         cols = start + offs
         mask = cols < col1
         s = _softcapped(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
-        s_masked = tl.where(mask, s, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s_masked, axis=0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(s_masked - m_new), axis=0)
-        m = m_new
+        m_new = tl.where(mask, tl.maximum(m_lane, s), m_lane)
+        seen = m_new != -float("inf")  # a lane that has not yet held a valid column keeps d = 0
+        d_lane = tl.where(seen, d_lane * tl.exp(m_lane - m_new), 0.0) + tl.where(mask, tl.exp(s - m_new), 0.0)
+        m_lane = m_new
         if HAS_WEIGHT:
-            ws += tl.sum(tl.load(class_weight_ptr + cols, mask=mask, other=0.0) * s, axis=0)
+            ws_lane += tl.load(class_weight_ptr + cols, mask=mask, other=0.0) * s
         else:
-            ws += tl.sum(tl.where(mask, s, 0.0), axis=0)
+            ws_lane += tl.where(mask, s, 0.0)
+    m = tl.max(m_lane, axis=0)
+    d = tl.sum(tl.where(m_lane != -float("inf"), d_lane * tl.exp(m_lane - m), 0.0), axis=0)
+    ws = tl.sum(ws_lane, axis=0)
     out = row * SPLIT + split
     tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·BLOCK_V): merged as 0 mass
     tl.store(partial_sumexp_ptr + out, d)

@@ -1,0 +1,365 @@
+"""The benchmark harness and the results files, on CPU at tiny shapes (seconds, no GPU).
+
+What must hold before the lead spends GPU time: every provider that can run on CPU produces a row
+per mode with the same loss as the fp64 reference; errors become rows with a note instead of
+ending the run; the chunked fp64 truth of the accuracy sweep equals autograd in fp64; the CSV and
+JSON round-trip, keep the schema of docs/design.md, and are byte-identical when nothing changed;
+the CLI parses and writes both files. CUDA timing and memory are exercised only on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from fusedkern import bench, reference
+from fusedkern.results import SCHEMA_COLUMNS, load_results, read_rows, sidecar_path, write_results
+
+HIDDEN, VOCAB = 32, 97  # a prime vocab: no block size divides it
+CPU = dict(hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", warmup=1, reps=2, min_reps=1,
+           progress=False)
+CPU_ONE_REP = {**CPU, "reps": 1}  # fusedkern's kernels run in Triton's interpreter: ~0.3 s a call
+CE_TORCH_PROVIDERS = ["cublas_1gemm", "cublas_3gemm", "huggingface_bf16", "torch_fp32_upcast"]
+if hasattr(torch.nn.functional, "linear_cross_entropy"):
+    CE_TORCH_PROVIDERS.append("torch_linear_cross_entropy")
+FLOOR_MODES = {"cublas_1gemm": {"loss_only", "forward"}, "cublas_3gemm": {"backward", "full"}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    # Tiny ops on a busy CPU: torch's intra-op thread pool turns 0.2 ms into ~200 ms of wake-ups.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _fusedkern_ready() -> bool:
+    try:
+        from fusedkern import linear_cross_entropy, linear_simpo_loss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_fusedkern = pytest.mark.skipif(not _fusedkern_ready(), reason="fusedkern's public API is not importable yet")
+
+
+def _fp64_ce_loss(tokens: int, seed: int = 0) -> float:
+    inputs = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=seed)
+    return float(reference.linear_cross_entropy_fp64(inputs.x, inputs.w, inputs.target))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ce_inputs_are_lm_like_and_reproducible():
+    a = bench.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
+    b = bench.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
+    assert torch.equal(a.x, b.x) and torch.equal(a.w, b.w) and torch.equal(a.target, b.target)
+    logits_std = float((a.x @ a.w.T).detach().std())
+    assert abs(logits_std - bench.LOGIT_STD) < 0.1  # logits O(1–10), as the module promises
+    assert a.x.requires_grad and a.w.requires_grad and a.target.dtype == torch.int64
+    assert a.grad_bytes() == (512 * 256 + 1000 * 256) * 4
+
+
+def test_simpo_inputs_mask_a_prompt_prefix():
+    inputs = bench.make_simpo_inputs(4, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    assert inputs.x.shape == (4, 16, HIDDEN) and inputs.target.shape == (4, 16)
+    ignored = inputs.target == bench.IGNORE_INDEX
+    prefix_len = ignored.sum(dim=1)
+    for row, n in zip(ignored, prefix_len):
+        assert row[:n].all() and not row[n:].any()  # a prefix, then the response
+    assert (prefix_len >= 16 // 8).all() and (prefix_len < 16 // 2).all()
+    with pytest.raises(ValueError, match="even"):
+        bench.make_simpo_inputs(3, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweeps
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_timing_rows(rows: list[dict], providers: list[str], xs: list[int], modes=bench.MODES) -> None:
+    expected = {(p, x, m) for p in providers for x in xs for m in modes if m in FLOOR_MODES.get(p, set(modes))}
+    assert {(r["provider"], r["x"], r["mode"]) for r in rows} == expected
+    for row in rows:
+        assert set(SCHEMA_COLUMNS) <= set(row)
+        assert row["note"] == "", row
+        assert 0 < row["ms_p20"] <= row["ms_p50"] <= row["ms_p80"]
+        assert row["n_reps"] >= 1
+        assert math.isnan(row["peak_extra_mib"])  # no allocator statistics on CPU
+
+
+def test_ce_sweep_every_cpu_provider_and_mode():
+    rows = bench.run_sweep("ce", [8, 16], providers=CE_TORCH_PROVIDERS, **CPU)
+    _check_timing_rows(rows, CE_TORCH_PROVIDERS, [8, 16])
+    for row in rows:
+        if row["provider"] in FLOOR_MODES:
+            assert math.isnan(row["loss"])  # the floors compute no loss
+        else:
+            assert row["loss"] == pytest.approx(_fp64_ce_loss(row["x"]), rel=1e-5)
+    assert {r["x_name"] for r in rows} == {"tokens"} and {r["op"] for r in rows} == {"ce"}
+
+
+@needs_fusedkern
+def test_ce_sweep_fusedkern_chunked():
+    providers = ["fusedkern_chunked", "fusedkern_chunked_lean"]
+    rows = bench.run_sweep("ce", [8], providers=providers, **CPU_ONE_REP)
+    _check_timing_rows(rows, providers, [8])
+    assert all(r["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5) for r in rows)
+
+
+def test_simpo_sweep_matches_the_fp64_reference():
+    providers = ["huggingface_fp32", "cublas_3gemm"]
+    if _fusedkern_ready():
+        providers.append("fusedkern_chunked")
+    rows = bench.run_sweep("simpo", [2, 4], seq=8, providers=providers, modes=["loss_only", "full"], **CPU_ONE_REP)
+    _check_timing_rows(rows, providers, [2, 4], modes=("loss_only", "full"))
+    for row in rows:
+        if row["provider"] == "cublas_3gemm":
+            continue
+        inputs = bench.make_simpo_inputs(row["x"], 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+        expected = float(reference.linear_simpo_loss_fp64(inputs.x, inputs.w, inputs.target)[0])
+        assert row["loss"] == pytest.approx(expected, rel=1e-5), row
+    assert {r["x_name"] for r in rows} == {"batch"}
+
+
+def test_a_failing_provider_becomes_rows_with_a_note(monkeypatch):
+    calls = []
+
+    def broken(inputs):
+        def loss_fn():
+            calls.append(inputs.x.shape[0])
+            raise RuntimeError("kernel exploded\nsecond line")
+
+        return bench._loss_steps(loss_fn)
+
+    registry = {**bench.PROVIDERS["ce"], "broken": bench.Provider("broken", broken, lambda: "broken")}
+    monkeypatch.setitem(bench.PROVIDERS, "ce", registry)
+    rows = bench.run_sweep("ce", [8, 16], providers=["broken", "huggingface_bf16"], modes=["full"], **CPU)
+    broken_rows = [r for r in rows if r["provider"] == "broken"]
+    assert len(broken_rows) == 1  # not retried at the larger size
+    assert broken_rows[0]["note"] == "error: RuntimeError: kernel exploded"
+    assert math.isnan(broken_rows[0]["ms_p50"]) and broken_rows[0]["n_reps"] == 0
+    assert calls == [8]
+    assert len([r for r in rows if r["provider"] == "huggingface_bf16"]) == 2  # the others carry on
+
+
+def test_unavailable_provider_is_skipped_and_unknown_one_rejected(monkeypatch):
+    def unavailable(inputs):
+        raise bench.ProviderUnavailable("not here")
+
+    registry = {**bench.PROVIDERS["ce"], "absent": bench.Provider("absent", unavailable, lambda: "absent")}
+    monkeypatch.setitem(bench.PROVIDERS, "ce", registry)
+    rows = bench.run_sweep("ce", [8], providers=["absent", "cublas_3gemm"], **CPU)
+    assert {r["provider"] for r in rows} == {"cublas_3gemm"}
+    with pytest.raises(ValueError, match="unknown ce providers"):
+        bench.run_sweep("ce", [8], providers=["nope"], **CPU)
+    with pytest.raises(ValueError, match="unknown modes"):
+        bench.run_sweep("ce", [8], providers=["cublas_3gemm"], modes=["sideways"], **CPU)
+
+
+def test_time_step_adapts_the_rep_count():
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    step = bench._cublas_1gemm(inputs)["loss_only"]
+    assert bench.time_step(step, inputs, warmup=1, reps=50, min_reps=3, max_case_s=0.0)["n_reps"] == 3
+    assert bench.time_step(step, inputs, warmup=1, reps=7, min_reps=3, max_case_s=60.0)["n_reps"] == 7
+
+
+def test_backward_mode_times_only_the_backward():
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    forwards, backwards = [], []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            forwards.append(torch.is_grad_enabled())
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            backwards.append(1)
+            return g
+
+    steps = bench._loss_steps(lambda: reference.hf_linear_cross_entropy(Spy.apply(inputs.x), inputs.w, inputs.target))
+    state = steps["backward"].setup()  # the untimed part: the forward
+    assert len(forwards) == 1 and backwards == []
+    steps["backward"].run(state)
+    assert len(forwards) == 1 and backwards == [1] and inputs.x.grad is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy and the fp64 truth
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 64])
+def test_fp64_chunked_reference_equals_autograd(chunk_tokens):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(13, HIDDEN, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(VOCAB, HIDDEN, generator=gen) / 3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(VOCAB, (13,), generator=gen)
+    target[[2, 7]] = bench.IGNORE_INDEX
+    loss, dx, dw = bench.fp64_linear_cross_entropy_grads_chunked(x, w, target, chunk_tokens=chunk_tokens)
+
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    expected = reference.linear_cross_entropy_fp64(x64, w64, target)
+    expected.backward()
+    assert loss.dtype == dx.dtype == dw.dtype == torch.float64
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(dx, x64.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(dw, w64.grad, rtol=1e-12, atol=1e-15)
+    assert (dx[[2, 7]] == 0).all()  # ignored tokens get no gradient
+
+
+def test_fp64_chunked_reference_all_ignored_is_nan_like_torch():
+    x = torch.randn(4, HIDDEN)
+    w = torch.randn(VOCAB, HIDDEN)
+    target = torch.full((4,), bench.IGNORE_INDEX)
+    loss, _, _ = bench.fp64_linear_cross_entropy_grads_chunked(x, w, target)
+    assert math.isnan(float(loss))
+
+
+def test_accuracy_sweep_rows():
+    providers = ["huggingface_bf16", "torch_fp32_upcast"] + (["fusedkern_chunked"] if _fusedkern_ready() else [])
+    kwargs = {k: v for k, v in CPU.items() if k not in ("warmup", "reps", "min_reps")}
+    rows = bench.run_accuracy([8, 16], providers=providers, chunk_tokens=5, **kwargs)
+    assert {(r["provider"], r["x"]) for r in rows} == {(p, x) for p in providers for x in (8, 16)}
+    for row in rows:
+        assert row["mode"] == "full" and row["note"] == "" and row["n_reps"] == 0
+        for key in ("err_loss", "err_dx", "err_dw"):
+            assert 0 <= row[key] < 1e-5, row  # fp32 against fp64
+    with pytest.raises(ValueError, match="floors"):
+        bench.run_accuracy([8], providers=["cublas_3gemm"], **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Results files
+# ----------------------------------------------------------------------------------------------
+
+ENVIRONMENT = {"gpu_name": "test", "date_utc": "2026-01-01T00:00:00+00:00", "command": "pytest"}
+META = {"sweep": "ce", "hidden": HIDDEN, "vocab": VOCAB, "dtype": "float32"}
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for provider in ("b_provider", "a, quoted provider"):
+        for x in (16, 8):
+            for mode in reversed(bench.MODES):
+                rows.append({"op": "ce", "provider": provider, "x_name": "tokens", "x": x, "mode": mode,
+                             "ms_p20": 1.0 / 3, "ms_p50": 0.5, "ms_p80": 2.0 / 3, "peak_extra_mib": math.nan,
+                             "n_reps": 7, "loss": 4.123456789, "err_dx": 1.23456789e-7, "note": ""})
+    rows[0]["note"] = "OOM"
+    return rows
+
+
+def test_write_then_load_round_trip(tmp_path):
+    path = write_results(_rows(), tmp_path / "ce.csv", meta=META, environment=ENVIRONMENT)
+    df = load_results(path)
+    assert list(df.columns) == [*SCHEMA_COLUMNS, "err_dx", "note"]
+    assert df.attrs["meta"] == {**ENVIRONMENT, **META}
+    assert len(df) == len(_rows())
+    assert df["ms_p50"].eq(0.5).all() and df["peak_extra_mib"].isna().all()
+    assert df["loss"].iloc[0] == pytest.approx(4.123457) and df["err_dx"].iloc[0] == pytest.approx(1.2346e-7)
+    assert df["x"].dtype.kind == "i" and df["n_reps"].dtype.kind == "i"
+    assert sorted(df["note"]) == [""] * (len(df) - 1) + ["OOM"]
+    assert "a, quoted provider" in set(df["provider"])
+    # Sorted: provider, then x, then mode by amount of work.
+    first = df[df["provider"] == "a, quoted provider"]
+    assert list(first["x"]) == [8] * 4 + [16] * 4
+    assert list(first["mode"][:4]) == list(bench.MODES)
+
+
+def test_write_is_deterministic(tmp_path):
+    shuffled = _rows()
+    random.Random(0).shuffle(shuffled)
+    a = write_results(_rows(), tmp_path / "a.csv", meta=META, environment=ENVIRONMENT)
+    b = write_results(shuffled, tmp_path / "b.csv", meta=META, environment=ENVIRONMENT)
+    assert a.read_bytes() == b.read_bytes()
+    assert sidecar_path(a).read_bytes() == sidecar_path(b).read_bytes()
+    # Reading back and writing again changes nothing either.
+    c = write_results(read_rows(a), tmp_path / "c.csv", meta=META, environment=ENVIRONMENT)
+    assert c.read_bytes() == a.read_bytes()
+
+
+def test_write_rejects_rows_without_the_schema(tmp_path):
+    row = _rows()[0]
+    del row["ms_p50"]
+    with pytest.raises(ValueError, match="ms_p50"):
+        write_results([row], tmp_path / "x.csv", meta=META, environment=ENVIRONMENT)
+
+
+def test_append_merges_rows_and_keeps_both_provenances(tmp_path):
+    path = tmp_path / "ce.csv"
+    write_results(_rows(), path, meta=META, environment=ENVIRONMENT)
+    new = [{**_rows()[1], "provider": "liger-kernel 0.4.2"}, {**_rows()[1], "ms_p50": 9.0}]
+    later = {**ENVIRONMENT, "date_utc": "2026-01-02T00:00:00+00:00"}
+    for _ in range(2):  # a checkpointing run appends the same record after every sweep point
+        write_results(new, path, meta=META, environment=later, append=True)
+    rows = read_rows(path)
+    assert len(rows) == len(_rows()) + 1
+    replaced = [r for r in rows if r["provider"] == "b_provider" and r["x"] == 16 and r["mode"] == "backward"]
+    assert [r["ms_p50"] for r in replaced] == [9.0]
+    record = json.loads(sidecar_path(path).read_text())
+    assert record["date_utc"] == ENVIRONMENT["date_utc"]
+    assert [run["date_utc"] for run in record["appended_runs"]] == [later["date_utc"]]
+    with pytest.raises(ValueError, match="workloads differ"):
+        write_results(new, path, meta={**META, "vocab": 128}, environment=later, append=True)
+
+
+def test_collect_environment_without_gpu():
+    from fusedkern.results import collect_environment
+
+    env = collect_environment("python -m fusedkern.bench ce")
+    assert env["torch"] == torch.__version__ and env["command"] == "python -m fusedkern.bench ce"
+    assert set(env["competitors"]) == {"liger-kernel", "cut-cross-entropy"}
+    assert env["date_utc"].endswith("+00:00")
+    json.dumps(env)  # serializable as it stands
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and summary
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cli_help_lists_the_providers(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for key in [*bench.PROVIDERS["ce"], *bench.PROVIDERS["simpo"]]:
+        assert key in text
+    for sweep in ("ce", "simpo", "accuracy"):
+        with pytest.raises(SystemExit):
+            bench.main([sweep, "--help"])
+        assert "--hidden" in capsys.readouterr().out
+
+
+def test_cli_writes_csv_json_and_a_table(tmp_path, capsys):
+    out = tmp_path / "ce.csv"
+    argv = ["ce", "--tokens", "8", "--hidden", "16", "--vocab", "31", "--dtype", "float32", "--device", "cpu",
+            "--providers", "huggingface_bf16", "cublas_3gemm", "--warmup", "1", "--reps", "2", "--min-reps", "1",
+            "--out", str(out), "--no-progress"]
+    assert bench.main(argv) == 0
+    df = load_results(out)
+    assert set(df["provider"]) == {"huggingface_bf16", "cublas_3gemm"}
+    meta = df.attrs["meta"]
+    assert meta["command"].startswith("python -m fusedkern.bench ce --tokens 8")
+    assert (meta["hidden"], meta["vocab"], meta["dtype"]) == (16, 31, "float32")
+    table = capsys.readouterr().out
+    assert "full: ms_p50 (× cublas_3gemm)" in table and "( 1.00×)" in table
+
+
+def test_format_table_accuracy():
+    rows = [{"op": "ce", "provider": "p", "x_name": "tokens", "x": 8, "mode": "full", "err_loss": 1e-3,
+             "err_dx": 2e-3, "err_dw": 3e-3}]
+    text = bench.format_table(rows)
+    assert "relative errors" in text and "1.00e-03" in text and "3.00e-03" in text
