@@ -378,6 +378,13 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
                 _key_label("fusedkern_chunked_lean"),
             ),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
+            # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
+            *(
+                Provider(f"fusedkern_chunked{suffix}_c{c}", _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum),
+                         _key_label(f"fusedkern_chunked{suffix}_c{c}"))
+                for c in (512, 2048, 4096, 8192)
+                for suffix, accum in (("", "fp32"), ("_lean", "weight_dtype"))
+            ),
             Provider("liger", _ce_liger, _dist_label("liger-kernel")),
             Provider("cut_cross_entropy", _ce_cut_cross_entropy, _key_label("cut_cross_entropy")),
             Provider(

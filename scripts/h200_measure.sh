@@ -80,12 +80,19 @@ run() {
 
 # shellcheck disable=SC2086  # the size and timing lists are meant to split into words
 {
-    run ce 230 "$site085" ce --tokens $ce_tokens $timing --out "$outdir/ce.csv"
-    run ce_liger042 50 "$site042" ce --tokens $ce_tokens $timing --providers liger \
+    study="fusedkern_chunked_c512 fusedkern_chunked_c2048 fusedkern_chunked_c4096 fusedkern_chunked_c8192"
+    study="$study fusedkern_chunked_lean_c512 fusedkern_chunked_lean_c2048 fusedkern_chunked_lean_c4096 fusedkern_chunked_lean_c8192"
+    main_ce="cublas_1gemm cublas_3gemm huggingface_bf16 torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean"
+    main_ce="$main_ce fusedkern_fused liger cut_cross_entropy torch_linear_cross_entropy"
+    run ce 230 "$site085" ce --tokens $ce_tokens $timing --providers $main_ce --out "$outdir/ce.csv"
+    # the chunk-size / accumulation trade-off (full mode only), its own file
+    run chunk_study 60 "$site085" ce --tokens $ce_tokens $timing --providers $study --modes full \
+        --out "$outdir/chunk_study.csv"
+    run ce_liger042 45 "$site042" ce --tokens $ce_tokens $timing --providers liger \
         --append --out "$outdir/ce.csv"
-    run simpo 150 "$site085" simpo --batch $simpo_batch --seq "$simpo_seq" $timing --out "$outdir/simpo.csv"
-    run accuracy 60 "$site085" accuracy --tokens $accuracy_tokens --out "$outdir/accuracy.csv"
-    run accuracy_liger042 30 "$site042" accuracy --tokens $accuracy_tokens --providers liger \
+    run simpo 130 "$site085" simpo --batch $simpo_batch --seq "$simpo_seq" $timing --out "$outdir/simpo.csv"
+    run accuracy 50 "$site085" accuracy --tokens $accuracy_tokens --out "$outdir/accuracy.csv"
+    run accuracy_liger042 25 "$site042" accuracy --tokens $accuracy_tokens --providers liger \
         --append --out "$outdir/accuracy.csv"
 }
 
