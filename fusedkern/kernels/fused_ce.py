@@ -7,7 +7,7 @@ dW = Gᵀ·X. Math (loss with every option and its gradient): docs/design.md.
 Based on: the online softmax (Milakov & Gimelshein, 2018) as used by FlashAttention (Dao et al.,
 2022) for the forward epilogue; the Triton matmul tutorial for the tiling; and, for the backward,
 the recompute-and-accumulate scheme of Cut Cross-Entropy (Wijmans et al., 2024), here with fp32
-atomics into small, L2-resident workspaces instead of locks.
+atomics into budget-sized workspaces instead of locks and low-precision accumulation.
 
 Forward (`fused_ce_forward`)
     grid = V-splits × T-blocks (split index fastest, so the programs in flight share a few
@@ -18,39 +18,51 @@ Forward (`fused_ce_forward`)
     them into lse and ℓ_t. The number of splits is chosen so the GPU is full even for small T.
 
 Backward (`fused_ce_backward`)
-    Each program recomputes one logit tile (the K-loop again), forms G with the saved lse and
-    per-row coefficients, then loops over H in BLOCK_H chunks: dX[t, h] += G·W[v, h] and
-    dW[v, h] += Gᵀ·X[t, h] with `tl.atomic_add` (relaxed) into fp32 accumulators, db[v] += Σ_t G.
-    Where the accumulators live is the memory/time trade-off (`max_workspace_bytes`, 16 MiB by
-    default, the "extra memory" budget):
-      * fp32 operands accumulate straight into the returned gradients (no workspace);
-      * a bf16/fp16 dX needs an fp32 [T, H] accumulator and dW an fp32 [V, H] one, far above the
-        budget at LM sizes (0.5 GiB and 2 GiB at T=32768, V=128256, H=4096). So the grid is cut
-        into launches whose accumulators fit the budget: "single pass" when the whole fp32 dX fits
-        (small T): V-chunks of Vc rows, each launch covering all T, dW chunk flushed (cast) after
-        each launch; otherwise "two passes": pass A over T-chunks of Tc rows (all V) computes dX
-        (+db), pass B over V-chunks of Vc rows (all T) computes dW. Pass B recomputes the logits
-        a second time: +1 GEMM of FLOPs, in exchange for O(budget) memory; every accumulator
-        stays in L2 while its atomics land, and both gradients are rounded once, from fp32.
-      * T ≤ BLOCK_T (one token block): dW/db have a single writer per element and are stored
-        directly in the weight's dtype, no accumulator.
-    Atomic adds make dX/dW non-deterministic in the last bits (fp32 summation order).
+    Each program recomputes one logit tile (the K-loop again), forms G from the saved lse and three
+    per-row coefficients (G = (a_t·p − b_t·[v = y_t] − c_t·w_v)·s', with the softcap derivative
+    s' = 4e/(1 + e)², e = exp(−2|z/c|), which does not cancel where tanh saturates), then walks H
+    in BLOCK_H chunks: dX[t, h] += G·W[v, h] and dW[v, h] += Gᵀ·X[t, h] (tl.dot on G rounded to the
+    input dtype, fp32 products) with `tl.atomic_add` (relaxed; vectorized v4 on sm_90) into fp32
+    accumulators, and db[v] += Σ_t G. Token blocks whose targets are all ignored exit early.
+    Where the fp32 accumulators live is the memory/time trade-off (`max_workspace_bytes`, default
+    16 MiB of extra memory):
+      * fp32 operands accumulate straight into the returned gradients: no workspace, one launch;
+      * T ≤ min BLOCK_T (one token block): every dW/db element has one writer: stored directly in
+        the weight's dtype;
+      * otherwise bf16/fp16 gradients need fp32 accumulators, [T, H] for dX and [V, H] for dW:
+        0.5 GiB + 2 GiB at T=32768, V=128256, H=4096, far over budget. The grid is therefore cut
+        into launches whose accumulators fit, each flushed (cast) once complete:
+        - "single pass" when the whole fp32 dX fits next to a V-chunk (small T, or a larger
+          budget): launches over V-chunks of Vc rows, each covering all T;
+        - "two passes" otherwise: pass A over T-chunks of Tc rows (all V) builds dX (+ db), pass B
+          over V-chunks of Vc rows (all T) builds dW (Tc = Vc = 1024 at H = 4096, 16 MiB).
+          Pass B recomputes the logits once more (+1 GEMM of FLOPs) in exchange for O(budget)
+          memory; the small accumulator stays in L2 while its atomics land.
+      Either way every gradient element is rounded once, from fp32. Atomic adds make dX/dW
+      non-deterministic in the last bits (fp32 summation order).
 
 Where the time goes (H200, bf16, T=32768, H=4096, V=128256; one GEMM = 2·T·V·H = 3.44e13 FLOP,
-~45 ms at ~750 TFLOP/s):
+~45 ms at ~750 TFLOP/s; three cuBLAS GEMMs ≈ 135 ms):
     forward   1 GEMM of FLOPs + T·V = 4.2e9 exp (+ tanh with softcap) on the MUFU (~1-2 ms).
-              L2→SM operand traffic (BT+BV)·H·2 bytes per BT·BV tile: 64 FLOP/B at 128×128, which
-              is why a 128×256 config is offered; HBM traffic is small (W re-read once per group
-              of T-blocks in flight, X rows stay in L2): ~35 GB, < 10 ms, overlapped.
-    backward  3 GEMMs of FLOPs (recompute, dX, dW), 4 in the two-pass mode; plus the fp32 atomics:
-              T·H·V/BV + V·H·T/BT = 2.7e11 element adds (1.1 TB) at BT = BV = 128. They target
-              L2-resident workspaces, but the L2's atomic throughput, not the tensor cores, is
-              the likely bound of the backward: expect ~2-3× the time of three cuBLAS GEMMs for
-              forward+backward, not 1.5×. Larger tiles (BV=256) halve the dX share; a
-              materialize-G-per-SM scheme would be needed to do better (see the chunked strategy).
+              L2→SM operand traffic (BT+BV)·H·2 bytes per BT·BV tile (64 FLOP/B at 128×128, 85 at
+              128×256); HBM: W is re-read once per group of T-blocks in flight (~30 GB, ~7 ms,
+              overlapped), X rows stay in L2.
+    backward  3 GEMMs of FLOPs (recompute, dX, dW) in one pass, 4 in two passes; plus
+              T·H·V/BV + V·H·T/BT = 2.7e11 fp32 atomic adds (1.1 TB into L2) at BT = BV = 128.
+    total     ≥ 4 GEMMs (one pass: ≥ 1.33× three GEMMs) or ≥ 5 (two passes, the 16 MiB default:
+              ≥ 1.67×) at tensor-core speed; with the atomics, which the L2's atomic throughput
+              rather than the tensor cores may bound, expect ~2-3× three cuBLAS GEMMs (an estimate,
+              not measured). The 1.5× goal is out of reach of this design under 16 MiB (4 GEMMs
+              need fp32 [T, H] scratch or low-precision accumulation); the chunked strategy is
+              the fast one.
     memory    forward: 16·n_split·T bytes of partials (≤ 16 MiB by construction) + 8·T outputs.
-              backward: ≤ max_workspace_bytes of fp32 workspace + 12·T bytes of row coefficients
-              (`workspace_bytes` reports it), plus the gradients themselves.
+              backward: ≤ max_workspace_bytes of fp32 accumulators + 12·T + 4·V bytes of
+              coefficients (`workspace_bytes` reports both), plus the gradients themselves.
+
+Block sizes (autotuned; offline sm_90a compile, all options on): forward 128×128×64, 8 warps,
+3 stages: 96 KB shared memory, no spills; backward 128×128×64, 8 warps, 3 stages: 160 KB, ≤ 72 B of
+spills. fp32 operands (ieee dots on the FMA units) get smaller tiles. The interpreter uses
+16×32×16 so that the tiny CPU test shapes span several tiles.
 
 Indexing: row offsets are formed in int64 (`offs.to(tl.int64) * stride`): with arbitrary strides
 (views into larger buffers) and at LM sizes a row index times a row stride can exceed 2^31 (e.g.
@@ -127,8 +139,15 @@ def _logit_tile(
 # forward kernel
 
 
-def _fwd_configs():
+def _fwd_configs(fp32: bool):
     c = triton.Config
+    if fp32:  # ieee fp32 dots run on the FMA units: smaller tiles, or the operands spill
+        return [
+            c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 32}, num_warps=8, num_stages=2),
+            c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=2),
+            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=4, num_stages=2),
+            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=3),
+        ]
     return [
         c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
         c({"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
@@ -142,7 +161,10 @@ def _fwd_configs():
 # The interpreter runs only the first config: a small one, so that the tiny test shapes still span
 # several tiles in T, V and H and the masked tails are exercised.
 _INTERP_CONFIG = triton.Config({"BLOCK_T": 16, "BLOCK_V": 32, "BLOCK_H": 16}, num_warps=4, num_stages=1)
-_FWD_CONFIGS = autotune_configs([_INTERP_CONFIG] if interpreting() else _fwd_configs())
+
+
+def _config_list(configs: list) -> list:
+    return autotune_configs([_INTERP_CONFIG] if interpreting() else configs)
 
 
 @triton.jit
@@ -220,27 +242,37 @@ def _fused_ce_fwd_kernel(
         tl.store(out + 3 * stride_pk, sws_i, mask=mask_t)
 
 
-_fused_ce_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=["V", "H", "T_BUCKET"])(_fused_ce_fwd_kernel)
+# one autotuner per operand width (fp32: FMA-friendly tiles; fp16/bf16: tensor-core tiles)
+_FWD_CONFIGS = {fp32: _config_list(_fwd_configs(fp32)) for fp32 in (False, True)}
+_fused_ce_fwd_tuned = {fp32: triton.autotune(configs=cfgs, key=["V", "H", "T_BUCKET"])(_fused_ce_fwd_kernel)
+                       for fp32, cfgs in _FWD_CONFIGS.items()}
 
 
 # ----------------------------------------------------------------------------------------------
 # backward kernel
 
 
-def _bwd_configs():
+def _bwd_configs(fp32: bool):
     c = triton.Config
+    if fp32:
+        return [
+            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=3),
+            c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=2),
+            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 16}, num_warps=4, num_stages=3),
+            c({"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=4, num_stages=2),
+        ]
     return [
         c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
         c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=4),
         # (128 × 256 would need ~280 KB of shared memory for the pipelined operands: over the 228 KB)
-        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
+        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=2),
         c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4, num_stages=4),
         c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=4, num_stages=4),
         c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 128}, num_warps=4, num_stages=3),
     ]
 
 
-_BWD_CONFIGS = autotune_configs([_INTERP_CONFIG] if interpreting() else _bwd_configs())
+_BWD_CONFIGS = {fp32: _config_list(_bwd_configs(fp32)) for fp32 in (False, True)}
 # mode keys (autotune key: each pass is tuned on its own)
 _MODE_SINGLE, _MODE_DX, _MODE_DW = 0, 1, 2
 
@@ -271,22 +303,22 @@ def _fused_ce_bwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     GRAD_W_STORE: tl.constexpr,  # one token block covers all T: store dW/db instead of accumulating
-    V_FASTEST: tl.constexpr,  # program order: vocab tiles fastest (V-chunked launches) or token blocks fastest
+    GROUP_T: tl.constexpr,  # token blocks per program group (launch order)
     USE_LIBDEVICE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     # meta-parameters
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # 1. which (token block, vocab tile); the chunked axis runs fastest so that the programs in
-    #    flight hit the same accumulator rows while those sit in L2
+    # 1. which (token block, vocab tile): grouped order as in the matmul tutorial, GROUP_T token
+    #    blocks × all vocab tiles of the launch, token blocks fastest, so that the programs in flight
+    #    share X rows, W rows and the accumulator rows they add into while those sit in L2
     pid = tl.program_id(0)
-    if V_FASTEST:
-        n_v = tl.cdiv(V_END - V_START, BLOCK_V)
-        pid_v = pid % n_v
-        pid_t = pid // n_v
-    else:
-        n_t = tl.cdiv(T_END - T_START, BLOCK_T)
-        pid_t = pid % n_t
-        pid_v = pid // n_t
+    n_t = tl.cdiv(T_END - T_START, BLOCK_T)
+    n_v = tl.cdiv(V_END - V_START, BLOCK_V)
+    per_group = GROUP_T * n_v
+    first_t = (pid // per_group) * GROUP_T
+    group_size = tl.minimum(n_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % per_group) % group_size
+    pid_v = (pid % per_group) // group_size
     offs_t = T_START + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     offs_v = V_START + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     mask_t = offs_t < T_END
@@ -304,12 +336,15 @@ def _fused_ce_bwd_kernel(
                     stride_xt, stride_xh, stride_wv, stride_wh, stride_b,
                     HAS_BIAS, DOT_PRECISION, BLOCK_T, BLOCK_V, BLOCK_H)  # (BLOCK_T, BLOCK_V)
     if HAS_SOFTCAP:
-        th = _tanh(z / SOFTCAP, USE_LIBDEVICE)
-        s = SOFTCAP * th
+        u = z / SOFTCAP
+        s = SOFTCAP * _tanh(u, USE_LIBDEVICE)
+        # s' = 1 − tanh²(u) = 4e/(1 + e)², e = exp(−2|u|): no cancellation where |tanh| → 1
+        e = tl.exp(-2.0 * tl.abs(u))
+        ds_dz = 4.0 * e / ((1.0 + e) * (1.0 + e))  # (BLOCK_T, BLOCK_V)
     else:
         s = z
 
-    # 3. G = g_t·∂ℓ_t/∂z_tv = (a_t·p_tv − b_t·[v = y_t] − c_t·w_v)·(1 − (s/c)²)
+    # 3. G = g_t·∂ℓ_t/∂z_tv = (a_t·p_tv − b_t·[v = y_t] − c_t·w_v)·s'(z_tv)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
     ca = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
     cb = tl.load(coef_ptr + T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
@@ -323,7 +358,7 @@ def _fused_ce_bwd_kernel(
         else:
             g -= cc[:, None]
     if HAS_SOFTCAP:
-        g *= 1.0 - th * th
+        g *= ds_dz
     # ignored / out-of-range rows and out-of-range columns are exactly 0 (where, not a product:
     # p may be inf/NaN in padded rows)
     g = tl.where(valid[:, None] & mask_v[None, :], g, 0.0)  # (BLOCK_T, BLOCK_V) fp32
@@ -364,9 +399,10 @@ def _fused_ce_bwd_kernel(
 # before each trial and after the last one. That is correct because a pass is tuned on its first
 # launch (the key is constant within a pass), when every accumulator it adds into is still zero;
 # accumulators a launch does not use are passed as a private dummy.
-_fused_ce_bwd_tuned = triton.autotune(
-    configs=_BWD_CONFIGS, key=["V", "H", "T_BUCKET", "MODE"], reset_to_zero=["dx_ptr", "dw_ptr", "db_ptr"],
-)(_fused_ce_bwd_kernel)
+_fused_ce_bwd_tuned = {
+    fp32: triton.autotune(configs=cfgs, key=["V", "H", "T_BUCKET", "MODE"],
+                          reset_to_zero=["dx_ptr", "dw_ptr", "db_ptr"])(_fused_ce_bwd_kernel)
+    for fp32, cfgs in _BWD_CONFIGS.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,10 +499,10 @@ def workspace_bytes(T: int, V: int, H: int, dtype: torch.dtype, *, need_dx: bool
 # host side: entry points
 
 
-def _meta(block_config):
+def _meta(block_config, fp32: bool):
     """(launch kwargs for the raw kernel or None for the autotuned one, min BLOCK_T, T granule, V granule)."""
     if block_config is None:
-        cfgs = _BWD_CONFIGS
+        cfgs = _BWD_CONFIGS[fp32] + _FWD_CONFIGS[fp32]
         min_bt = min(c.kwargs["BLOCK_T"] for c in cfgs)
         max_bt = max(c.kwargs["BLOCK_T"] for c in cfgs)
         granule_v = max(_V_GRANULE if not interpreting() else 0, max(c.kwargs["BLOCK_V"] for c in cfgs))
@@ -495,8 +531,8 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     x [T, H], weight [V, H] (same dtype: fp32, fp16 or bf16; unit last stride is fastest), bias [V] or
     None, target [T] int64, class_weight [V] fp32 or None. Returns (loss_tok [T] fp32, lse [T] fp32):
     ℓ_t of docs/design.md (0 for ignored tokens) and logsumexp_v s_tv (for every token).
-    `block_config` / `n_split` (tests): fixed BLOCK_T/BLOCK_V/BLOCK_H (+ num_warps, num_stages) instead
-    of autotuning, and a fixed number of V-splits.
+    `block_config` / `n_split` (tests): fixed BLOCK_T/BLOCK_V/BLOCK_H (+ num_warps, num_stages, and
+    GROUP_T for the backward's launch order) instead of autotuning, and a fixed number of V-splits.
     """
     T, H = x.shape
     V = weight.shape[0]
@@ -508,7 +544,8 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     has_weight = class_weight is not None
     cw = class_weight.contiguous().to(torch.float32) if has_weight else None
     opts, cap = _options(x, weight, softcap, eps)
-    kw, _, max_bt, granule_v = _meta(block_config)
+    fp32 = x.dtype == torch.float32
+    kw, _, max_bt, granule_v = _meta(block_config, fp32)
     if n_split is None:
         n_split, split_v = _forward_splits(T, V, _sm_count(dev), granule_v, max_bt)
     else:
@@ -524,7 +561,7 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     flags = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
     if kw is None:
         grid = lambda META: (n_split * triton.cdiv(T, META["BLOCK_T"]),)  # noqa: E731
-        _fused_ce_fwd_tuned[grid](*args, **flags)
+        _fused_ce_fwd_tuned[fp32][grid](*args, **flags)
     else:
         _fused_ce_fwd_kernel[(n_split * triton.cdiv(T, kw["BLOCK_T"]),)](*args, **flags, **kw)
 
@@ -571,7 +608,8 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     has_weight = class_weight is not None
     cw = class_weight.contiguous().to(torch.float32) if has_weight else None
     opts, cap = _options(x, weight, softcap, eps)
-    kw, min_bt, max_bt, granule_v = _meta(block_config)
+    fp32 = x.dtype == torch.float32
+    kw, min_bt, max_bt, granule_v = _meta(block_config, fp32)
     target = target.contiguous()
     lse = lse.contiguous().to(torch.float32)
 
@@ -608,6 +646,7 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
               else torch.zeros(V, device=dev, dtype=torch.float32)) if need_db else None
 
     flags_common = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
+    group_t = block_config.get("GROUP_T", 8) if block_config is not None else 8
     t_bucket = triton.next_power_of_2(T)
     for mode, axis, chunk in passes:
         do_dx = need_dx and mode in (_MODE_SINGLE, _MODE_DX)
@@ -634,10 +673,10 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
                     bias.stride(0) if bias is not None else 0, dx_arg.stride(0), dw_arg.stride(0),
                     ignore_index, cap)
             flags = dict(COMPUTE_DX=do_dx, COMPUTE_DW=do_dw, COMPUTE_DB=do_db, GRAD_W_STORE=dw_store,
-                         V_FASTEST=axis == "V", **flags_common)
+                         GROUP_T=group_t, **flags_common)
             if kw is None:
                 grid = lambda META: (triton.cdiv(t1 - t0, META["BLOCK_T"]) * triton.cdiv(v1 - v0, META["BLOCK_V"]),)  # noqa: E731
-                _fused_ce_bwd_tuned[grid](*args, **flags)
+                _fused_ce_bwd_tuned[fp32][grid](*args, **flags)
             else:
                 grid = (triton.cdiv(t1 - t0, kw["BLOCK_T"]) * triton.cdiv(v1 - v0, kw["BLOCK_V"]),)
                 _fused_ce_bwd_kernel[grid](*args, **flags, **kw)
@@ -655,6 +694,4 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
         del dx_ws, dw_ws
 
     db = db_acc.to(bias.dtype) if need_db else None
-    if dx is not None and dx.dtype != x.dtype:
-        dx = dx.to(x.dtype)
     return dx, dw, db
