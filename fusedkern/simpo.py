@@ -4,6 +4,9 @@ Built the way the math suggests: `linear_logprobs` (the fused primitive) gives p
 log-probabilities of the [2B, S] batch; everything after that is an O(B·S) function in plain PyTorch
 (`simpo_loss_from_logps`), whose autograd hands the fused backward one upstream gradient per token:
 chosen token g = −β·σ(−z_i)/(B·n_w,i) − α/N_w, rejected token g = +β·σ(−z_i)/(B·n_l,i) (ε = 0).
+That generic path costs four GEMMs (logits recomputed in backward). With the chunked strategy and
+responses that fit a chunk, `fusedkern/simpo_chunked.py` forms the same gradient in the forward pass
+(three GEMMs when a chunk holds a whole pair, 3.5 otherwise).
 Semantics follow TRL's CPOTrainer with loss_type="simpo" (docs/design.md).
 """
 
@@ -14,7 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedkern import _validation as V_
+from fusedkern.chunked import LossOptions
+from fusedkern.linear_cross_entropy import _validate, resolve_impl
 from fusedkern.logprobs import linear_logprobs
+from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
 # γ = β·(0.25–0.8) and α = 0 (pure SimPO).
@@ -79,6 +85,24 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, nll_loss).
     """
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
+    hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
+    wants_grad = torch.is_grad_enabled() and (
+        input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
+    if wants_grad and impl != "fused":
+        _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+                  weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        two_b, seq, _ = input.shape
+        plan = plan_for(two_b, seq, linear_weight.shape[0], input.dtype, chunk_tokens)
+        if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
+                and plan[0] != "generic":
+            # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)
+            def loss_fn(logp, mask):
+                return simpo_loss_from_logps(logp, mask, **hp)[0]
+            opts = LossOptions(ignore_index=ignore_index)
+            loss, logps = ChunkedSimPO.apply(input, linear_weight, linear_bias, target, opts, hp,
+                                             weight_grad_accum, plan, loss_fn)
+            _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
+            return loss, metrics
     logps = linear_logprobs(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                             impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
     return simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,

@@ -1,0 +1,185 @@
+"""Chunked SimPO with the gradient formed in the forward pass: three GEMMs instead of four.
+
+The generic path (`linear_logprobs` + autograd) needs the per-token upstream gradient, which for SimPO
+depends on whole responses (z_i = β(A_w,i − A_l,i) − γ), so it computes the log-probabilities in one
+pass and recomputes the logits in backward: four GEMMs. Here chunks hold whole responses, so a
+response's average log-probability is known as soon as its chunk's statistics are, and the gradient
+is written in place before the dX / dW GEMMs, exactly as for cross-entropy:
+
+- "pairs": when a chunk can hold a chosen/rejected pair (2·S tokens ≤ C), each chunk holds whole
+  pairs: three GEMMs in all.
+- "prepass": otherwise (e.g. S = 1024 at V = 128256 with the 256 MiB buffer), a loss-only pass over the
+  rejected half first gives every A_l (half a GEMM's work); then chunks of whole chosen responses,
+  then of whole rejected ones (their partners' A_w now known): 3.5 GEMMs.
+- a response longer than a chunk falls back to the generic four-GEMM path (the caller checks
+  `plan_for`).
+
+Per-token upstream gradient of ℓ_t = −log p_t (design.md): with dL/dz_i = [−(1−ε)σ(−z_i) + εσ(z_i)]/B,
+chosen tokens get −β·dL/dz_i / n_w,i + α/N_w, rejected tokens +β·dL/dz_i / n_l,i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedkern.chunked import (
+    GRAD_CHUNK_BUDGET_BYTES,
+    LossOptions,
+    _accumulate_weight_grad,
+    _grad_buffers,
+    _logits_into,
+    _row_kernel_args,
+    chunk_tokens_for,
+    chunked_loss,
+)
+from fusedkern.kernels.ce_rows import ce_rows
+from fusedkern.linear_cross_entropy import _is_exactly_one, _rescaled
+
+
+def plan_for(n_rows: int, seq: int, vocab: int, dtype: torch.dtype, chunk_tokens: int | None) -> tuple[str, int]:
+    """("pairs", pairs per chunk) | ("prepass", responses per chunk) | ("generic", 0)."""
+    C = chunk_tokens or chunk_tokens_for(n_rows * seq, vocab, dtype, GRAD_CHUNK_BUDGET_BYTES)
+    if C >= 2 * seq:
+        return "pairs", max(1, min(C // (2 * seq), n_rows // 2))
+    if C >= seq:
+        return "prepass", C // seq
+    return "generic", 0
+
+
+def _upstream_per_token(a_self, a_partner, n_self, n_chosen_total, *, chosen: bool, beta, gamma, alpha,
+                        label_smoothing, n_pairs):
+    """g_t = ∂L/∂ℓ_t for the tokens of k responses. a_* [k], n_self [k] → [k, 1] (broadcast over S)."""
+    a_w, a_l = (a_self, a_partner) if chosen else (a_partner, a_self)
+    z = beta * (a_w - a_l) - gamma
+    dl_dz = (-(1.0 - label_smoothing) * torch.sigmoid(-z) + label_smoothing * torch.sigmoid(z)) / n_pairs
+    dl_da_self = beta * dl_dz if chosen else -beta * dl_dz
+    g = -dl_da_self / n_self.clamp(min=1)  # ℓ = −log p, so the sign flips
+    if chosen:
+        g = g + alpha / n_chosen_total.clamp(min=1)
+    return g[:, None]
+
+
+def _process_chunk(x_rows, y_rows, w, b, kernel_args, buf, a_partner, n_self, n_chosen_total, *, chosen, seq,
+                   hp, n_pairs, dx_rows, dw, db, first):
+    """One chunk of whole responses of one half: logits → stats → A → g → in-place gradient → dX, dW.
+    Returns the chunk's per-token log-probabilities [k·S] and its responses' A [k]."""
+    z = _logits_into(buf, x_rows, w, b)
+    C = z.shape[0]
+    nll = torch.empty(C, device=z.device, dtype=torch.float32)
+    stats = torch.empty((2, C), device=z.device, dtype=torch.float32)
+    ce_rows(z, y_rows, loss=nll, stats=stats, grad=None, compute_stats=True, **kernel_args)
+    a_self = (-nll).view(-1, seq).sum(-1) / n_self.clamp(min=1)
+    g = _upstream_per_token(a_self, a_partner, n_self, n_chosen_total, chosen=chosen, n_pairs=n_pairs, **hp)
+    g_tok = g.expand(-1, seq).reshape(-1).contiguous()
+    ce_rows(z, y_rows, loss=None, stats=stats, grad=g_tok, compute_stats=False, per_token_grad=True, **kernel_args)
+    _chunk_grads(z, x_rows, w, dx_rows, dw, db, first)
+    return -nll, a_self
+
+
+def _chunk_grads(g, x_rows, w, dx_rows, dw, db, first):
+    """dX rows = G W (into their place in dx), dW (+)= Gᵀ X, db += Σ G.  g (C, V), x_rows (C, H)."""
+    if dx_rows is not None:
+        torch.mm(g, w, out=dx_rows)
+    if dw is not None:
+        _accumulate_weight_grad(dw, g, x_rows, first)
+    if db is not None:
+        db += torch.sum(g, dim=0, dtype=torch.float32)
+
+
+class ChunkedSimPO(torch.autograd.Function):
+    """SimPO loss with gradients formed in the forward pass; backward rescales them by grad_output.
+
+    forward(x [2B, S, H], w [V, H], b [V] | None, target [2B, S], opts, hp = dict(beta, gamma, alpha,
+    label_smoothing), weight_grad_accum, plan = `plan_for(...)`, loss_fn) → (loss, logp [2B, S]), where
+    loss_fn(logp, mask) → loss is the O(B·S) SimPO function evaluated on the detached log-probs.
+    """
+
+    @staticmethod
+    def forward(ctx, x3d, w, b, target2d, opts: LossOptions, hp: dict, weight_grad_accum: str, plan: tuple, loss_fn):
+        mode, per_chunk = plan
+        two_b, seq, hidden = x3d.shape
+        n_pairs = two_b // 2
+        x = x3d.reshape(-1, hidden)
+        y = target2d.reshape(-1)
+        need_dx, need_dw = x3d.requires_grad, w.requires_grad
+        need_db = b is not None and b.requires_grad
+        accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
+        dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, accum)
+        mask = target2d != opts.ignore_index
+        n_tokens = mask.sum(-1)  # [2B]
+        n_chosen_total = n_tokens[:n_pairs].sum()
+        logp = torch.empty(two_b * seq, device=x.device, dtype=torch.float32)
+        kernel_args = _row_kernel_args(None, opts)
+        common = dict(seq=seq, hp=hp, n_pairs=n_pairs)
+
+        def rows(r0, r1):  # token rows of responses r0..r1−1
+            return slice(r0 * seq, r1 * seq)
+
+        def dx_of(r):
+            return None if dx is None else dx[r]
+
+        first = True
+        if mode == "pairs":
+            buf = torch.empty((2 * per_chunk * seq, w.shape[0]), device=x.device, dtype=x.dtype)
+            for i0 in range(0, n_pairs, per_chunk):
+                i1 = min(i0 + per_chunk, n_pairs)
+                k = i1 - i0
+                rw, rl = rows(i0, i1), rows(n_pairs + i0, n_pairs + i1)
+                x_c = torch.cat([x[rw], x[rl]])  # (2kS, H): chosen then rejected halves of k pairs
+                y_c = torch.cat([y[rw], y[rl]])
+                n_c = torch.cat([n_tokens[i0:i1], n_tokens[n_pairs + i0:n_pairs + i1]])
+                # statistics of both halves first, so each half's gradient sees its partner's A
+                z = _logits_into(buf, x_c, w, b)
+                nll = torch.empty(2 * k * seq, device=x.device, dtype=torch.float32)
+                stats = torch.empty((2, 2 * k * seq), device=x.device, dtype=torch.float32)
+                ce_rows(z, y_c, loss=nll, stats=stats, grad=None, compute_stats=True, **kernel_args)
+                a = (-nll).view(2 * k, seq).sum(-1) / n_c.clamp(min=1)
+                g_w = _upstream_per_token(a[:k], a[k:], n_c[:k], n_chosen_total, chosen=True, n_pairs=n_pairs, **hp)
+                g_l = _upstream_per_token(a[k:], a[:k], n_c[k:], n_chosen_total, chosen=False, n_pairs=n_pairs, **hp)
+                g_tok = torch.cat([g_w, g_l]).expand(-1, seq).reshape(-1).contiguous()
+                ce_rows(z, y_c, loss=None, stats=stats, grad=g_tok, compute_stats=False, per_token_grad=True,
+                        **kernel_args)
+                if dx is not None:
+                    torch.mm(z[:k * seq], w, out=dx[rw])
+                    torch.mm(z[k * seq:], w, out=dx[rl])
+                _chunk_grads(z, x_c, w, None, dw, db, first)
+                logp[rw], logp[rl] = -nll[:k * seq], -nll[k * seq:]
+                first = False
+        else:  # "prepass": every A_l from a loss-only pass, then chosen chunks, then rejected chunks
+            r_rej = rows(n_pairs, two_b)
+            nll_rejected, _ = chunked_loss(x[r_rej], w, b, y[r_rej], None, opts)
+            a_rejected = (-nll_rejected).view(n_pairs, seq).sum(-1) / n_tokens[n_pairs:].clamp(min=1)
+            a_chosen = torch.empty_like(a_rejected)
+            buf = torch.empty((per_chunk * seq, w.shape[0]), device=x.device, dtype=x.dtype)
+            for chosen, offset in ((True, 0), (False, n_pairs)):
+                for i0 in range(0, n_pairs, per_chunk):
+                    i1 = min(i0 + per_chunk, n_pairs)
+                    r = rows(offset + i0, offset + i1)
+                    partner = a_rejected[i0:i1] if chosen else a_chosen[i0:i1]
+                    logp[r], a_self = _process_chunk(
+                        x[r], y[r], w, b, kernel_args, buf, partner, n_tokens[offset + i0:offset + i1],
+                        n_chosen_total, chosen=chosen, dx_rows=dx_of(r), dw=dw, db=db, first=first, **common)
+                    if chosen:
+                        a_chosen[i0:i1] = a_self
+                    first = False
+
+        ctx.save_for_backward(dx, dw, db)
+        ctx.meta = (x3d.shape, x3d.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.used = False
+        logp2d = logp.view(two_b, seq)
+        ctx.mark_non_differentiable(logp2d)
+        return loss_fn(logp2d, mask), logp2d
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logp):
+        if ctx.used:
+            raise RuntimeError("linear_simpo_loss (chunked) rescales its saved gradients in place and supports "
+                               "one backward pass")
+        ctx.used = True
+        dx, dw, db = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
+        skip = _is_exactly_one(grad_loss)
+        scale = grad_loss.float()
+        dx = _rescaled(dx, scale, x_dtype, skip)
+        return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip),
+                _rescaled(db, scale, b_dtype, skip) if db is not None else None, None, None, None, None, None, None)

@@ -1,0 +1,106 @@
+"""linear_logprobs and linear_simpo_loss against the fp64 references and against autograd through
+the materialized computation, every strategy (generic four-GEMM path, chunked "pairs" and "prepass")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedkern
+from fusedkern import reference
+from fusedkern.simpo_chunked import plan_for
+from tests._accuracy import assert_close_to_ref, rel_err
+from tests.conftest import DEVICE
+from tests.test_linear_cross_entropy import IMPLS, make_inputs
+
+HP = dict(beta=2.0, gamma=1.0, alpha=0.5, label_smoothing=0.1)
+
+
+def simpo_inputs(two_b, seq, H, V, dtype, *, bias=True, empty_response=False, device=DEVICE):
+    x, w, y, b, _ = make_inputs(two_b * seq, H, V, dtype, ignore_frac=0.0, bias=bias, device=device)
+    x, y = x.reshape(two_b, seq, H), y.reshape(two_b, seq)
+    y[:, :2] = -100  # the prompt
+    if empty_response:
+        y[1] = -100  # chosen response 1 has no token
+    return x, w, y, b
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_logprobs_match_fp64_with_per_token_upstream(impl, softcap):
+    x, w, y, b, _ = make_inputs(29, 24, 97, torch.float32, bias=True)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    logp = fusedkern.linear_logprobs(leaves[0], leaves[1], y, linear_bias=leaves[2], softcap=softcap, impl=impl)
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref = reference.linear_logprobs_fp64(f64[0], f64[1], y, linear_bias=f64[2], softcap=softcap)
+    assert logp.dtype == torch.float32 and logp.shape == y.shape
+    assert torch.all(logp[y == -100] == 0)
+    assert rel_err(logp, ref) < 1e-6
+    upstream = torch.randn(y.shape, dtype=torch.float64, device=x.device)
+    for g, gr in zip(torch.autograd.grad(logp, leaves, upstream.float()), torch.autograd.grad(ref, f64, upstream)):
+        assert rel_err(g, gr) < 1e-5
+
+
+@pytest.mark.parametrize("chunk_tokens,mode", [(None, "pairs"), (24, "pairs"), (12, "pairs"), (6, "prepass"), (5, "generic")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_simpo_matches_fp64_every_strategy(chunk_tokens, mode, dtype):
+    x, w, y, b = simpo_inputs(6, 6, 16, 61, dtype, empty_response=True)
+    assert plan_for(6, 6, 61, dtype, chunk_tokens)[0] == mode
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], chunk_tokens=chunk_tokens, **HP)
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref, ref_metrics = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **HP)
+    # PyTorch's own same-dtype computation, materialized logits and autograd (the seed's HF baseline
+    # upcasts logits to fp32; this is the yardstick for the accuracy rule)
+    same = [t.clone().requires_grad_() for t in (x, w, b)]
+    tch, _ = reference.hf_linear_simpo_loss(same[0], same[1], y, linear_bias=same[2], **HP)
+    assert torch.isfinite(loss)
+    atol = 1e-6 if dtype == torch.float32 else 1e-4
+    assert_close_to_ref("loss", loss, ref, tch, atol=atol)
+    for key in metrics:
+        assert abs(metrics[key].item() - ref_metrics[key].item()) < 1e-3 + 1e-3 * abs(ref_metrics[key].item()), key
+    upstream = torch.tensor(0.7, dtype=torch.float64)
+    grads = torch.autograd.grad(loss, leaves, upstream.float())
+    grads_ref = torch.autograd.grad(ref, f64, upstream)
+    grads_tch = torch.autograd.grad(tch, same, upstream.float())
+    for name, g, gr, gt in zip(("dX", "dW", "db"), grads, grads_ref, grads_tch):
+        assert_close_to_ref(name, g, gr, gt, atol=atol)
+    # the empty chosen response (row 1) receives no gradient; its rejected partner (row 4) does
+    assert torch.count_nonzero(grads[0][1]) == 0 and torch.count_nonzero(grads[0][4]) > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pure_simpo_and_no_grad(impl):
+    x, w, y, b = simpo_inputs(4, 5, 16, 40, torch.float32, bias=False)
+    with torch.no_grad():
+        loss, metrics = fusedkern.linear_simpo_loss(x, w, y, beta=2.5, gamma=1.0, alpha=0.0, impl=impl)
+    ref, ref_metrics = reference.linear_simpo_loss_fp64(x.double(), w.double(), y, beta=2.5, gamma=1.0, alpha=0.0)
+    assert rel_err(loss, ref) < 1e-6
+    assert set(metrics) == set(reference.SIMPO_METRIC_KEYS)
+
+
+def test_module_and_single_backward():
+    x, w, y, b = simpo_inputs(4, 5, 16, 40, torch.float32)
+    x.requires_grad_()
+    module = fusedkern.LinearSimPOLoss(beta=2.0, gamma=0.5)
+    assert "beta=2.0" in repr(module)
+    loss, _ = module(x, w, y, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_tokens", [None, 4096])  # S = 1024 at V = 32003: pairs; 4096: pairs of 2
+def test_gpu_simpo_bf16_realistic(chunk_tokens):
+    x, w, y, b = simpo_inputs(4, 1024, 1024, 32003, torch.bfloat16, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss, _ = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], chunk_tokens=chunk_tokens, **HP)
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref, _ = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **HP)
+    same = [t.clone().requires_grad_() for t in (x, w, b)]
+    tch, _ = reference.hf_linear_simpo_loss(same[0], same[1], y, linear_bias=same[2], **HP)
+    assert_close_to_ref("loss", loss, ref, tch, atol=1e-3)
+    for name, g, gr, gt in zip(("dX", "dW", "db"), torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, f64),
+                               torch.autograd.grad(tch, same)):
+        assert_close_to_ref(name, g, gr, gt, atol=1e-3)

@@ -1,0 +1,107 @@
+"""Bad input gets a clear error naming the argument — never a wrong answer or a crash in a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedkern
+from tests.conftest import DEVICE
+
+H, V, T = 8, 11, 5
+
+
+def good():
+    return dict(input=torch.randn(T, H, device=DEVICE), linear_weight=torch.randn(V, H, device=DEVICE),
+                target=torch.randint(0, V, (T,), device=DEVICE))
+
+
+def call_ce(**overrides):
+    args = good()
+    args.update(overrides)
+    return fusedkern.linear_cross_entropy(args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args)
+
+
+CE_CASES = [
+    (dict(input=[[1.0] * H]), TypeError, "input must be a torch.Tensor"),
+    (dict(input=torch.randn(T, H, dtype=torch.float64)), TypeError, "input must have dtype"),
+    (dict(input=torch.randn(0, H)), ValueError, "input must not be empty"),
+    (dict(input=torch.randn(T, H + 1)), ValueError, "linear_weight.shape"),
+    (dict(linear_weight=torch.randn(V)), ValueError, "linear_weight must have 2"),
+    (dict(linear_weight=torch.randn(V, H, dtype=torch.float16)), TypeError, "linear_weight must have the same dtype"),
+    (dict(linear_weight=torch.randn(V, H, device="meta")), ValueError, "linear_weight must be on the same device"),
+    (dict(target=torch.rand(T)), TypeError, "target must hold class indices"),
+    (dict(target=torch.zeros(T + 1, dtype=torch.long)), ValueError, "target must have shape"),
+    (dict(target=torch.full((T,), V)), ValueError, r"target values must be in \[0, 11\)"),
+    (dict(target=torch.full((T,), -5)), ValueError, "ignore_index=-100; found -5"),
+    (dict(linear_bias=torch.randn(V + 1)), ValueError, "linear_bias must have shape"),
+    (dict(weight=torch.rand(V - 1)), ValueError, "weight must have shape"),
+    (dict(reduction="avg"), ValueError, "reduction must be one of"),
+    (dict(impl="cuda"), ValueError, "impl must be one of"),
+    (dict(weight_grad_accum="bf16"), ValueError, "weight_grad_accum must be one of"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing must be <= 1"),
+    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing must be finite"),
+    (dict(z_loss=-1e-4), ValueError, "z_loss must be >= 0"),
+    (dict(softcap=0.0), ValueError, "softcap must be > 0"),
+    (dict(softcap="30"), TypeError, "softcap must be a real number"),
+    (dict(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
+    (dict(chunk_tokens=2.5), TypeError, "chunk_tokens must be an int"),
+    (dict(ignore_index=1.0), TypeError, "ignore_index must be an int"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", CE_CASES, ids=[c[2][:30] for c in CE_CASES])
+def test_linear_cross_entropy_rejects(overrides, error, message):
+    for key in ("input", "linear_weight", "target", "linear_bias", "weight"):
+        if isinstance(overrides.get(key), torch.Tensor) and overrides[key].device.type != "meta":
+            overrides[key] = overrides[key].to(DEVICE)
+    with pytest.raises(error, match=message):
+        call_ce(**overrides)
+
+
+def test_ignore_index_inside_the_vocabulary_is_accepted():
+    call_ce(target=torch.full((T,), 3, device=DEVICE), ignore_index=3)
+
+
+def test_tensors_on_the_wrong_device_for_the_kernels():
+    wrong = "meta"
+    with pytest.raises(ValueError, match="input must be on a"):
+        call_ce(input=torch.randn(T, H, device=wrong), linear_weight=torch.randn(V, H, device=wrong),
+                target=torch.zeros(T, dtype=torch.long, device=wrong))
+
+
+def test_module_rejects_unknown_options_at_construction():
+    with pytest.raises(ValueError, match="reduction"):
+        fusedkern.LinearCrossEntropyLoss(reduction="batchmean")
+
+
+def simpo_args(**overrides):
+    args = dict(input=torch.randn(4, 3, H, device=DEVICE), linear_weight=torch.randn(V, H, device=DEVICE),
+                target=torch.randint(0, V, (4, 3), device=DEVICE))
+    args.update(overrides)
+    return args
+
+
+SIMPO_CASES = [
+    (dict(input=torch.randn(3, 3, H)), ValueError, "odd first dimension"),
+    (dict(input=torch.randn(12, H)), ValueError, "input must have 3"),
+    (dict(target=torch.randint(0, V, (4, 4))), ValueError, "target must have shape"),
+    (dict(beta=0.0), ValueError, "beta must be > 0"),
+    (dict(alpha=-1.0), ValueError, "alpha must be >= 0"),
+    (dict(label_smoothing=0.7), ValueError, "label_smoothing must be <= 0.5"),
+    (dict(gamma=float("inf")), ValueError, "gamma must be finite"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", SIMPO_CASES, ids=[c[2][:30] for c in SIMPO_CASES])
+def test_linear_simpo_loss_rejects(overrides, error, message):
+    args = simpo_args(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in overrides.items()})
+    args["input"].requires_grad_()
+    with pytest.raises(error, match=message):
+        fusedkern.linear_simpo_loss(args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args)
+
+
+def test_linear_logprobs_rejects_bad_target():
+    with pytest.raises(ValueError, match="target values"):
+        fusedkern.linear_logprobs(torch.randn(T, H, device=DEVICE), torch.randn(V, H, device=DEVICE),
+                                  torch.full((T,), V + 3, device=DEVICE))
