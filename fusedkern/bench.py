@@ -348,6 +348,18 @@ def _simpo_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
     return build
 
 
+def _simpo_fusedkern_generic(inp: Inputs) -> dict[str, Step]:
+    """SimPO through the generic log-prob primitive: logits recomputed in backward (four GEMMs)."""
+    from fusedkern import linear_logprobs
+    from fusedkern.simpo import simpo_loss_from_logps
+
+    def loss_fn():
+        logps = linear_logprobs(inp.x, inp.w, inp.target)
+        return simpo_loss_from_logps(logps, inp.target != -100)[0]
+
+    return _loss_steps(loss_fn)
+
+
 def _simpo_liger(inp: Inputs) -> dict[str, Step]:
     _require_cuda(inp, "Liger-Kernel")
     from liger_kernel.chunked_loss import LigerFusedLinearSimPOLoss
@@ -404,6 +416,13 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
                 _simpo_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
                 _key_label("fusedkern_chunked_lean"),
             ),
+            # chunks of 2048 tokens hold a whole chosen/rejected pair at seq 1024: three GEMMs, 501 MiB
+            Provider("fusedkern_chunked_c2048", _simpo_fusedkern(impl="chunked", chunk_tokens=2048),
+                     _key_label("fusedkern_chunked_c2048")),
+            Provider("fusedkern_chunked_lean_c2048",
+                     _simpo_fusedkern(impl="chunked", chunk_tokens=2048, weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_c2048")),
+            Provider("fusedkern_generic", _simpo_fusedkern_generic, _key_label("fusedkern_generic")),
             Provider("liger", _simpo_liger, _dist_label("liger-kernel")),
         )
     },
