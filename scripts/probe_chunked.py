@@ -118,3 +118,33 @@ for T in sizes:
     x.grad = None; w.grad = None
     del x, y, dx
     torch.cuda.empty_cache()
+
+# ---- breakdown at one size: which chunked GEMM loses time, and does the operand layout matter?
+T = int(os.environ.get("BREAKDOWN_T", "16384"))
+C = 1024
+x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+G = torch.randn(T, V, device=dev, dtype=torch.bfloat16) * 1e-3
+wd = w.detach()
+buf = torch.empty(C, V, device=dev, dtype=torch.bfloat16)
+dx = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+acc = torch.empty(V, H, device=dev, dtype=torch.float32)
+accT = torch.empty(H, V, device=dev, dtype=torch.float32)
+accb = torch.empty(V, H, device=dev, dtype=torch.bfloat16)
+chunks = [(c0, c0 + C) for c0 in range(0, T, C)]
+variants = {
+    "mono_logits": lambda: torch.mm(x, wd.t()),
+    "mono_dx": lambda: torch.mm(G, wd),
+    "mono_dw": lambda: torch.mm(G.t(), x),
+    "chunk_logits": lambda: [torch.mm(x[a:b], wd.t(), out=buf) for a, b in chunks],
+    "chunk_dx": lambda: [torch.mm(G[a:b], wd, out=dx[a:b]) for a, b in chunks],
+    "chunk_dxT": lambda: [torch.mm(wd.t(), G[a:b].t()) for a, b in chunks],
+    "chunk_dw_bf16_beta0": lambda: [torch.mm(G[a:b].t(), x[a:b], out=accb) for a, b in chunks],
+    "chunk_dw_bf16_beta1": lambda: [accb.addmm_(G[a:b].t(), x[a:b]) for a, b in chunks],
+    "chunk_dw_fp32_beta1": lambda: [torch.ops.aten.addmm.dtype_out(acc, G[a:b].t(), x[a:b], torch.float32, out=acc) for a, b in chunks],
+    "chunk_dwT_fp32_beta1": lambda: [torch.ops.aten.addmm.dtype_out(accT, x[a:b].t(), G[a:b], torch.float32, out=accT) for a, b in chunks],
+    "cast_fp32_to_bf16": lambda: acc.to(torch.bfloat16),
+    "scale_cast": lambda: torch.mul(acc, torch.ones((), device=dev), out=accb),
+}
+for name, fn in variants.items():
+    ms = bench(fn, warmup=2, reps=5)
+    rec(T=T, what=f"breakdown_{name}", ms=ms[0], lo=ms[1], hi=ms[2])
