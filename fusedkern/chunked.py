@@ -98,6 +98,23 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
     return stats[0] + stats[1]
 
 
+def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
+                grad, per_token_grad: bool, dx=None, dw=None, db=None) -> None:
+    """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs."""
+    T, V = x.shape[0], w.shape[0]
+    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
+    kernel_args = _row_kernel_args(class_weight, opts)
+    for i, c0 in enumerate(range(0, T, C)):
+        c1 = min(c0 + C, T)
+        x_c = x[c0:c1]
+        z = _logits_into(buf, x_c, w, b)
+        ce_rows(z, target[c0:c1], loss=None if loss_tok is None else loss_tok[c0:c1], stats=stats[:, c0:c1],
+                grad=grad[c0:c1] if per_token_grad else grad, compute_stats=compute_stats,
+                per_token_grad=per_token_grad, **kernel_args)
+        if grad is not None:
+            chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
+
+
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None):
     """Per-token loss and row statistics, no gradient: one GEMM's work, a ≤ 64 MiB logits buffer.
 
@@ -107,17 +124,13 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
-    kernel_args = _row_kernel_args(class_weight, opts)
-    for c0 in range(0, T, C):
-        c1 = min(c0 + C, T)
-        z = _logits_into(buf, x[c0:c1], w, b)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=None,
-                compute_stats=True, **kernel_args)
+    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
+                grad=None, per_token_grad=False)
     return loss_tok, stats
 
 
-def _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum):
+def grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum):
+    """dx [T, H] (x's dtype), dw [V, H] (fp32 accumulator or the weight's dtype), db [V] fp32."""
     dx = torch.empty_like(x) if need_dx else None
     dw = None
     if need_dw:
@@ -127,10 +140,11 @@ def _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum):
     return dx, dw, db
 
 
-def _chunk_grads(g, x_c, w, dx, dw, db, c0, c1, first):
-    """The two gradient GEMMs of one chunk (and the bias sum). g = ∂L/∂Z_c (C, V)."""
-    if dx is not None:
-        torch.mm(g, w, out=dx[c0:c1])  # (C, V) @ (V, H) → (C, H)
+def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
+    """The two gradient GEMMs of one chunk (and the bias sum). g = ∂L/∂Z_c (C, V), x_c (C, H);
+    dx_rows: the chunk's rows of dX (C, H) or None."""
+    if dx_rows is not None:
+        torch.mm(g, w, out=dx_rows)  # (C, V) @ (V, H) → (C, H)
     if dw is not None:
         _accumulate_weight_grad(dw, g, x_c, first)
     if db is not None:
@@ -150,35 +164,21 @@ def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-    dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
-    kernel_args = _row_kernel_args(class_weight, opts)
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        x_c = x[c0:c1]
-        z = _logits_into(buf, x_c, w, b)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
-                compute_stats=True, per_token_grad=False, **kernel_args)
-        _chunk_grads(z, x_c, w, dx, dw, db, c0, c1, first=i == 0)
+    dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
+    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
+                grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db)
     return loss_tok, stats, dx, dw, db
 
 
 def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch.Tensor, grad_tok: torch.Tensor, *,
                   need_dx: bool, need_dw: bool, need_db: bool, weight_grad_accum: str,
                   chunk_tokens: int | None = None):
-    """Backward with a per-token upstream gradient: recompute each logits chunk (lse saved), then
-    the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t. Returns (dx, dw, db) like
-    `chunked_loss_and_grads` (dw fp32 when accumulating in fp32; the caller casts)."""
+    """Backward with a per-token upstream gradient: recompute each logits chunk (statistics saved),
+    then the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t.
+    Returns (dx, dw, db) like `chunked_loss_and_grads` (dw fp32 when accumulating in fp32)."""
     T, V = x.shape[0], w.shape[0]
     C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
-    dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
-    kernel_args = _row_kernel_args(class_weight, opts)
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        x_c = x[c0:c1]
-        z = _logits_into(buf, x_c, w, b)
-        ce_rows(z, target[c0:c1], loss=None, stats=stats[:, c0:c1], grad=grad_tok[c0:c1],
-                compute_stats=False, per_token_grad=True, **kernel_args)
-        _chunk_grads(z, x_c, w, dx, dw, db, c0, c1, first=i == 0)
+    dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
+    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=None, stats=stats, compute_stats=False,
+                grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db)
     return dx, dw, db

@@ -51,6 +51,29 @@ def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.d
     return torch.mul(grad, scale, out=out)  # one pass: fp32 read, scale, cast, write
 
 
+def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db) -> None:
+    """For Functions that form their gradients in the forward pass: keep them for `rescaled_grads`."""
+    ctx.save_for_backward(dx, dw, db)
+    ctx.grad_meta = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype)
+    ctx.used = False
+
+
+def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
+    """(dx, dw, db) saved by `save_precomputed_grads`, times the upstream gradient, in the inputs'
+    dtypes and shapes. In place on our own buffers, so a second backward is refused."""
+    if ctx.used:
+        raise RuntimeError(f"{what} rescales its saved gradients in place and supports one backward pass; "
+                           "use reduction='none' / linear_logprobs for retain_graph")
+    ctx.used = True
+    dx, dw, db = ctx.saved_tensors
+    x_shape, x_dtype, w_dtype, b_dtype = ctx.grad_meta
+    skip = _is_exactly_one(grad_loss)
+    scale = grad_loss.float()
+    dx = _rescaled(dx, scale, x_dtype, skip)
+    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip),
+            _rescaled(db, scale, b_dtype, skip) if db is not None else None)
+
+
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
     return None if grad is None else grad.to(dtype)
 
@@ -91,24 +114,13 @@ class _ChunkedScalarLoss(torch.autograd.Function):
             need_db=need_db, weight_grad_accum=accum, chunk_tokens=chunk_tokens)
         lse = lse_of(stats)
         loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
-        ctx.save_for_backward(dx, dw, db)
-        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
-        ctx.used = False
+        save_precomputed_grads(ctx, x, w, b, dx, dw, db)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        if ctx.used:
-            raise RuntimeError("linear_cross_entropy (chunked, mean/sum) rescales its saved gradients in "
-                               "place and supports one backward pass; use reduction='none' for retain_graph")
-        ctx.used = True
-        dx, dw, db = ctx.saved_tensors
-        skip = _is_exactly_one(grad_loss)
-        scale = grad_loss.float()
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        return (_rescaled(dx, scale, x_dtype, skip), _rescaled(dw, scale, w_dtype, skip),
-                _rescaled(db, scale, b_dtype, skip) if db is not None else None,
+        return (*rescaled_grads(ctx, grad_loss, "linear_cross_entropy (chunked, mean/sum)"),
                 None, None, None, None, None, None)
 
 

@@ -17,26 +17,38 @@ Providers (the names used in the results CSVs):
 - `huggingface_bf16` — the cross-entropy seed's baseline: `nn.Linear` then `nn.CrossEntropyLoss` on
   logits in the input dtype. Peak inside `log_softmax`'s backward: the saved log-probabilities, the
   dense gradient w.r.t. them and the gradient w.r.t. the logits, three T×V buffers (3·T·V·e).
-- `torch_fp32_upcast`, `huggingface_fp32` — the same with the logits upcast to fp32 first (the
-  SimPO seed's baseline is the latter): the same three buffers in fp32 (3·T·V·4).
-- `fusedkern_chunked` — one reused C×V logits buffer plus an fp32 V×H accumulator for dW when the
-  weight is not fp32; the accumulator is cast into dW's storage at the end while the buffer is
-  still alive.
+- `torch_fp32_upcast` (and `huggingface_fp32` for cross-entropy) — the same with the logits upcast
+  to fp32 first: the same three buffers in fp32 (3·T·V·4).
+- `huggingface_fp32` for SimPO — the SimPO seed's baseline (`reference.hf_linear_simpo_loss`): one
+  fp32 log-softmax over all rows for the log-probabilities and a second one over the chosen half
+  for the NLL term, each with its own gradient path: 4·T·V·4 at the peak.
+- `fusedkern_chunked` — one reused C×V logits buffer while the chunks run, and an fp32 V×H
+  accumulator for dW (bf16/fp16 weights); the buffer is freed before the accumulator is cast into
+  dW's storage, so the peak is the accumulator plus whatever the buffer exceeds dW by
+  (V·H·4 + max(0, C·V·e − V·H·e)), plus per-token fp32 loss and (max, log-sum) statistics.
 - `fusedkern_chunked_lean` — the chunk buffer only (dW accumulated in the weight's dtype, in place).
-- `fusedkern_fused` — no logits buffer: per-token fp32 statistics (O(T)).
+- `fusedkern_fused` — no logits buffer: the backward's fp32 accumulator workspace (a fixed budget,
+  16 MiB by default: `fusedkern.kernels.fused_ce.DEFAULT_WORKSPACE_BYTES`) plus per-token
+  coefficients (12·T), the saved LSE and loss (8·T) and the per-class fp32 vector (4·V).
 - `liger-kernel 0.8.5` — one reused C×V buffer, C = min(next_pow2(⌈T / ⌈V/H⌉⌉), T); dW
   accumulated in place in the weight's dtype (its default `accum_dtype=None`).
 - `liger-kernel 0.4.2` — same chunk rule, but each chunk is upcast to fp32 and the previous chunk's
   gradient is still referenced while the next chunk's logits are formed: 2·C·V·e + C·V·4.
 - `cut_cross_entropy` — per-token fp32 LSE (O(T)); its fixed workspace (~1.5 MiB measured) is not
   modelled.
-- `cublas_3gemm`, `cublas_1gemm` — the timing floor, not a loss: 0 (its output buffers are
-  allocated before the measured region).
+- `cublas_3gemm`, `cublas_1gemm` — the timing floors, not losses: the logits GEMM's T×V output (the
+  floor's pre-made logits gradient G exists before the measured region; dX and dW count as
+  gradient storage).
 
-SimPO (`op="simpo"`): the same terms with T = batch·seq for every provider except Liger, whose
-preference base runs one chosen/rejected pair (2·seq tokens) at a time through `torch.func`:
-the pair's fp32 log-softmax plus the pair's weight-sized gradient before it is added to the
-accumulator (approximate: the compiled graph's other temporaries are not modelled).
+SimPO (`op="simpo"`): T = batch·seq (batch counts chosen and rejected rows, as the seed did); the
+terms are those of cross-entropy except for the Hugging Face baseline (above) and Liger, whose
+preference base runs one chosen/rejected pair (2·seq tokens) at a time through `torch.func`: the
+pair's fp32 log-softmax plus the pair's weight-sized gradient before it is added to the accumulator
+(approximate: the compiled graph's other temporaries, ~17 MiB on the H200, are not modelled).
+
+Where a provider's implementation is not public in detail (the baselines' autograd graphs), the
+buffers listed are the ones whose sizes reproduce the H200 measurements exactly; the tests check
+the model against `data/reference/h200_anchors_2026-12-02.csv`.
 """
 
 from __future__ import annotations
@@ -89,6 +101,9 @@ _ELEMENT_SIZE = {
 # logits chunk fits in 256 MiB; 64 rows keeps every chunk a whole number of GEMM tiles.
 _CHUNK_BUDGET_BYTES = 256 * MIB
 _CHUNK_MULTIPLE = 64
+# The fused backward's fp32 accumulators are cut to fit this budget (fusedkern/kernels/fused_ce.py,
+# DEFAULT_WORKSPACE_BYTES); repeated here so that the model needs no kernel import.
+_FUSED_WORKSPACE_BYTES = 16 * MIB
 
 
 @dataclass(frozen=True)
@@ -189,6 +204,16 @@ def terms(
             Term("gradient w.r.t. the logits (log_softmax backward)", T * V * e, "T·V·e"),
             _minus_grad_storage(T, H, V, e),
         ]
+    if provider == "huggingface_fp32" and op == "simpo":
+        half = T // 2
+        return [
+            Term("fp32 log-probabilities of all rows (saved by log_softmax)", T * V * 4, "T·V·4"),
+            Term("fp32 log-probabilities of the chosen rows (saved by cross_entropy)", half * V * 4, "(T/2)·V·4"),
+            Term("fp32 dense gradient w.r.t. the log-probabilities", T * V * 4, "T·V·4"),
+            Term("fp32 gradient w.r.t. the upcast logits", T * V * 4, "T·V·4"),
+            Term("fp32 gradient of the chosen rows' NLL", half * V * 4, "(T/2)·V·4"),
+            _minus_grad_storage(T, H, V, e),
+        ]
     if provider in ("torch_fp32_upcast", "huggingface_fp32"):
         return [
             Term("fp32 log-probabilities saved by log_softmax", T * V * 4, "T·V·4"),
@@ -199,13 +224,23 @@ def terms(
     if provider in ("fusedkern_chunked", "fusedkern_chunked_lean"):
         rows = min(chunk_size if chunk_size is not None else default_chunk_size(V, dtype), T)
         _check_sizes(chunk_size=rows)
-        out = [Term(f"reused logits chunk buffer (C = {rows})", rows * V * e, "C·V·e")]
-        if provider == "fusedkern_chunked" and e < 4:
-            out.append(Term("fp32 dW accumulator", V * H * 4, "V·H·4"))
-        out.append(_per_token_stats(T, 1, "LSE"))
-        return out + _grad_storage(T, H, V, e) + [_minus_grad_storage(T, H, V, e)]
+        chunk = Term(f"reused logits chunk buffer (C = {rows})", rows * V * e, "C·V·e")
+        stats = _per_token_stats(T, 3, "loss and (max, log-sum) statistics")
+        if provider == "fusedkern_chunked_lean" or e >= 4:
+            # dW is accumulated in its own storage: the buffer is live next to dX and dW
+            return [chunk, stats] + _grad_storage(T, H, V, e) + [_minus_grad_storage(T, H, V, e)]
+        return [
+            Term("fp32 dW accumulator", V * H * 4, "V·H·4"),
+            Term("chunk buffer beyond dW's size (freed before the cast allocates dW)",
+                 max(0, rows * V * e - V * H * e), "max(0, C·V·e − V·H·e)"),
+            stats,
+        ]
     if provider == "fusedkern_fused":
-        return [_per_token_stats(T, 2, "LSE and loss")]
+        return [
+            Term("fp32 accumulator workspace (the kernel's budget)", _FUSED_WORKSPACE_BYTES, "16 MiB"),
+            _per_token_stats(T, 5, "row coefficients, LSE and loss"),
+            Term("fp32 per-class vector", V * 4, "V·4"),
+        ]
     if provider in ("liger-kernel 0.8.5", "liger-kernel 0.4.2") and op == "simpo":
         pair = 2 * seq
         return [
@@ -231,7 +266,7 @@ def terms(
     if provider == "cut_cross_entropy":
         return [_per_token_stats(T, 1, "LSE")]
     if provider in ("cublas_3gemm", "cublas_1gemm"):
-        return []
+        return [Term("output of the logits GEMM", T * V * e, "T·V·e")]
     raise ValueError(f"provider: unknown {provider!r}; expected one of {list(PROVIDERS)}")
 
 
@@ -247,6 +282,8 @@ def peak_extra_mib(provider: str, tokens: int, hidden: int, vocab: int, **kwargs
 
 def terms_table(provider: str, tokens: int, hidden: int, vocab: int, **kwargs) -> list[dict]:
     """The terms as rows (term, formula, MiB), ending with the total: ready for a DataFrame."""
-    rows = [{"term": t.name, "formula": t.formula, "mib": t.mib} for t in terms(provider, tokens, hidden, vocab, **kwargs)]
-    rows.append({"term": "peak extra", "formula": "sum, ≥ 0", "mib": peak_extra_mib(provider, tokens, hidden, vocab, **kwargs)})
+    parts = terms(provider, tokens, hidden, vocab, **kwargs)
+    rows = [{"term": t.name, "formula": t.formula, "mib": t.mib} for t in parts]
+    total = peak_extra_mib(provider, tokens, hidden, vocab, **kwargs)
+    rows.append({"term": "peak extra", "formula": "sum, ≥ 0", "mib": total})
     return rows

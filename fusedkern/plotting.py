@@ -14,6 +14,8 @@ come from (`provenance`).
 
 from __future__ import annotations
 
+import math
+import re
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +45,13 @@ __all__ = [
     "plot_seed_vs_ours",
     "provenance",
     "add_caption",
+    "load_measured",
+    "floor_provider",
+    "pivot",
+    "latency_figure",
+    "modes_figure",
+    "annotate_ratio",
+    "label_line_ends",
 ]
 
 DPI = 120  # fixed: PNG bytes depend on it; 120 keeps a 10-inch figure readable on GitHub
@@ -77,6 +86,7 @@ PROVIDER_ORDER = (
     "fusedkern_chunked",
     "fusedkern_chunked_lean",
     "fusedkern_fused",
+    "torch_linear_cross_entropy",
     "cublas_1gemm",
     "cublas_3gemm",
 )
@@ -86,8 +96,8 @@ _STYLES: dict[str, dict] = {
     "huggingface_bf16": dict(color="#7f7f7f", marker="s", label="HF, bf16 logits"),
     "huggingface_fp32": dict(color="#8c564b", marker="s", label="HF, fp32-upcast logits"),
     "torch_fp32_upcast": dict(color="#bcbd22", marker="D", label="torch, fp32 upcast"),
-    "liger": dict(color="#aec7e8", marker="^", label="Liger (seed, A100)"),
-    "liger-kernel 0.4.2": dict(color="#aec7e8", marker="^", label="Liger 0.4.2"),
+    "liger": dict(color="#6baed6", marker="^", label="Liger (seed, A100)"),
+    "liger-kernel 0.4.2": dict(color="#6baed6", marker="^", label="Liger 0.4.2"),
     "liger-kernel 0.8.5": dict(color="#1f77b4", marker="^", label="Liger 0.8.5"),
     "cut_cross_entropy": dict(color="#2ca02c", marker="v", label="Cut Cross-Entropy"),
     "fusedkern_chunked": dict(color="#d62728", marker="o", label="fusedkern chunked", linewidth=2.2),
@@ -95,6 +105,7 @@ _STYLES: dict[str, dict] = {
     "fusedkern_fused": dict(color="#9467bd", marker="P", label="fusedkern fused"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),
+    "torch_linear_cross_entropy": dict(color="#ff7f0e", marker="X", label="torch F.linear_cross_entropy"),
 }
 _FALLBACK_COLORS = ("#17becf", "#e377c2", "#ff7f0e", "#c5b0d5", "#98df8a", "#c49c94")
 
@@ -112,6 +123,10 @@ def style_for(provider: str) -> dict:
     base = dict(marker="o", linestyle="-", linewidth=1.5, label=provider)
     if provider in _STYLES:
         return {**base, **_STYLES[provider]}
+    variant = re.fullmatch(r"(.+)_c(\d+)", provider)  # a chunk-size variant, e.g. fusedkern_chunked_c2048
+    if variant and variant.group(1) in _STYLES:
+        parent = {**base, **_STYLES[variant.group(1)]}
+        return {**parent, "linestyle": ":", "linewidth": 1.2, "label": f"{parent['label']}, C = {variant.group(2)}"}
     color = _FALLBACK_COLORS[zlib.crc32(provider.encode()) % len(_FALLBACK_COLORS)]
     return {**base, "color": color}
 
@@ -121,9 +136,17 @@ def label_for(provider: str) -> str:
 
 
 def sort_providers(providers: Iterable[str]) -> list[str]:
-    """Unique providers in `PROVIDER_ORDER`, unknown ones after them alphabetically."""
+    """Unique providers in `PROVIDER_ORDER` (a chunk-size variant `<provider>_c<N>` right after its
+    parent, by N), unknown ones after them alphabetically."""
     rank = {p: i for i, p in enumerate(PROVIDER_ORDER)}
-    return sorted(set(providers), key=lambda p: (rank.get(p, len(rank)), p))
+
+    def key(p: str):
+        variant = re.fullmatch(r"(.+)_c(\d+)", p)  # chunk-size variants right after their parent, by size
+        if variant and variant.group(1) in rank:
+            return (rank[variant.group(1)], 1, int(variant.group(2)), p)
+        return (rank.get(p, len(rank)), 0, 0, p)
+
+    return sorted(set(providers), key=key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,10 +288,16 @@ def draw_floor(ax, xs: Sequence[float], ys: Sequence[float], *, label: str = "fl
     order = np.argsort(np.asarray(xs, dtype=float))
     xs = np.asarray(xs, dtype=float)[order]
     ys = np.asarray(ys, dtype=float)[order]
+    had_data = ax.has_data()
+    lo, hi = ax.get_ylim()
     ax.plot(xs, ys, color="black", linestyle="--", linewidth=1.4, label=label, zorder=5)
     if shade:
-        ax.fill_between(xs, np.full_like(ys, 1e-9), ys, color="0.85", alpha=0.6, linewidth=0, zorder=0,
-                        label="below the floor")
+        # the band starts far below the data; the y limits are then put back around the data
+        ax.fill_between(xs, ys * 1e-3, ys, color="0.85", alpha=0.6, linewidth=0, zorder=0, label="below the floor")
+        if had_data:
+            ax.set_ylim(min(lo, float(ys.min()) / 1.3), max(hi, float(ys.max()) * 1.3))
+        else:
+            ax.set_ylim(float(ys.min()) / 1.3, float(ys.max()) * 1.3)
 
 
 def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
@@ -288,69 +317,154 @@ def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
 
 
 def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str = "floor (= 1)",
-                annotate: Sequence[str] | bool = True, skip: Sequence[str] = ()) -> None:
-    """Ratio to the baseline vs x per provider, a line at 1 with the region below shaded, and the
-    ratio written next to the points of the providers in `annotate` (True: all)."""
+                annotate: Sequence[str] | bool = True, skip: Sequence[str] = (), log_y: bool = True,
+                direct_labels: bool = True) -> None:
+    """Ratio to the baseline vs x per provider, a line at 1 with the region below shaded.
+
+    annotate: providers whose every point gets its ratio written next to it (True: all).
+    log_y: a log ratio axis (1×…1.5× keeps room when another provider sits at 4×).
+    direct_labels: name each line at its right end with its last ratio, spaced so that close
+    lines stay legible (then no legend is needed).
+    """
     shown = ratios[~ratios["provider"].isin(skip) & ratios["ratio"].notna()]
     if shown.empty:
         return
+    # successive annotated providers alternate above / below their points so close lines stay legible
+    offsets = [(0, 6, "bottom"), (0, -8, "top")]
+    n_annotated = 0
+    ends = []
     for provider in sort_providers(shown["provider"]):
         part = shown[shown["provider"] == provider].sort_values(x)
         style = style_for(provider)
         ax.plot(part[x], part["ratio"], color=style["color"], marker=style["marker"] or "o",
                 linestyle=style["linestyle"], linewidth=style["linewidth"], label=style["label"], markersize=5)
+        ends.append((float(part[x].iloc[-1]), float(part["ratio"].iloc[-1]), style))
         if annotate is True or provider in (annotate or ()):
+            dx, dy, va = offsets[n_annotated % len(offsets)]
+            n_annotated += 1
             for xv, r in zip(part[x], part["ratio"]):
-                ax.annotate(f"{r:.2f}×", (xv, r), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                            color=style["color"])
+                ax.annotate(f"{r:.2f}×", (xv, r), textcoords="offset points", xytext=(dx, dy), fontsize=7.5,
+                            ha="center", va=va, color=style["color"], fontweight="bold")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label=baseline_label)
-    lo = min(0.9, float(shown["ratio"].min()) * 0.95)
-    hi = float(shown["ratio"].max()) * 1.12
+    lo = min(0.95, float(shown["ratio"].min()) * 0.97)
+    hi = float(shown["ratio"].max()) * (1.08 if log_y else 1.12)
     ax.axhspan(lo, 1.0, color="0.85", alpha=0.6, linewidth=0, zorder=0)
+    if log_y:
+        ax.set_yscale("log")
+        candidates = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 15.0, 20.0)
+        ticks = [t for t in candidates if lo <= t <= hi]
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_major_formatter(FixedFormatter([f"{t:g}×" for t in ticks]))
+        ax.yaxis.set_minor_locator(NullLocator())
     ax.set_ylim(lo, hi)
     size_axis(ax, shown[x], label=str(shown["x_name"].iloc[0]) if "x_name" in shown else None)
     ax.set_ylabel("× the baseline (median ms)")
+    if direct_labels:
+        _label_line_ends(ax, ends)
+
+
+def label_line_ends(ax, df: pd.DataFrame, *, x: str = "x", value: str, fmt="{:.2f}") -> None:
+    """Name each provider's line at its right end with its last `value` (formatted by `fmt`, a format
+    string or a function), right
+    of the axes and nudged apart vertically: a legend that sits next to the data. Call it after the
+    axis scales and limits are final."""
+    ends = []
+    for provider in sort_providers(df["provider"]):
+        part = df[(df["provider"] == provider) & df[value].notna()].sort_values(x)
+        if not part.empty:
+            ends.append((float(part[x].iloc[-1]), float(part[value].iloc[-1]), style_for(provider)))
+    _label_line_ends(ax, ends, fmt=fmt)
+
+
+def _label_line_ends(ax, ends: list, min_gap: float = 0.052, fmt: str = "{:.2f}×") -> None:
+    """Write each line's label and last value just right of the axes, nudged apart vertically."""
+    to_axes = ax.transAxes.inverted()
+    placed = []
+    for xv, yv, style in ends:
+        ya = float(to_axes.transform(ax.transData.transform((xv, yv)))[1])
+        placed.append([ya, xv, yv, style])
+    placed.sort(key=lambda item: item[0])
+    for i in range(1, len(placed)):
+        placed[i][0] = max(placed[i][0], placed[i - 1][0] + min_gap)
+    overflow = placed[-1][0] - 1.0 if placed else 0.0
+    if overflow > 0:
+        for item in placed:
+            item[0] -= overflow
+        for i in range(len(placed) - 2, -1, -1):
+            placed[i][0] = min(placed[i][0], placed[i + 1][0] - min_gap)
+    for ya, xv, yv, style in placed:
+        text = fmt(yv) if callable(fmt) else fmt.format(yv)
+        ax.annotate(f"{style['label']}  {text}", xy=(xv, yv), xycoords="data", xytext=(1.02, ya),
+                    textcoords="axes fraction", va="center", ha="left", fontsize=7.5, color=style["color"],
+                    arrowprops=dict(arrowstyle="-", color=style["color"], linewidth=0.6, alpha=0.7,
+                                    shrinkA=0, shrinkB=3))
 
 
 def plot_memory(ax, model: pd.DataFrame | None, measured: pd.DataFrame | None = None, *, x: str = "x",
-                value: str = "peak_extra_mib", log_y: bool = True) -> None:
-    """Peak extra memory vs x: the analytic model as lines, measured points as markers on top.
+                value: str = "peak_extra_mib", reference: pd.DataFrame | None = None,
+                measured_label: str = "measured", reference_label: str = "reference", log_y: bool = True,
+                legend_loc: str = "upper left") -> None:
+    """Peak extra memory vs x: the analytic model as lines, measured points as hollow markers on top,
+    and optional reference points (someone else's measurements) as crosses.
 
-    `model` and `measured` have columns provider, x and `value` (the model's may be named mib).
+    Each frame has columns provider, x and `value` (the model's may call it `mib`). The legend has
+    one entry per provider (its color) and one per kind of mark, instead of provider × kind.
     """
+    from matplotlib.lines import Line2D
+
     drawn_x: list = []
     values: list = []
+    providers: set = set()
+    kinds: list = []
+
+    def col(df: pd.DataFrame) -> str:
+        return value if value in df else "mib"
+
     if model is not None and not model.empty:
-        col = value if value in model else "mib"
         for provider in sort_providers(model["provider"]):
             part = model[model["provider"] == provider].sort_values(x)
-            style = style_for(provider)
-            ax.plot(part[x], part[col].clip(lower=0.01), color=style["color"], linestyle="-",
-                    linewidth=1.2, alpha=0.8, label=f"{style['label']} (model)")
+            ax.plot(part[x], part[col(part)].clip(lower=0.01), color=style_for(provider)["color"], linestyle="-",
+                    linewidth=1.4, alpha=0.85)
             drawn_x += list(part[x])
-            values += list(part[col])
-    if measured is not None and not measured.empty:
-        for provider in sort_providers(measured["provider"]):
-            part = measured[(measured["provider"] == provider) & measured[value].notna()].sort_values(x)
-            if part.empty:
-                continue
-            style = style_for(provider)
-            ax.plot(part[x], part[value].clip(lower=0.01), color=style["color"], marker=style["marker"] or "o",
-                    linestyle="none", markersize=7, markerfacecolor="none", markeredgewidth=1.5,
-                    label=f"{style['label']} (measured)")
+            values += list(part[col(part)])
+            providers.add(provider)
+        kinds.append(Line2D([], [], color="0.3", linewidth=1.4, label="model"))
+    for frame, kind in ((measured, "measured"), (reference, "reference")):
+        if frame is None or frame.empty:
+            continue
+        frame = frame[frame[col(frame)].notna()]
+        if frame.empty:
+            continue
+        if kind == "measured":
+            kw = dict(marker="o", markersize=7, markerfacecolor="none", markeredgewidth=1.6)
+        else:
+            kw = dict(marker="x", markersize=6, markeredgewidth=1.3)
+        for provider in sort_providers(frame["provider"]):
+            part = frame[frame["provider"] == provider].sort_values(x)
+            ax.plot(part[x], part[col(part)].clip(lower=0.01), color=style_for(provider)["color"], linestyle="none",
+                    **kw)
             drawn_x += list(part[x])
-            values += list(part[value])
+            values += list(part[col(part)])
+            providers.add(provider)
+        kinds.append(Line2D([], [], color="0.3", linestyle="none", label=measured_label if kind == "measured"
+                            else reference_label, **kw))
     if drawn_x:
         size_axis(ax, drawn_x)
     if log_y:
         ax.set_yscale("log")
         v = np.asarray([max(float(t), 0.01) for t in values]) if values else np.asarray([1.0])
-        ticks = [t for t in (0.1, 1, 10, 100, 1_000, 10_000, 100_000) if v.min() / 3 <= t <= v.max() * 3]
+        ticks = [t for t in (0.01, 0.1, 1, 10, 100, 1_000, 10_000, 100_000) if v.min() / 3 <= t <= v.max() * 3]
+        if len(ticks) < 4:  # less than ~3 decades: 1-3-10 steps
+            ticks = [m * 10.0**k for k in range(-2, 6) for m in (1, 3) if v.min() / 1.5 <= m * 10.0**k <= v.max() * 1.5]
         if len(ticks) >= 2:
             ax.yaxis.set_major_locator(FixedLocator(ticks))
             ax.yaxis.set_major_formatter(FixedFormatter([f"{t:g}" for t in ticks]))
             ax.yaxis.set_minor_locator(NullLocator())
     ax.set_ylabel("peak extra memory, MiB")
+    if legend_loc:
+        handles = [Line2D([], [], color=style_for(p)["color"], linewidth=2.5, label=label_for(p))
+                   for p in sort_providers(providers)]
+        ax.legend(handles=handles + kinds, loc=legend_loc, ncol=2 if len(handles) > 6 else 1)
 
 
 def plot_seed_vs_ours(ax, seed: pd.DataFrame, ours: pd.DataFrame | None, *, x: str = "x",
@@ -421,3 +535,112 @@ def add_caption(fig, text: str, *, width: int = 150) -> None:
 
     wrapped = "\n".join(textwrap.wrap(text, width=width, break_on_hyphens=False))
     fig.text(0.0, -0.01, wrapped, ha="left", va="top", fontsize=7, color="0.35", transform=fig.transFigure)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data the figures draw
+# ----------------------------------------------------------------------------------------------
+
+# The floor each timing mode is compared with, as `fusedkern.bench` pairs them: the loss alone
+# needs the logits GEMM; forward + backward needs three GEMMs (logits, dX, dW).
+_FLOORS = {"loss_only": "cublas_1gemm", "forward": "cublas_1gemm", "backward": "cublas_3gemm", "full": "cublas_3gemm"}
+
+
+def floor_provider(mode: str) -> str:
+    """The GEMM floor a mode's times are divided by: cublas_1gemm (loss_only, forward) or cublas_3gemm."""
+    return _FLOORS[mode]
+
+
+def load_measured(path: str | Path) -> pd.DataFrame | None:
+    """`fusedkern.results.load_results(path)`, or None after saying that the file is not there yet.
+
+    The notebooks call this for every measured CSV so that a checkout without measurements still
+    renders: the plots that need the file are skipped, the rest of the notebook runs.
+    """
+    path = Path(path)
+    if not path.exists():
+        print(f"Not measured yet: {path.as_posix()} is missing, so the figures and tables that need it are "
+              "skipped. Produce it on a GPU with `python run_all.py --measure yes` "
+              "(or `python -m fusedkern.bench`).")
+        return None
+    from fusedkern.results import load_results
+
+    return load_results(path)
+
+
+def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50") -> pd.DataFrame:
+    """provider × x table of `value` in `mode`, providers in the figures' order."""
+    part = df[df["mode"] == mode]
+    table = part.pivot_table(index="provider", columns="x", values=value, aggfunc="first", dropna=False)
+    table = table.loc[sort_providers(table.index)]
+    table.columns.name = str(part["x_name"].iloc[0]) if len(part) else "x"
+    return table
+
+
+def latency_figure(df: pd.DataFrame, *, mode: str = "full", x_label: str, title: str, caption: str,
+                   annotate: Sequence[str] = ()):
+    """Two panels: median ms vs x per provider with the mode's GEMM floor drawn as a line over a
+    shaded band (left), and every provider's time divided by the floor's (right)."""
+    part = df[(df["mode"] == mode) & df["ms_p50"].notna()]
+    floor = floor_provider(mode)
+    fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
+    plotting_rows = part[part["provider"] != floor]
+    plot_quantiles(ax_ms, plotting_rows, x_label=x_label)
+    floor_rows = part[part["provider"] == floor].sort_values("x")
+    if not floor_rows.empty:
+        draw_floor(ax_ms, floor_rows["x"], floor_rows["ms_p50"], label=label_for(floor))
+        _ms_axis(ax_ms, part["ms_p50"].tolist() + part["ms_p80"].dropna().tolist())
+    ax_ms.set_title(f"{title}: median ms ({mode})")
+    ax_ms.legend(loc="upper left")
+    if floor_rows.empty:
+        ax_ratio.text(0.5, 0.5, f"no {floor} rows: no ratio to draw", ha="center", va="center",
+                      transform=ax_ratio.transAxes)
+        ax_ratio.set_axis_off()
+    else:
+        ratios = ratio_to(part, floor)
+        plot_ratios(ax_ratio, ratios, annotate=annotate, skip=[floor], baseline_label=label_for(floor) + " (= 1)")
+        ax_ratio.set_xlabel(x_label)
+        ax_ratio.set_ylabel(f"× {floor} (median ms)")
+        ax_ratio.set_title("time ÷ the GEMM floor (lower is better; 1 = the floor)")
+    add_caption(fig, caption)
+    return fig
+
+
+def modes_figure(df: pd.DataFrame, *, modes: Sequence[str], x_label: str, title: str, caption: str):
+    """One panel per mode: median ms vs x per provider, with that mode's GEMM floor."""
+    modes = [m for m in modes if (df["mode"] == m).any()]
+    ncols = 2 if len(modes) > 1 else 1
+    nrows = max(1, math.ceil(len(modes) / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), layout="constrained", squeeze=False)
+    for ax, mode in zip(axes.flat, modes):
+        part = df[(df["mode"] == mode) & df["ms_p50"].notna()]
+        floor = floor_provider(mode)
+        plot_quantiles(ax, part[part["provider"] != floor], x_label=x_label)
+        floor_rows = part[part["provider"] == floor].sort_values("x")
+        if not floor_rows.empty:
+            draw_floor(ax, floor_rows["x"], floor_rows["ms_p50"], label=label_for(floor))
+            _ms_axis(ax, part["ms_p50"].tolist() + part["ms_p80"].dropna().tolist())
+        ax.set_title(f"{title} — {mode}")
+    for ax in list(axes.flat)[len(modes):]:
+        ax.set_axis_off()
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="outside right upper")
+    add_caption(fig, caption)
+    return fig
+
+
+def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x: str = "x", value: str = "ms_p50",
+                   fmt: str = "{:.2f}×", color: str | None = None) -> pd.Series:
+    """Write numerator ÷ denominator (same x) above the numerator's points; returns the ratios by x."""
+    num = df[df["provider"] == numerator].set_index(x)[value]
+    den = df[df["provider"] == denominator].set_index(x)[value]
+    ratios = (num / den).dropna().sort_index()
+    for xv, r in ratios.items():
+        ax.annotate(fmt.format(r), (xv, num[xv]), textcoords="offset points", xytext=(0, 7), ha="center",
+                    fontsize=8, fontweight="bold", color=color or style_for(numerator)["color"])
+    return ratios

@@ -25,15 +25,15 @@ import torch
 from fusedkern.chunked import (
     GRAD_CHUNK_BUDGET_BYTES,
     LossOptions,
-    _accumulate_weight_grad,
-    _grad_buffers,
     _logits_into,
     _row_kernel_args,
+    chunk_grads,
     chunk_tokens_for,
     chunked_loss,
+    grad_buffers,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import _is_exactly_one, _rescaled
+from fusedkern.linear_cross_entropy import rescaled_grads, save_precomputed_grads
 
 
 def plan_for(n_rows: int, seq: int, vocab: int, dtype: torch.dtype, chunk_tokens: int | None) -> tuple[str, int]:
@@ -72,18 +72,8 @@ def _process_chunk(x_rows, y_rows, w, b, kernel_args, buf, a_partner, n_self, n_
     g = _upstream_per_token(a_self, a_partner, n_self, n_chosen_total, chosen=chosen, n_pairs=n_pairs, **hp)
     g_tok = g.expand(-1, seq).reshape(-1).contiguous()
     ce_rows(z, y_rows, loss=None, stats=stats, grad=g_tok, compute_stats=False, per_token_grad=True, **kernel_args)
-    _chunk_grads(z, x_rows, w, dx_rows, dw, db, first)
+    chunk_grads(z, x_rows, w, dx_rows, dw, db, first)
     return -nll, a_self
-
-
-def _chunk_grads(g, x_rows, w, dx_rows, dw, db, first):
-    """dX rows = G W (into their place in dx), dW (+)= Gᵀ X, db += Σ G.  g (C, V), x_rows (C, H)."""
-    if dx_rows is not None:
-        torch.mm(g, w, out=dx_rows)
-    if dw is not None:
-        _accumulate_weight_grad(dw, g, x_rows, first)
-    if db is not None:
-        db += torch.sum(g, dim=0, dtype=torch.float32)
 
 
 class ChunkedSimPO(torch.autograd.Function):
@@ -104,7 +94,7 @@ class ChunkedSimPO(torch.autograd.Function):
         need_dx, need_dw = x3d.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
         accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
-        dx, dw, db = _grad_buffers(x, w, b, need_dx, need_dw, need_db, accum)
+        dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, accum)
         mask = target2d != opts.ignore_index
         n_tokens = mask.sum(-1)  # [2B]
         n_chosen_total = n_tokens[:n_pairs].sum()
@@ -142,7 +132,7 @@ class ChunkedSimPO(torch.autograd.Function):
                 if dx is not None:
                     torch.mm(z[:k * seq], w, out=dx[rw])
                     torch.mm(z[k * seq:], w, out=dx[rl])
-                _chunk_grads(z, x_c, w, None, dw, db, first)
+                chunk_grads(z, x_c, w, None, dw, db, first)
                 logp[rw], logp[rl] = -nll[:k * seq], -nll[k * seq:]
                 first = False
         else:  # "prepass": every A_l from a loss-only pass, then chosen chunks, then rejected chunks
@@ -163,23 +153,11 @@ class ChunkedSimPO(torch.autograd.Function):
                         a_chosen[i0:i1] = a_self
                     first = False
 
-        ctx.save_for_backward(dx, dw, db)
-        ctx.meta = (x3d.shape, x3d.dtype, w.dtype, None if b is None else b.dtype)
-        ctx.used = False
+        save_precomputed_grads(ctx, x3d, w, b, dx, dw, db)
         logp2d = logp.view(two_b, seq)
         ctx.mark_non_differentiable(logp2d)
         return loss_fn(logp2d, mask), logp2d
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp):
-        if ctx.used:
-            raise RuntimeError("linear_simpo_loss (chunked) rescales its saved gradients in place and supports "
-                               "one backward pass")
-        ctx.used = True
-        dx, dw, db = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
-        skip = _is_exactly_one(grad_loss)
-        scale = grad_loss.float()
-        dx = _rescaled(dx, scale, x_dtype, skip)
-        return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip),
-                _rescaled(db, scale, b_dtype, skip) if db is not None else None, None, None, None, None, None, None)
+        return (*rescaled_grads(ctx, grad_loss, "linear_simpo_loss (chunked)"), None, None, None, None, None, None)
