@@ -1,0 +1,343 @@
+# %% [markdown]
+# # 02 · Correctness: fusedkern against an exact reference and against PyTorch
+#
+# Every public entry point — `fusedkern.linear_cross_entropy`, `fusedkern.linear_logprobs`,
+# `fusedkern.linear_simpo_loss` — in both strategies (`impl="chunked"`, `impl="fused"`) is
+# compared with the float64 references of `fusedkern.reference`, for the loss and every gradient,
+# over awkward shapes (one row, primes, one past a block size), two dtypes and every option of
+# the contract (docs/design.md).
+#
+# **What "correct" means.** A low-precision kernel cannot match float64; it can match what PyTorch
+# itself achieves in the same dtype. The rule (flash-attention's): fusedkern's relative error
+# against float64 is at most twice that of PyTorch's own computation in the input dtype, plus a
+# small absolute term. PyTorch's computation here is the seed's Hugging Face baseline
+# (`reference.hf_linear_cross_entropy`: logits and loss in the input dtype) where it supports the
+# options, else the fp32-upcast baseline (`reference.upcast_linear_cross_entropy`).
+#
+# **Where it runs.** On a machine without a GPU the Triton kernels run through Triton's
+# interpreter on CPU tensors, which costs about a millisecond per program instance: hence the tiny
+# shapes, and fp32/fp16 only (the interpreter's `tl.dot` is wrong for bf16). The bf16 accuracy at
+# the real workload, measured on the H200, is at the end.
+
+# %% tags=["parameters"]
+quick = False  # fewer cases (a smoke run)
+data_dir = "../data"
+figures_dir = "../figures"
+gpu = "h200"  # which data/measured/<gpu>/accuracy.csv to show
+seed = 0
+impls = ["chunked", "fused"]
+dtypes = ["float32", "float16"]
+shapes = [[1, 16, 17], [13, 16, 67], [33, 32, 129]]  # [T, H, V]: one row; primes; one past 32 and 128
+options_shape = [13, 16, 67]  # the shape every option set runs at
+option_sets = {  # name -> keyword arguments of linear_cross_entropy
+    "plain (mean)": {},
+    "ignore_index + sum": {"reduction": "sum", "ignore": True},
+    "reduction none": {"reduction": "none", "ignore": True},
+    "label smoothing 0.1": {"label_smoothing": 0.1, "ignore": True},
+    "z-loss 1e-3": {"z_loss": 1e-3},
+    "softcap 3": {"softcap": 3.0},
+    "class weights + bias": {"class_weight": True, "bias": True, "ignore": True},
+}
+simpo_shape = [2, 9, 16, 67]  # [pairs, S, H, V]
+simpo_options = {"beta": 2.0, "gamma": 1.0, "alpha": 0.5}  # non-default, so every term matters
+factor, atol = 2.0, {"float32": 1e-6, "float16": 1e-4}  # the accuracy rule
+
+# %%
+from pathlib import Path
+
+data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+accuracy_csv = data_dir / "measured" / gpu / "accuracy.csv"
+if quick:
+    shapes = shapes[:2]
+    dtypes = dtypes[:1]
+    option_sets = {k: option_sets[k] for k in ("plain (mean)", "label smoothing 0.1", "class weights + bias")}
+
+# %%
+import math
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import display
+
+import fusedkern
+from fusedkern import plotting, reference
+from fusedkern._runtime import interpreting
+
+plotting.use_style()
+pd.set_option("display.precision", 2)
+# Triton's interpreter evaluates masked-out lanes too (inf − inf there is harmless): keep its numpy
+# warnings, which name local file paths, out of the rendered notebook.
+warnings.filterwarnings("ignore", category=RuntimeWarning, message="invalid value encountered")
+warnings.filterwarnings("ignore", category=RuntimeWarning, message="overflow encountered")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+device = "cpu" if interpreting() else "cuda"
+print(f"kernels run {'through Triton’s interpreter on CPU' if interpreting() else 'on the GPU'}; "
+      f"torch {torch.__version__.split('+')[0]}")
+
+
+def rel_err(got, want) -> float:
+    """‖got − want‖ / ‖want‖ in float64 (absolute when want is 0); None when either is absent."""
+    if got is None or want is None:
+        return math.nan
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    denom = want.norm().item()
+    diff = (got - want).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def make_inputs(T, H, V, dtype, *, ignore=False, bias=False, class_weight=False, gen=None):
+    """x [T, H], W [V, H] (std 1/√H, logits of order 1–3), targets with ~25 % ignored if asked."""
+    gen = gen or torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).mul(2.0)
+    w = torch.randn(V, H, generator=gen).div(math.sqrt(H))
+    y = torch.randint(0, V, (T,), generator=gen)
+    if ignore and T > 1:
+        y[torch.rand(T, generator=gen) < 0.25] = -100
+        y[0] = -100
+    b = torch.randn(V, generator=gen).mul(0.5) if bias else None
+    cw = torch.rand(V, generator=gen).add(0.5) if class_weight else None
+    cast = lambda t: None if t is None else t.to(device=device, dtype=DTYPES[dtype]).requires_grad_()  # noqa: E731
+    return cast(x), cast(w), y.to(device), cast(b), None if cw is None else cw.to(device)
+
+
+def grads_of(fn, leaves, upstream_seed=1):
+    """Run fn(), backpropagate a fixed random upstream (ones for a scalar), return (out, grads)."""
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    out = fn()
+    loss = out[0] if isinstance(out, tuple) else out
+    gen = torch.Generator().manual_seed(upstream_seed)
+    up = torch.randn(loss.shape, generator=gen).to(loss) if loss.dim() else None
+    loss.backward(up)
+    return loss.detach(), [None if t is None else t.grad.detach().clone() for t in leaves]
+
+
+# %% [markdown]
+# ## Cross-entropy: shapes × dtypes × strategies, then every option
+#
+# For each case: the relative error of the loss, dX, dW (and db with a bias) against float64, for
+# fusedkern and for the PyTorch baselines on the same inputs; `ok` applies the rule above.
+
+# %%
+rows = []
+
+
+def ce_case(group, T, H, V, dtype, impl, name, opts):
+    opts = dict(opts)
+    x, w, y, b, cw = make_inputs(T, H, V, dtype, ignore=opts.pop("ignore", False), bias=opts.pop("bias", False),
+                                 class_weight=opts.pop("class_weight", False))
+    kw = dict(opts, linear_bias=b, weight=cw)
+    leaves = [x, w, b]
+    ref_loss, ref_grads = grads_of(lambda: reference.linear_cross_entropy_fp64(x, w, y, **kw), leaves)
+    row = dict(group=group, function="linear_cross_entropy", impl=impl, dtype=dtype, shape=f"{T}×{H}×{V}",
+               options=name)
+    try:
+        loss, grads = grads_of(lambda: fusedkern.linear_cross_entropy(x, w, y, impl=impl, **kw), leaves)
+    except NotImplementedError as err:
+        rows.append({**row, "status": f"unsupported: {err}"})
+        return
+    hf_ok = not any(k in opts for k in ("label_smoothing", "z_loss", "softcap")) and cw is None
+    base = {"upcast": lambda: reference.upcast_linear_cross_entropy(x, w, y, **kw)}
+    if hf_ok:
+        base["hf"] = lambda: reference.hf_linear_cross_entropy(x, w, y, linear_bias=b,
+                                                               reduction=opts.get("reduction", "mean"))
+    errs = {"fusedkern": (loss, grads)}
+    errs.update({k: grads_of(f, leaves) for k, f in base.items()})
+    for who, (l, g) in errs.items():
+        row[f"{who} loss"] = rel_err(l, ref_loss)
+        row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
+        row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
+        row[f"{who} db"] = rel_err(g[2], ref_grads[2])
+    row["yardstick"] = "hf" if hf_ok else "upcast"
+    rows.append(row)
+
+
+for dtype in dtypes:
+    for impl in impls:
+        for T, H, V in shapes:
+            ce_case("shapes", T, H, V, dtype, impl, "plain (mean)", {})
+        for name, opts in option_sets.items():
+            ce_case("options", *options_shape, dtype, impl, name, opts)
+
+
+# %% [markdown]
+# ## Per-token log-probabilities and SimPO
+#
+# `linear_logprobs` gets a random upstream gradient per token (as DPO-style losses send);
+# `linear_simpo_loss` runs with non-default β, γ, α and one rejected response whose tokens are all
+# ignored (fusedkern defines its average log-probability as 0; the fp64 reference does the same).
+
+# %%
+def logprobs_case(T, H, V, dtype, impl, softcap):
+    x, w, y, _, _ = make_inputs(T, H, V, dtype, ignore=True)
+    leaves = [x, w]
+    ref, ref_grads = grads_of(lambda: reference.linear_logprobs_fp64(x, w, y, softcap=softcap), leaves)
+    row = dict(group="logprobs", function="linear_logprobs", impl=impl, dtype=dtype, shape=f"{T}×{H}×{V}",
+               options=f"softcap {softcap}" if softcap else "plain", yardstick="upcast")
+    got, grads = grads_of(lambda: fusedkern.linear_logprobs(x, w, y, impl=impl, softcap=softcap), leaves)
+    x32 = lambda: torch.log_softmax(  # noqa: E731  (the fp32-upcast computation of the same thing)
+        (lambda z: z if softcap is None else softcap * torch.tanh(z / softcap))((x @ w.T).float()), -1
+    ).gather(-1, y.clamp(min=0)[:, None])[:, 0].where(y != -100, 0.0)
+    base, base_grads = grads_of(x32, leaves)
+    for who, (l, g) in {"fusedkern": (got, grads), "upcast": (base, base_grads)}.items():
+        row[f"{who} loss"] = rel_err(l, ref)
+        row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
+        row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
+    rows.append(row)
+
+
+def simpo_case(B, S, H, V, dtype, impl):
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, w, _, _, _ = make_inputs(2 * B * S, H, V, dtype, gen=gen)
+    x = x.detach().reshape(2 * B, S, H).requires_grad_()
+    y = torch.randint(0, V, (2 * B, S), generator=gen).to(device)
+    y[:, : S // 3] = -100  # prompt tokens
+    y[-1] = -100  # a rejected response with no token at all
+    leaves = [x, w]
+    ref, ref_grads = grads_of(lambda: reference.linear_simpo_loss_fp64(x, w, y, **simpo_options), leaves)
+    row = dict(group="simpo", function="linear_simpo_loss", impl=impl, dtype=dtype, shape=f"{2 * B}×{S}×{H}×{V}",
+               options="β 2, γ 1, α 0.5, one empty response", yardstick="hf")
+    got, grads = grads_of(lambda: fusedkern.linear_simpo_loss(x, w, y, impl=impl, **simpo_options), leaves)
+    base, base_grads = grads_of(lambda: reference.hf_linear_simpo_loss(x, w, y, **simpo_options), leaves)
+    for who, (l, g) in {"fusedkern": (got, grads), "hf": (base, base_grads)}.items():
+        row[f"{who} loss"] = rel_err(l, ref)
+        row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
+        row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
+    rows.append(row)
+
+
+for dtype in dtypes:
+    for impl in impls:
+        logprobs_case(*options_shape, dtype, impl, None)
+        if not quick:
+            logprobs_case(*options_shape, dtype, impl, 3.0)
+        simpo_case(*simpo_shape, dtype, impl)
+
+# %% [markdown]
+# ## The table
+#
+# Relative errors against float64 (‖got − ref‖ / ‖ref‖). `worst margin` is the largest of
+# fusedkern's error ÷ (factor × the yardstick's error + atol) over loss and gradients: ≤ 1 passes.
+
+# %%
+results = pd.DataFrame(rows)
+quantities = ["loss", "dX", "dW", "db"]
+
+
+def margin(r):
+    m = 0.0
+    for q in quantities:
+        ours, theirs = r.get(f"fusedkern {q}"), r.get(f"{r['yardstick']} {q}")
+        if ours is None or (isinstance(ours, float) and math.isnan(ours)):
+            continue
+        if theirs is None or math.isnan(theirs):
+            theirs = r.get(f"upcast {q}")
+        m = max(m, ours / (factor * theirs + atol[r["dtype"]]))
+    return m
+
+
+if "status" not in results:
+    results["status"] = ""
+results["status"] = results["status"].fillna("")
+measured = results["status"] == ""
+results.loc[measured, "worst margin"] = results[measured].apply(margin, axis=1)
+results.loc[measured, "ok"] = results.loc[measured, "worst margin"] <= 1.0
+shown = ["group", "function", "impl", "dtype", "shape", "options", "fusedkern loss", "fusedkern dX", "fusedkern dW",
+         "fusedkern db", "hf dX", "upcast dX", "hf dW", "upcast dW", "yardstick", "worst margin", "ok", "status"]
+table = results[[c for c in shown if c in results]]
+with pd.option_context("display.float_format", "{:.1e}".format, "display.max_rows", 200):
+    display(table)
+
+# %%
+n_fail = int((results.loc[measured, "ok"] == False).sum())  # noqa: E712
+unsupported = results[~measured]
+print(f"{int(measured.sum())} cases measured, {n_fail} outside the rule, {len(unsupported)} unsupported combinations")
+for r in unsupported.itertuples():
+    print(f"  unsupported: {r.function} impl={r.impl} {r.dtype} {r.options}: {r.status}")
+
+# %% [markdown]
+# ## The errors, drawn
+#
+# One panel per dtype and quantity, for the option sets: fusedkern's two strategies beside the
+# PyTorch baselines on the same inputs. Points near or below the baselines' are as accurate as
+# PyTorch itself in that dtype.
+
+# %%
+opt = results[(results.group == "options") & measured]
+markers = {"fusedkern chunked": ("o", "#d62728"), "fusedkern fused": ("P", "#9467bd"),
+           "hf (same dtype)": ("s", "#7f7f7f"), "upcast (fp32)": ("D", "#bcbd22")}
+if not opt.empty:
+    names = list(dict.fromkeys(opt["options"]))
+    fig, axes = plt.subplots(len(dtypes), 3, figsize=(15, 3.6 * len(dtypes)), layout="constrained", squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, q in enumerate(["loss", "dX", "dW"]):
+            ax = axes[i, j]
+            part = opt[opt.dtype == dtype]
+            series = []
+            for impl in impls:
+                sel = part[part.impl == impl].set_index("options")
+                series.append((f"fusedkern {impl}", sel[f"fusedkern {q}"]))
+            first = part[part.impl == impls[0]].set_index("options")
+            for col, label in (("hf", "hf (same dtype)"), ("upcast", "upcast (fp32)")):
+                if f"{col} {q}" in first:
+                    series.append((label, first[f"{col} {q}"]))
+            for k, (label, values) in enumerate(series):
+                xs = [names.index(n) + (k - (len(series) - 1) / 2) * 0.15 for n in values.index]
+                marker, color = markers[label]
+                ax.scatter(xs, values.clip(lower=1e-17).to_numpy(), marker=marker, color=color, s=30, label=label)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+            ax.set_title(f"{dtype} — {q}: relative error vs float64")
+    axes[0, 0].legend(loc="upper left")
+    shape = "×".join(map(str, options_shape))
+    where = "CPU (Triton interpreter)" if interpreting() else "GPU"
+    plotting.add_caption(fig, f"T×H×V = {shape}, seed {seed}; kernels on {where}, "
+                              f"torch {torch.__version__.split('+')[0]}. Baselines: fusedkern.reference.")
+    display(plotting.save_figure(fig, figures_dir / "02_correctness_errors"))
+
+# %%
+assert n_fail == 0, f"{n_fail} cases outside the accuracy rule: see the table above"
+
+# %% [markdown]
+# ## bf16 at the real workload, measured on the H200
+#
+# `python -m fusedkern.bench accuracy` runs every cross-entropy provider at 4096 and 32768 tokens
+# (H = 4096, V = 128256, bf16) against a float64 truth computed chunk by chunk, mean reduction.
+# The same-dtype PyTorch computation (`huggingface_bf16`) is among the providers: it is what
+# "accurate in bf16" means.
+
+# %%
+acc = plotting.load_measured(accuracy_csv)
+if acc is not None:
+    print(plotting.provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
+    errs = acc.pivot_table(index="provider", columns="x", values=["err_loss", "err_dx", "err_dw"], aggfunc="first")
+    errs = errs.loc[plotting.sort_providers(errs.index)]
+    with pd.option_context("display.float_format", "{:.2e}".format):
+        display(errs)
+    notes = acc[acc["note"].fillna("") != ""]
+    if not notes.empty:
+        display(notes[["provider", "x", "note"]])
+
+    # one column per provider (any number of them, chunk-size variants included), one marker per size
+    providers = plotting.sort_providers(acc.provider)
+    sizes = sorted(acc.x.unique())
+    size_markers = ["o", "s", "^", "D"]
+    fig, axes = plt.subplots(3, 1, figsize=(max(8, 0.55 * len(providers) + 3), 9), layout="constrained", sharex=True)
+    for ax, q in zip(axes, ["err_loss", "err_dx", "err_dw"]):
+        for k, size in enumerate(sizes):
+            part = acc[acc.x == size].set_index("provider").reindex(providers)
+            colors = [plotting.style_for(p)["color"] for p in providers]
+            ax.scatter(np.arange(len(providers)) + (k - (len(sizes) - 1) / 2) * 0.18, part[q].clip(lower=1e-12),
+                       c=colors, marker=size_markers[k % len(size_markers)], s=36, edgecolors="black", linewidths=0.4,
+                       label=f"{int(size)} tokens")
+        ax.set_yscale("log")
+        ax.set_ylabel(q.replace("err_", "") + " rel. error")
+        ax.legend(loc="upper right")
+    axes[0].set_title("relative error vs float64 (bf16 inputs, mean reduction)")
+    axes[-1].set_xticks(range(len(providers)), [plotting.label_for(p) for p in providers], rotation=35, ha="right")
+    plotting.add_caption(fig, plotting.provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
+    display(plotting.save_figure(fig, figures_dir / "02_h200_accuracy"))

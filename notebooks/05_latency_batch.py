@@ -1,0 +1,154 @@
+# %% [markdown]
+# # 05 · SimPO latency over batch
+#
+# The second seed page's workload: batch 2…16 rows of 1024 tokens (chosen and rejected rows
+# together, as the seed counted them: batch 2 is one pair), hidden 4096, vocab 128256, bf16, with
+# TRL's defaults β = 0.1, γ = 0.5, α = 1 (CPO-SimPO). The seed's baseline upcast the whole logits
+# to fp32 (`huggingface_fp32` here). Same harness and modes as notebook 04
+# (`python -m fusedkern.bench simpo`), with the GEMM floors timed over batch × 1024 tokens.
+#
+# SimPO's per-token gradient depends on whole-sequence averages (notebook 01, §7), so it is known
+# only once every token of a pair has its log-probability. fusedkern computes the log-probabilities
+# chunk by chunk, saves only the log-sum-exp, and recomputes the logits in the backward: four
+# GEMMs, i.e. about 1.33× the three-GEMM floor at best, for memory independent of batch. Liger
+# processes one pair at a time with its gradients formed in the forward: three GEMMs, but a
+# per-pair fp32 logits buffer and a weight-sized gradient per pair (notebook 03).
+
+# %% tags=["parameters"]
+quick = False  # only the full-mode figure
+data_dir = "../data"
+figures_dir = "../figures"
+gpu = "h200"  # which data/measured/<gpu>/ to read
+sweep = "simpo"  # data/measured/<gpu>/<sweep>.csv
+modes = ["full", "forward", "backward", "loss_only"]
+seq = 1024  # tokens per row (the sidecar's value wins when present)
+annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
+reference_names = {  # anchor provider -> our provider name, for the cross-check against data/reference
+    # (the anchors' fp32-upcast SimPO is not our huggingface_fp32: it has no second log-softmax for
+    # the NLL term, so it is left out of the comparison)
+    "liger-kernel 0.8.5": "liger-kernel 0.8.5",
+}
+
+# %%
+from pathlib import Path
+
+data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+csv_path = data_dir / "measured" / gpu / f"{sweep}.csv"
+anchors_csv = data_dir / "reference" / "h200_anchors_2026-12-02.csv"
+if quick:
+    modes = modes[:2]
+
+# %%
+import pandas as pd
+
+from IPython.display import display
+
+from fusedkern import plotting
+
+plotting.use_style()
+pd.set_option("display.precision", 2)
+
+df = plotting.load_measured(csv_path)
+have = df is not None
+if have:
+    meta = df.attrs["meta"]
+    caption = plotting.provenance(meta, f"data/measured/{gpu}/{csv_path.name}")
+    seq = int(meta.get("seq", seq))
+    shape = f"H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')}"
+    x_label = f"batch (rows of {seq} tokens; {shape})"
+    print(caption)
+    print(f"{len(df)} rows; providers: {', '.join(plotting.sort_providers(df.provider))}")
+
+# %% [markdown]
+# ## Forward + backward
+#
+# Left: median time with p20–p80 bars; the dashed line is the three-GEMM floor and the shaded
+# region below it is out of reach for any implementation that calls cuBLAS-speed GEMMs. Right:
+# each provider's time divided by the floor's at the same size.
+
+# %%
+if have:
+    fig = plotting.latency_figure(df, mode="full", x_label=x_label, title="SimPO", caption=caption,
+                                  annotate=annotate)
+    display(plotting.save_figure(fig, figures_dir / "05_simpo_latency"))
+
+# %%
+if have:
+    full = plotting.pivot(df, "full")
+    ratio = full / full.loc["cublas_3gemm"] if "cublas_3gemm" in full.index else None
+    print("median ms, full (forward + backward):")
+    display(full.round(2))
+    if ratio is not None:
+        print("× the three-GEMM floor:")
+        display(ratio.round(3))
+
+# %% [markdown]
+# ## What the numbers say
+#
+# Computed from the table above, so this text cannot drift from the data.
+
+# %%
+if have and ratio is not None:
+    biggest = max(full.columns)
+    fastest = ratio[biggest].drop("cublas_3gemm").dropna().sort_values()
+    print(f"At batch {biggest} ({biggest * seq} tokens), forward + backward, in multiples of the three-GEMM floor "
+          f"({full.loc['cublas_3gemm', biggest]:.1f} ms):")
+    for provider, r in fastest.items():
+        print(f"  {plotting.label_for(provider):<32} {r:5.2f}×  ({full.loc[provider, biggest]:.1f} ms)")
+    for provider in ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_fused"):
+        if provider in ratio.index:
+            row = ratio.loc[provider].dropna()
+            print(f"{plotting.label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over batch "
+                  f"{int(row.index.min())}–{int(row.index.max())} (4 GEMMs would be 1.33×)")
+
+# %% [markdown]
+# ## Every mode
+#
+# `loss_only` and `forward` are compared with one GEMM, `backward` and `full` with three. Liger's
+# SimPO forms its gradients in the forward (its `forward` ≈ its `full`); fusedkern's forward is one
+# GEMM and its backward three.
+
+# %%
+if have and not quick:
+    fig = plotting.modes_figure(df, modes=modes, x_label="batch", title="SimPO", caption=caption)
+    display(plotting.save_figure(fig, figures_dir / "05_simpo_modes"))
+
+# %%
+if have:
+    per_mode = {mode: plotting.pivot(df, mode) for mode in modes}
+    for mode, table in per_mode.items():
+        floor = plotting.floor_provider(mode)
+        if floor in table.index:
+            print(f"{mode}: × {floor}")
+            display((table / table.loc[floor]).round(2))
+
+# %% [markdown]
+# ## Failures, losses and a cross-check
+#
+# Rows the harness could not measure (out of memory, errors) keep a note instead of a number. The
+# loss each provider returned is a sanity check: all providers compute the same CPO-SimPO loss and
+# should agree to about 1e-3 in bf16. Finally, where the same provider was among the reference
+# anchors measured on an H200 before this project (`data/reference/`), the two runs are compared.
+
+# %%
+if have:
+    notes = df[df["note"].fillna("") != ""][["provider", "x", "mode", "note"]]
+    print("no failed measurement" if notes.empty else "rows without a measurement:")
+    if not notes.empty:
+        display(notes.sort_values(["provider", "x", "mode"]).reset_index(drop=True))
+    losses = plotting.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss")
+    display(losses.round(4))
+
+# %%
+if have:
+    anchors = pd.read_csv(anchors_csv)
+    anchors = anchors[(anchors.op == sweep) & anchors.provider.isin(reference_names)].copy()
+    anchors["provider"] = anchors.provider.map(reference_names)
+    ours = df[df["mode"] == "full"][["provider", "x", "ms_p50", "peak_extra_mib"]]
+    both = ours.merge(anchors[["provider", "x", "full_ms", "full_peak_extra_mib"]], on=["provider", "x"])
+    if gpu != "h200" or both.empty:
+        print("no comparable reference anchors for this data")
+    else:
+        both["ms ours / anchor"] = both.ms_p50 / both.full_ms
+        both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
+        display(both.set_index(["provider", "x"]).sort_index().round(3))

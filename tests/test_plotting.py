@@ -1,0 +1,169 @@
+"""Figures are byte-identical across saves, and the helpers handle the shapes the notebooks give them.
+
+The data here are made up on the spot to exercise the drawing code; they are never written to the
+repository (every file goes to pytest's tmp_path).
+"""
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from fusedkern import plotting  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _results(shuffle: bool = False) -> pd.DataFrame:
+    rows = []
+    for provider, scale in (("cublas_3gemm", 1.0), ("fusedkern_chunked", 1.1), ("liger-kernel 0.8.5", 1.4),
+                            ("huggingface_bf16", 1.2), ("some_new_provider", 2.0)):
+        for x in (4096, 8192, 16384, 32768):
+            ms = scale * x / 240.0
+            rows.append(dict(op="ce", provider=provider, x_name="tokens", x=x, mode="full", ms_p20=ms * 0.98,
+                             ms_p50=ms, ms_p80=ms * 1.03, peak_extra_mib=scale * x / 100, n_reps=10))
+    df = pd.DataFrame(rows)
+    return df.sample(frac=1.0, random_state=3).reset_index(drop=True) if shuffle else df
+
+
+def _figure(df: pd.DataFrame):
+    plotting.use_style()
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4), layout="constrained")
+    plotting.plot_quantiles(a, df[df.provider != "cublas_3gemm"])
+    floor = df[df.provider == "cublas_3gemm"]
+    plotting.draw_floor(a, floor.x, floor.ms_p50)
+    a.legend()
+    plotting.plot_ratios(b, plotting.ratio_to(df, "cublas_3gemm"), skip=["cublas_3gemm"])
+    model = df.assign(mib=df.peak_extra_mib * 0.9)[["provider", "x", "mib"]]
+    plotting.plot_memory(c, model, df)
+    plotting.add_caption(fig, plotting.provenance({"gpu_name": "Test GPU", "torch": "2.x",
+                                                   "date_utc": "2026-01-01T00:00:00+00:00"}, "test data"))
+    return fig
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_two_saves_are_byte_identical(tmp_path):
+    first = plotting.save_figure(_figure(_results()), tmp_path / "a" / "fig")
+    second = plotting.save_figure(_figure(_results()), tmp_path / "b" / "fig")
+    assert first.png.exists() and first.svg.exists()
+    assert first.png.read_bytes() == second.png.read_bytes()
+    assert first.svg.read_bytes() == second.svg.read_bytes()
+
+
+def test_row_order_does_not_change_the_figure(tmp_path):
+    first = plotting.save_figure(_figure(_results()), tmp_path / "sorted")
+    second = plotting.save_figure(_figure(_results(shuffle=True)), tmp_path / "shuffled")
+    assert _digest(first.png) == _digest(second.png)
+    assert _digest(first.svg) == _digest(second.svg)
+
+
+_SCRIPT = """
+import sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from fusedkern import plotting
+plotting.use_style()
+fig, ax = plt.subplots(figsize=(4, 3))
+ax.plot([4096, 8192], [1.0, 2.0], label="x")
+plotting.size_axis(ax, [4096, 8192])
+ax.legend()
+plotting.save_figure(fig, sys.argv[1])
+"""
+
+
+def test_separate_processes_write_identical_files(tmp_path):
+    """SVG ids come from a hash salt, which must be fixed across processes, not only within one."""
+    stems = [tmp_path / "p1" / "fig", tmp_path / "p2" / "fig"]
+    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(stem)], cwd=ROOT) for stem in stems]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    for suffix in (".png", ".svg"):
+        a, b = (stem.with_name("fig" + suffix) for stem in stems)
+        assert a.read_bytes() == b.read_bytes(), suffix
+
+
+def test_svg_has_no_date_and_png_no_software_tag(tmp_path):
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [1, 2])
+    saved = plotting.save_figure(fig, tmp_path / "meta")
+    svg = saved.svg.read_text()
+    assert "<dc:date>" not in svg
+    assert b"Software" not in saved.png.read_bytes()[:4096]
+
+
+def test_saved_figure_shows_its_png_and_hides_paths(tmp_path):
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    saved = plotting.save_figure(fig, tmp_path / "shown")
+    assert saved._repr_png_() == saved.png.read_bytes()
+    assert str(tmp_path) not in repr(saved)
+    assert not plt.get_fignums()  # closed: the inline backend will not draw it twice
+
+
+def test_size_axis_ticks_are_the_sizes():
+    fig, ax = plt.subplots()
+    plotting.size_axis(ax, [32768, 4096, 8192, 16384, 4096])
+    assert list(ax.get_xticks()) == [4096, 8192, 16384, 32768]
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4096", "8192", "16384", "32768"]
+    plt.close(fig)
+
+
+def test_ratio_to_divides_by_the_baseline_at_the_same_point():
+    ratios = plotting.ratio_to(_results(shuffle=True), "cublas_3gemm")
+    chunked = ratios[ratios.provider == "fusedkern_chunked"]
+    assert list(chunked.x) == [4096, 8192, 16384, 32768]
+    assert chunked.ratio.to_numpy() == pytest.approx([1.1] * 4)
+    assert (ratios[ratios.provider == "cublas_3gemm"].ratio == 1.0).all()
+
+
+def test_ratio_to_drops_points_without_baseline():
+    df = _results()
+    df = df[~((df.provider == "cublas_3gemm") & (df.x == 4096))]
+    assert 4096 not in set(plotting.ratio_to(df, "cublas_3gemm").x)
+
+
+def test_missing_values_are_skipped_not_plotted(tmp_path):
+    df = _results()
+    df.loc[(df.provider == "huggingface_bf16") & (df.x == 32768), ["ms_p20", "ms_p50", "ms_p80"]] = float("nan")
+    fig, ax = plt.subplots()
+    drawn = plotting.plot_quantiles(ax, df)
+    assert "huggingface_bf16" in drawn
+    plt.close(fig)
+
+
+def test_styles_are_stable_and_ordered():
+    assert plotting.style_for("some_new_provider") == plotting.style_for("some_new_provider")
+    assert plotting.sort_providers(["fusedkern_chunked", "zzz", "cublas_3gemm", "huggingface_bf16"]) == [
+        "huggingface_bf16", "fusedkern_chunked", "cublas_3gemm", "zzz"]
+
+
+def test_provenance_names_the_stack():
+    meta = {"gpu_name": "NVIDIA H200", "driver_version": "570.1", "cuda_version": "13.0", "torch": "2.11.0",
+            "triton": "3.6.0", "date_utc": "2026-12-02T10:00:00+00:00", "competitors": {"liger-kernel": "0.8.5",
+                                                                                       "cut-cross-entropy": None}}
+    text = plotting.provenance(meta, "data/measured/h200/ce.csv")
+    for part in ("NVIDIA H200", "driver 570.1", "CUDA 13.0", "torch 2.11.0", "triton 3.6.0", "liger-kernel 0.8.5",
+                 "measured 2026-12-02", "data/measured/h200/ce.csv"):
+        assert part in text
+    assert "cut-cross-entropy" not in text
+    assert plotting.provenance(None) == ""
+
+
+def test_chunk_size_variants_follow_their_parent():
+    order = plotting.sort_providers(["fusedkern_chunked_c8192", "fusedkern_chunked_lean", "fusedkern_chunked_c512",
+                                     "fusedkern_chunked"])
+    assert order == ["fusedkern_chunked", "fusedkern_chunked_c512", "fusedkern_chunked_c8192", "fusedkern_chunked_lean"]
+    style = plotting.style_for("fusedkern_chunked_c512")
+    assert style["color"] == plotting.style_for("fusedkern_chunked")["color"]
+    assert style["label"].endswith("C = 512")

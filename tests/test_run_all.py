@@ -1,0 +1,174 @@
+"""run_all.py: the quick run renders every notebook and figure; a failing notebook fails loudly.
+
+Everything is written under pytest's tmp_path: the committed notebooks/ and figures/ are never
+touched. The measured CSVs these tests use are invented on the spot (`write_fake_measurements`,
+shaped like the reference anchors) so that the notebooks' measured-data code paths run without a
+GPU; they are labelled as fake in their provenance and never leave tmp_path.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ALL = ROOT / "run_all.py"
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+
+_FAKE_ENV = {"gpu_name": "FAKE GPU (test data)", "torch": "0.0", "triton": "0.0",
+             "date_utc": "2000-01-01T00:00:00+00:00",
+             "driver_version": None, "cuda_version": None, "competitors": {}, "git_commit": None}
+# (provider, ms at 4096 tokens in full mode, extra MiB at 4096 tokens, grows with tokens?)
+_FAKE_CE = [
+    ("cublas_1gemm", 5.5, 0.0, False), ("cublas_3gemm", 17.5, 0.0, False), ("huggingface_bf16", 21.0, 1972.0, True),
+    ("torch_fp32_upcast", 24.0, 4978.0, True), ("liger-kernel 0.8.5", 46.0, 31.0, True),
+    ("fusedkern_chunked", 19.0, 2254.0, False), ("fusedkern_chunked_lean", 18.8, 250.0, False),
+    ("fusedkern_fused", 25.0, 0.1, True), ("cut_cross_entropy", 78.0, 1.5, False),
+]
+_FAKE_SIMPO = [
+    ("cublas_1gemm", 2.8, 0.0, False), ("cublas_3gemm", 8.7, 0.0, False), ("huggingface_fp32", 11.9, 1988.0, True),
+    ("liger-kernel 0.8.5", 14.4, 2021.0, False), ("fusedkern_chunked", 12.0, 2254.0, False),
+    ("fusedkern_chunked_lean", 11.8, 250.0, False),
+]
+_MODE_SHARE = {"loss_only": 0.3, "forward": 0.35, "backward": 0.65, "full": 1.0}
+
+
+def _fake_rows(op, x_name, xs, providers, unit):
+    rows = []
+    for provider, ms, mib, grows in providers:
+        for x in xs:
+            scale = x / unit
+            for mode, share in _MODE_SHARE.items():
+                if provider == "cublas_1gemm" and mode in ("backward", "full"):
+                    continue
+                if provider == "cublas_3gemm" and mode in ("loss_only", "forward"):
+                    continue
+                base = 17.5 if provider == "cublas_1gemm" else ms  # 1 GEMM ≈ a third of the 3-GEMM floor
+                t = base * scale * (share if provider != "cublas_1gemm" else 1 / 3)
+                rows.append(dict(op=op, provider=provider, x_name=x_name, x=x, mode=mode, ms_p20=t * 0.98,
+                                 ms_p50=t, ms_p80=t * 1.03, peak_extra_mib=mib * (scale if grows else 1.0),
+                                 n_reps=10, loss=12.6, note=""))
+    return rows
+
+
+def write_fake_measurements(data_dir: Path, gpu: str = "h200") -> Path:
+    """Invented ce/simpo/accuracy CSVs (+ sidecars) under data_dir/measured/<gpu>/, for tests only."""
+    from fusedkern.results import write_results
+
+    out = data_dir / "measured" / gpu
+    meta = {"hidden": 4096, "vocab": 128256, "dtype": "bfloat16", "note": "FAKE DATA for tests"}
+    write_results(_fake_rows("ce", "tokens", [4096, 8192, 16384, 32768], _FAKE_CE, 4096), out / "ce.csv",
+                  meta=meta, environment=_FAKE_ENV)
+    write_results(_fake_rows("simpo", "batch", [2, 4, 8, 16], _FAKE_SIMPO, 2), out / "simpo.csv",
+                  meta={**meta, "seq": 1024}, environment=_FAKE_ENV)
+    acc = []
+    for provider, err in (("huggingface_bf16", 3e-3), ("torch_fp32_upcast", 1e-4), ("fusedkern_chunked", 1e-4),
+                          ("fusedkern_fused", 5e-5), ("liger-kernel 0.8.5", 2e-4)):
+        for x in (4096, 32768):
+            acc.append(dict(op="ce", provider=provider, x_name="tokens", x=x, mode="full", ms_p20=math.nan,
+                            ms_p50=math.nan, ms_p80=math.nan, peak_extra_mib=100.0, n_reps=0, loss=12.6,
+                            err_loss=err / 10, err_dx=err, err_dw=err * 2, note=""))
+    write_results(acc, out / "accuracy.csv", meta=meta, environment=_FAKE_ENV)
+    return out
+
+
+def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUN_ALL), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help():
+    done = _run("--help", timeout=120)
+    assert done.returncode == 0
+    for option in ("--notebooks", "--output-dir", "--figures-dir", "--data-dir", "--quick", "--measure"):
+        assert option in done.stdout
+
+
+@pytest.mark.slow  # about a minute: six kernels start and import torch; still part of the default run
+def test_quick_run_renders_every_notebook_and_figure(tmp_path):
+    """The whole study in quick mode, on invented measurements (so every plotting path runs)."""
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "reference", data / "reference")
+    write_fake_measurements(data)
+    out, figs = tmp_path / "rendered", tmp_path / "figures"
+    start = time.perf_counter()
+    done = _run("--quick", "--jobs", "2", "--measure", "no", "--output-dir", str(out), "--figures-dir", str(figs),
+                "--data-dir", str(data))
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert sorted(p.stem for p in out.glob("*.ipynb")) == NOTEBOOKS
+    pngs = sorted(p.stem for p in figs.glob("*.png"))
+    assert "headline" in pngs
+    assert {p.stem for p in figs.glob("*.svg")} == set(pngs)
+    for stem in ("03_memory", "04_ce_latency", "05_simpo_latency", "06_seed_protocol"):
+        assert stem in pngs, pngs
+    print(f"quick run: {elapsed:.0f} s, figures: {pngs}")
+
+
+def test_rendered_notebooks_are_clean(tmp_path):
+    """A render carries no timestamps, durations or random ids, and names its parameters."""
+    import json
+
+    out = tmp_path / "rendered"
+    done = _run("--notebooks", "04", "--quick", "--measure", "no", "--output-dir", str(out),
+                "--figures-dir", str(tmp_path / "figures"), "--data-dir", str(tmp_path / "empty"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = (out / "04_latency_tokens.ipynb").read_text()
+    nb = json.loads(text)
+    assert "papermill" not in text and '"execution"' not in text
+    assert set(nb["metadata"]) == {"kernelspec", "language_info", "fusedkern"}
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1))
+    assert [c["id"] for c in nb["cells"]] == [f"cell-{i:03d}" for i in range(len(nb["cells"]))]
+    tags = [c["metadata"].get("tags", []) for c in nb["cells"]]
+    assert ["parameters"] in tags and ["injected-parameters"] in tags
+    # the missing measurement is said, not crashed on
+    assert "Not measured yet" in text
+
+
+def test_failing_notebook_exits_nonzero_and_names_it(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "01_fine.py").write_text('# %% tags=["parameters"]\nquick = False\n\n# %%\nprint("fine")\n')
+    (src / "02_broken.py").write_text(
+        '# %% tags=["parameters"]\nquick = False\n\n# %%\nx = 1\n\n# %%\nraise RuntimeError("kaboom in cell")\n'
+    )
+    done = _run("--source-dir", str(src), "--measure", "no", "--output-dir", str(tmp_path / "out"),
+                "--figures-dir", str(tmp_path / "fig"), "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 1
+    assert "02_broken" in done.stderr
+    assert "RuntimeError" in done.stderr and "kaboom in cell" in done.stderr
+    assert "raise RuntimeError" in done.stderr  # the failing cell's source is quoted
+    assert (tmp_path / "out" / "01_fine.ipynb").exists()  # the others still render
+    assert not (tmp_path / "out" / "02_broken.ipynb").exists()
+
+
+def test_unknown_notebook_is_a_usage_error(tmp_path):
+    done = _run("--notebooks", "99", "--measure", "no", "--output-dir", str(tmp_path), timeout=120)
+    assert done.returncode != 0
+    assert "99" in done.stderr and "01_derivation" in done.stderr
+
+
+def test_selection_and_slug():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(ROOT))
+    sources = run_all.discover(ROOT / "notebooks")
+    assert [p.stem for p in run_all.select(sources, ["4", "02_correctness", "02"])] == [
+        "02_correctness", "04_latency_tokens"]
+    assert run_all.gpu_slug("NVIDIA H200") == "h200"
+    assert run_all.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100_sxm4_80gb"
+
+
+if __name__ == "__main__":  # write invented measurements somewhere for manual checks: python tests/test_run_all.py DIR
+    target = Path(sys.argv[1])
+    shutil.copytree(ROOT / "data" / "reference", target / "reference", dirs_exist_ok=True)
+    print(write_fake_measurements(target))
