@@ -644,3 +644,59 @@ def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x:
         ax.annotate(fmt.format(r), (xv, num[xv]), textcoords="offset points", xytext=(0, 7), ha="center",
                     fontsize=8, fontweight="bold", color=color or style_for(numerator)["color"])
     return ratios
+
+
+# ----------------------------------------------------------------------------------------------
+# The chunk-size / accumulation trade-off (notebook 07)
+# ----------------------------------------------------------------------------------------------
+
+_CHUNK_VARIANT = re.compile(r"fusedkern_chunked(?P<lean>_lean)?(?:_c(?P<chunk>\d+))?")
+
+
+def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *, default_chunk: int,
+                         floor: pd.DataFrame) -> pd.DataFrame:
+    """One row per (accumulation, chunk tokens, tokens): ms_p50, ratio to the floor of the same run,
+    peak extra MiB and, where measured, the relative dW error. `timing` holds the chunked variants
+    (full mode), `floor` the `cublas_3gemm` full-mode rows; the unsuffixed providers ran with
+    `default_chunk` tokens per chunk."""
+    rows = []
+    floor_ms = floor[(floor["provider"] == "cublas_3gemm") & (floor["mode"] == "full")].set_index("x")["ms_p50"]
+    err = {}
+    if accuracy is not None and "err_dw" in accuracy:
+        err = {(p, x): e for p, x, e in accuracy[["provider", "x", "err_dw"]].itertuples(index=False)}
+    for r in timing[timing["mode"] == "full"].itertuples(index=False):
+        m = _CHUNK_VARIANT.fullmatch(r.provider)
+        if not m:
+            continue
+        rows.append(dict(accumulation="weight dtype (lean)" if m["lean"] else "fp32",
+                         chunk_tokens=int(m["chunk"] or default_chunk), tokens=int(r.x), ms_p50=r.ms_p50,
+                         ratio=r.ms_p50 / floor_ms.get(r.x, float("nan")), peak_extra_mib=r.peak_extra_mib,
+                         err_dw=err.get((r.provider, r.x), float("nan"))))
+    return pd.DataFrame(rows).sort_values(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True)
+
+
+def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: float | None, caption: str):
+    """Time ÷ floor, peak extra memory and dW error against chunk size, at one token count."""
+    at = table[table["tokens"] == tokens]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    colors = {"fp32": _STYLES["fusedkern_chunked"]["color"],
+              "weight dtype (lean)": _STYLES["fusedkern_chunked_lean"]["color"]}
+    for accumulation, part in at.groupby("accumulation", sort=True):
+        style = dict(color=colors.get(accumulation, "gray"), marker="o", label=f"dW accumulated in {accumulation}")
+        axes[0].plot(part["chunk_tokens"], part["ratio"], **style)
+        axes[1].plot(part["chunk_tokens"], part["peak_extra_mib"], **style)
+        if part["err_dw"].notna().any():
+            axes[2].plot(part["chunk_tokens"], part["err_dw"], **style)
+    axes[0].axhline(1.0, color="black", linestyle="--", linewidth=1, label="floor: 3 cuBLAS GEMMs")
+    axes[1].axhline(256, color="gray", linestyle=":", linewidth=1, label="256 MiB")
+    if torch_err_dw is not None:
+        axes[2].axhline(torch_err_dw, color="gray", linestyle=":", linewidth=1, label="PyTorch bf16 (one GEMM)")
+    titles = ("forward + backward ÷ floor", "peak extra memory, MiB", "dW relative error vs fp64")
+    for ax, title in zip(axes, titles):
+        size_axis(ax, sorted(at["chunk_tokens"].unique()), label="tokens per chunk")
+        ax.set_title(f"{title} ({tokens} tokens)")
+        ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
+    add_caption(fig, caption)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,71 @@
+# %% [markdown]
+# # 07 · Chunk size, accumulation precision, memory and time
+#
+# The chunked strategy has two knobs (notebook 01, §5): how many tokens a chunk holds (its logits
+# buffer is C·V·2 bytes in bf16: 250.5 MiB at C = 1024, V = 128256) and the dtype the weight
+# gradient is accumulated in across chunks (an fp32 [V, H] buffer, 2004 MiB, or the weight's own
+# bf16). Each chunk costs one pass of the dW GEMM's output through memory (4.2 GB in fp32,
+# 2.1 GB in bf16) and a GEMM tail, so fewer, larger chunks approach the three-GEMM floor — at the
+# price of memory; bf16 accumulation rounds the running sum once per chunk, so its error grows with
+# the number of chunks. Data: `chunk_study.csv` (full mode, same device call as `ce.csv`, whose
+# floor and default-chunk rows it is divided by) and `accuracy.csv`.
+
+# %% tags=["parameters"]
+quick = False
+data_dir = "../data"
+figures_dir = "../figures"
+gpu = "h200"
+# default_chunk: the chunk of the providers without a _c<N> suffix (the 256 MiB budget at V = 128256, bf16)
+default_chunk = 1024
+
+# %%
+from pathlib import Path
+
+data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+measured = data_dir / "measured" / gpu
+
+# %%
+import pandas as pd
+from IPython.display import display
+
+from fusedkern import plotting
+
+plotting.use_style()
+ce = plotting.load_measured(measured / "ce.csv")
+study = plotting.load_measured(measured / "chunk_study.csv")
+accuracy = plotting.load_measured(measured / "accuracy.csv")
+have = ce is not None and study is not None
+
+# %%
+if have:
+    timing = pd.concat([study, ce[ce["provider"].isin(["fusedkern_chunked", "fusedkern_chunked_lean"])]])
+    table = plotting.chunk_tradeoff_table(timing, accuracy, default_chunk=default_chunk, floor=ce)
+    caption = plotting.provenance(study.attrs["meta"], f"data/measured/{gpu}/chunk_study.csv + ce.csv + accuracy.csv")
+    print(caption)
+    display(table.round({"ms_p50": 2, "ratio": 3, "peak_extra_mib": 1}))
+
+# %%
+if have:
+    torch_err = None
+    if accuracy is not None:
+        hf = accuracy[(accuracy["provider"] == "huggingface_bf16") & (accuracy["x"] == table["tokens"].max())]
+        torch_err = float(hf["err_dw"].iloc[0]) if len(hf) else None
+    fig = plotting.chunk_tradeoff_figure(table, tokens=int(table["tokens"].max()), torch_err_dw=torch_err,
+                                         caption=caption)
+    display(plotting.save_figure(fig, figures_dir / "07_chunk_tradeoff"))
+
+# %% [markdown]
+# ## What the numbers say
+#
+# Computed from the table, so the text cannot drift from the data.
+
+# %%
+if have:
+    biggest = table["tokens"].max()
+    at = table[table["tokens"] == biggest]
+    for accumulation, part in at.groupby("accumulation"):
+        best = part.loc[part["ratio"].idxmin()]
+        default = part[part["chunk_tokens"] == default_chunk].iloc[0]
+        print(f"dW in {accumulation}: C = {default_chunk}: {default.ratio:.3f}× with {default.peak_extra_mib:.0f} MiB; "
+              f"best C = {int(best.chunk_tokens)}: {best.ratio:.3f}× with {best.peak_extra_mib:.0f} MiB "
+              f"(dW error {default.err_dw:.2e} → {best.err_dw:.2e})")
