@@ -153,3 +153,29 @@ if have:
         both["ms ours / anchor"] = both.ms_p50 / both.full_ms
         both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
         display(both.set_index(["provider", "x"]).sort_index().round(3))
+
+# %% [markdown]
+# ## Second run: the final `fused` kernel, and run-to-run spread
+#
+# `ce.csv` was measured with an earlier, unfinished version of the `fused` strategy's backward.
+# A second device call (`ce_rerun.csv`, same script, later commit) re-measured the final `fused`
+# kernels together with the floors and the chunked strategy, in `loss_only` and `full` mode. Each
+# ratio below is to the floor of its own run; the chunked rows measured twice show the spread
+# between runs.
+
+# %%
+rerun = plotting.load_measured(data_dir / "measured" / gpu / "ce_rerun.csv") if have else None
+if rerun is not None:
+    print(plotting.provenance(rerun.attrs["meta"], f"data/measured/{gpu}/ce_rerun.csv"))
+    for mode in ("full", "loss_only"):
+        table = plotting.pivot(rerun, mode)
+        floor = table.loc[plotting.floor_provider(mode)]
+        print(f"{mode}: ms_p50 and × {plotting.floor_provider(mode)} (second run)")
+        display(pd.concat({"ms_p50": table.round(2), "× floor": (table / floor).round(3)}, axis=1))
+    first = plotting.pivot(df, "full")
+    second = plotting.pivot(rerun, "full")
+    common = [p for p in ("cublas_3gemm", "fusedkern_chunked", "fusedkern_chunked_lean") if p in first.index and p in second.index]
+    print("full, second run ÷ first run (run-to-run spread):")
+    display((second.loc[common] / first.loc[common]).round(3))
+    print("peak extra MiB of the final fused strategy, full mode:")
+    display(plotting.pivot(rerun, "full", value="peak_extra_mib").loc[["fusedkern_fused"]].round(1))
