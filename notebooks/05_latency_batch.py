@@ -8,10 +8,15 @@
 # (`python -m fusedkern.bench simpo`), with the GEMM floors timed over batch × 1024 tokens.
 #
 # SimPO's per-token gradient depends on whole-sequence averages (notebook 01, §7), so it is known
-# only once every token of a pair has its log-probability. fusedkern computes the log-probabilities
-# chunk by chunk, saves only the log-sum-exp, and recomputes the logits in the backward: four
-# GEMMs, i.e. about 1.33× the three-GEMM floor at best, for memory independent of batch. Liger
-# processes one pair at a time with its gradients formed in the forward: three GEMMs, but a
+# only once every token of a pair has its log-probability. fusedkern has three ways to cope:
+#
+# | provider | how | GEMMs |
+# |---|---|---|
+# | `fusedkern_generic` | `linear_logprobs` saves the log-sum-exp, the backward recomputes the logits | 4 |
+# | `fusedkern_chunked[_lean]` | default 256 MiB chunk (1024 tokens): a loss-only pass over the rejected half gives every A_l, then chunks of whole responses form their gradient in the forward | 3.5 |
+# | `fusedkern_chunked[_lean]_c2048` | a chunk holds a whole chosen/rejected pair (501 MiB buffer): gradient formed in the forward | 3 |
+#
+# Liger processes one pair at a time with its gradients formed in the forward: three GEMMs, but a
 # per-pair fp32 logits buffer and a weight-sized gradient per pair (notebook 03).
 
 # %% tags=["parameters"]
@@ -95,18 +100,18 @@ if have and ratio is not None:
           f"({full.loc['cublas_3gemm', biggest]:.1f} ms):")
     for provider, r in fastest.items():
         print(f"  {plotting.label_for(provider):<32} {r:5.2f}×  ({full.loc[provider, biggest]:.1f} ms)")
-    for provider in ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_fused"):
+    for provider in ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_chunked_c2048", "fusedkern_chunked_lean_c2048", "fusedkern_generic"):
         if provider in ratio.index:
             row = ratio.loc[provider].dropna()
             print(f"{plotting.label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over batch "
-                  f"{int(row.index.min())}–{int(row.index.max())} (4 GEMMs would be 1.33×)")
+                  f"{int(row.index.min())}–{int(row.index.max())}")
 
 # %% [markdown]
 # ## Every mode
 #
 # `loss_only` and `forward` are compared with one GEMM, `backward` and `full` with three. Liger's
-# SimPO forms its gradients in the forward (its `forward` ≈ its `full`); fusedkern's forward is one
-# GEMM and its backward three.
+# SimPO and fusedkern's chunked paths form their gradients in the forward (their `forward` ≈ their
+# `full`, their `backward` nearly free); the generic path's forward is one GEMM and its backward three.
 
 # %%
 if have and not quick:
