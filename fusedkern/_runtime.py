@@ -27,12 +27,5 @@ def autotune_configs(configs: list) -> list:
     return configs[:1] if interpreting() else configs
 
 
-def kernel_device_ok(device: torch.device) -> bool:
-    """Whether Triton kernels can run on tensors of `device` in this process."""
-    if interpreting():
-        return device.type == "cpu"
-    return device.type == "cuda"
-
-
 def expected_device_type() -> str:
     return "cpu" if interpreting() else "cuda"

@@ -38,8 +38,6 @@ class LossOptions:
     softcap: float | None = None
 
 
-LOGPROB_OPTIONS = LossOptions()  # log p(y) = −ℓ with ε = 0, no z-loss (softcap/ignore_index set per call)
-
 
 def chunk_tokens_for(n_tokens: int, vocab: int, dtype: torch.dtype, budget_bytes: int) -> int:
     """Largest multiple of 64 tokens whose [C, V] logits fit `budget_bytes` (at least 64, at most T).
