@@ -449,6 +449,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def settle_gpu(device: torch.device, seconds: float = 3.0) -> None:
+    """Run bf16 GEMMs for `seconds` before the first timed case, so that it does not get the clock
+    boost of an idle GPU that later cases (after seconds of sustained load) no longer have: with the
+    floor measured first at each size, a cold start favours the denominator of every ratio."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+    del a
+
+
 def _free_memory(device: torch.device) -> None:
     """Between providers: return everything the last one left to the driver.
 
@@ -615,6 +630,7 @@ def run_sweep(
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     failed: set[tuple[str, str]] = set()
+    settle_gpu(device)
     with _progress(len(xs) * len(chosen) * len(modes), progress, f"{op} sweep") as bar:
         for x in xs:
             if op == "ce":

@@ -4,13 +4,16 @@ For a chunk of C tokens:  Z = X_c Wᵀ (+ b) into one reused [C, V] buffer → `
 and overwrites Z with G = ∂L/∂Z → dX_c = G W → dW += Gᵀ X_c (→ db += Σ G).  Forward+backward is
 three GEMMs when the upstream gradient per token is known in the forward (scalar reductions), and
 four (logits recomputed in backward from the saved lse) when it is not (`reduction="none"`,
-log-probabilities). The buffer size does not grow with the number of tokens:
-`chunk_tokens_for(V, ...)` picks the largest C (a multiple of 64) within a byte budget.
+log-probabilities). The buffer size does not grow with the number of tokens; `chunk_plan.py` picks
+the largest chunk that the memory contract allows (1024 tokens in lean mode, 4096 — inside dW's own
+storage — with the fp32 accumulator, all tokens at once when they fit the accumulator's allowance).
+A loss-only forward uses [C, Vs] tiles (a vocabulary slice) within 64 MiB and merges row statistics.
 
 Weight-gradient accumulation over chunks:
 - `"fp32"` (default for bf16/fp16 weights): cuBLAS accumulates Gᵀ X_c straight into one fp32 [V, H]
   buffer (bf16 operands, fp32 C/D, β = 1: `aten::addmm.dtype_out`), so dW loses no precision as the
-  token count grows; cost: the fp32 accumulator's memory and its read+write per chunk.
+  token count grows; cost: the fp32 accumulator's memory and its read+write per chunk. With a
+  single chunk there is no accumulator: one GEMM writes dW (fp32 inside cuBLAS, one rounding).
 - `"weight_dtype"` (memory-lean): accumulate into the weight-dtype dW itself; each chunk rounds the
   running sum to bf16 once, so the error grows slowly with the number of chunks.
 """
@@ -21,12 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedkern.kernels.ce_rows import ce_rows
-
-MIB = 1 << 20
-GRAD_CHUNK_BUDGET_BYTES = 256 * MIB  # the logits/gradient buffer when gradients are formed
-LOSS_CHUNK_BUDGET_BYTES = 64 * MIB  # the logits buffer for a loss-only (no-grad) forward
-
+from fusedkern.chunk_plan import (
+    GRAD_CHUNK_BUDGET_BYTES,
+    LOSS_CHUNK_BUDGET_BYTES,
+    GradChunkPlan,
+    chunk_rows,
+    grad_chunk_plan,
+    loss_tile,
+)
+from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -38,15 +44,30 @@ class LossOptions:
     softcap: float | None = None
 
 
-
 def chunk_tokens_for(n_tokens: int, vocab: int, dtype: torch.dtype, budget_bytes: int) -> int:
     """Largest multiple of 64 tokens whose [C, V] logits fit `budget_bytes` (at least 64, at most T).
 
     At V = 128256 in bf16: 1024 tokens (250.5 MiB) for 256 MiB, 256 tokens (62.6 MiB) for 64 MiB.
     """
-    per_token = vocab * torch.empty((), dtype=dtype).element_size()
-    c = max(64, (budget_bytes // per_token) // 64 * 64)
-    return max(1, min(c, n_tokens))
+    return chunk_rows(n_tokens, vocab, torch.empty((), dtype=dtype).element_size(), budget_bytes)
+
+
+def plan_for_grads(n_tokens: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
+                   chunk_tokens: int | None) -> GradChunkPlan:
+    """`chunk_plan.grad_chunk_plan` for this weight: fp32 accumulation only applies to a bf16/fp16 weight."""
+    vocab, hidden = w.shape
+    fp32_accum = weight_grad_accum == "fp32" and w.dtype != torch.float32
+    return grad_chunk_plan(n_tokens, vocab, hidden, w.element_size(), need_dw=need_dw, fp32_accum=fp32_accum,
+                           chunk_tokens=chunk_tokens)
+
+
+def logits_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The reused [rows, V] buffer in `like`'s dtype: a view of `scratch` (dW's own storage, idle while
+    an fp32 accumulator collects dW) when given, else a new allocation."""
+    if scratch is not None:
+        assert scratch.dtype == like.dtype and scratch.numel() >= rows * vocab
+        return scratch.view(-1)[: rows * vocab].view(rows, vocab)
+    return torch.empty((rows, vocab), device=like.device, dtype=like.dtype)
 
 
 def _logits_into(buf: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -97,10 +118,11 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
 
 
 def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
-                grad, per_token_grad: bool, dx=None, dw=None, db=None) -> None:
-    """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs."""
+                grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None) -> None:
+    """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs.
+    scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it."""
     T, V = x.shape[0], w.shape[0]
-    buf = torch.empty((min(C, T), V), device=x.device, dtype=x.dtype)
+    buf = logits_buffer(min(C, T), V, x, scratch)
     kernel_args = _row_kernel_args(class_weight, opts)
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
@@ -113,29 +135,61 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
             chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
 
 
-def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None):
-    """Per-token loss and row statistics, no gradient: one GEMM's work, a ≤ 64 MiB logits buffer.
+def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats) -> None:
+    """Loss-only pass over [C, Vs] logits tiles: per chunk of C tokens, every vocabulary slice's GEMM
+    and partial statistics, then one merge into lse and loss (`ce_rows.merge_row_stats`)."""
+    T, V = x.shape[0], w.shape[0]
+    buf = torch.empty(min(C, T) * min(Vs, V), device=x.device, dtype=x.dtype)
+    kernel_args = _row_kernel_args(class_weight, opts)
+    for c0 in range(0, T, C):
+        c1 = min(c0 + C, T)
+        x_c, y_c = x[c0:c1], target[c0:c1]
+        parts, target_logit, split = tile_partials(c1 - c0, V, Vs, x.device)
+        for k, v0 in enumerate(range(0, V, Vs)):
+            v1 = min(v0 + Vs, V)
+            tile = _logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
+                                None if b is None else b[v0:v1])
+            row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
+                           class_weight=class_weight, softcap=opts.softcap)
+        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1], **kernel_args)
 
-    x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`)
+
+def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
+                 tile: tuple[int, int] | None = None):
+    """Per-token loss and row statistics, no gradient: one GEMM's work within 64 MiB.
+
+    x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`).
+    chunk_tokens: whole-row chunks of that many tokens. Otherwise [C, Vs] tiles, `chunk_plan.loss_tile`
+    (or `tile` = (C, Vs), for tests).
     """
     T, V = x.shape[0], w.shape[0]
-    C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
-                grad=None, per_token_grad=False)
+    if chunk_tokens:
+        C, Vs = chunk_tokens, V
+    else:
+        C, Vs = tile or loss_tile(T, V, x.element_size(), LOSS_CHUNK_BUDGET_BYTES)
+    if Vs >= V:
+        _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
+                    grad=None, per_token_grad=False)
+    else:
+        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats)
     return loss_tok, stats
 
 
-def grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum):
-    """dx [T, H] (x's dtype), dw [V, H] (fp32 accumulator or the weight's dtype), db [V] fp32."""
+def grad_buffers(x, w, b, need_dx, need_dw, need_db, plan: GradChunkPlan):
+    """(dx, dw, db, dw_out): dx [T, H] (x's dtype) · dw [V, H]: the fp32 accumulator when
+    `plan.fp32_accumulator`, else dW itself in the weight's dtype · db [V] fp32 · dw_out: dW's own storage
+    in the weight's dtype when dw is the fp32 accumulator (also the logits buffer's home when
+    `plan.buffer_in_dw_storage`), else None."""
     dx = torch.empty_like(x) if need_dx else None
-    dw = None
+    dw = dw_out = None
     if need_dw:
-        acc_dtype = torch.float32 if weight_grad_accum == "fp32" else w.dtype
-        dw = torch.empty(w.shape, device=w.device, dtype=acc_dtype)
+        dw = torch.empty(w.shape, device=w.device, dtype=torch.float32 if plan.fp32_accumulator else w.dtype)
+        if plan.fp32_accumulator:
+            dw_out = torch.empty_like(w)
     db = torch.zeros(w.shape[0], device=w.device, dtype=torch.float32) if need_db else None
-    return dx, dw, db
+    return dx, dw, db, dw_out
 
 
 def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
@@ -155,17 +209,19 @@ def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
     """Loss and gradients in one pass (three GEMMs) for a loss whose per-token weight is known.
 
     grad_scale: [1] fp32 on device, ∂L/∂ℓ_t shared by every non-ignored token (1/D for the mean).
-    Returns (loss_tok [T], stats [2, T], dx [T, H] | None, dw [V, H] fp32 or weight dtype | None,
-    db [V] fp32 | None); the caller rescales by the final upstream gradient.
+    Returns (loss_tok [T], stats [2, T], dx [T, H] | None, dw [V, H] | None, db [V] fp32 | None,
+    dw_out | None) with dw and dw_out as in `grad_buffers`; the caller rescales by the final upstream
+    gradient (into dw_out when given: its content until then is the last logits chunk).
     """
-    T, V = x.shape[0], w.shape[0]
-    C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
+    T = x.shape[0]
+    plan = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-    dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
-                grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db)
-    return loss_tok, stats, dx, dw, db
+    dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+    _run_chunks(x, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
+                compute_stats=True, grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db,
+                scratch=dw_out if plan.buffer_in_dw_storage else None)
+    return loss_tok, stats, dx, dw, db, dw_out
 
 
 def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch.Tensor, grad_tok: torch.Tensor, *,
@@ -173,10 +229,12 @@ def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch
                   chunk_tokens: int | None = None):
     """Backward with a per-token upstream gradient: recompute each logits chunk (statistics saved),
     then the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t.
-    Returns (dx, dw, db) like `chunked_loss_and_grads` (dw fp32 when accumulating in fp32)."""
-    T, V = x.shape[0], w.shape[0]
-    C = chunk_tokens or chunk_tokens_for(T, V, x.dtype, GRAD_CHUNK_BUDGET_BYTES)
-    dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, weight_grad_accum)
-    _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=None, stats=stats, compute_stats=False,
-                grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db)
+    Returns (dx, dw in the weight's dtype, db fp32)."""
+    plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
+    dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+    _run_chunks(x, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=None, stats=stats,
+                compute_stats=False, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
+                scratch=dw_out if plan.buffer_in_dw_storage else None)
+    if dw_out is not None:
+        dw = dw_out.copy_(dw)
     return dx, dw, db

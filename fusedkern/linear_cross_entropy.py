@@ -39,21 +39,26 @@ def _is_exactly_one(t: torch.Tensor) -> bool:
     return bool(t == 1)
 
 
-def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype, skip: bool):
-    """grad · scale in `out_dtype`, in place when the dtype already matches (the buffer is ours)."""
+def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype, skip: bool,
+              out: torch.Tensor | None = None):
+    """grad · scale in `out_dtype`: in place when the dtype already matches (the buffer is ours), else
+    into `out` (storage of that dtype we own) or a new tensor."""
     if grad is None:
         return None
     if grad.dtype == out_dtype:
         return grad if skip else grad.mul_(scale)
+    if out is None:
+        out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
     if skip:
-        return grad.to(out_dtype)
-    out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
+        return out.copy_(grad)
     return torch.mul(grad, scale, out=out)  # one pass: fp32 read, scale, cast, write
 
 
-def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db) -> None:
-    """For Functions that form their gradients in the forward pass: keep them for `rescaled_grads`."""
-    ctx.save_for_backward(dx, dw, db)
+def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db,
+                           dw_out: torch.Tensor | None = None) -> None:
+    """For Functions that form their gradients in the forward pass: keep them for `rescaled_grads`.
+    dw_out: dW's storage in the weight's dtype when dw is an fp32 accumulator (`chunked.grad_buffers`)."""
+    ctx.save_for_backward(dx, dw, db, dw_out)
     ctx.grad_meta = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype)
     ctx.used = False
 
@@ -65,12 +70,12 @@ def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
         raise RuntimeError(f"{what} rescales its saved gradients in place and supports one backward pass; "
                            "use reduction='none' / linear_logprobs for retain_graph")
     ctx.used = True
-    dx, dw, db = ctx.saved_tensors
+    dx, dw, db, dw_out = ctx.saved_tensors
     x_shape, x_dtype, w_dtype, b_dtype = ctx.grad_meta
     skip = _is_exactly_one(grad_loss)
     scale = grad_loss.float()
     dx = _rescaled(dx, scale, x_dtype, skip)
-    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip),
+    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip, out=dw_out),
             _rescaled(db, scale, b_dtype, skip) if db is not None else None)
 
 
@@ -103,18 +108,17 @@ class _ChunkedScalarLoss(torch.autograd.Function):
     def forward(ctx, x, w, b, target, class_weight, opts, reduction, weight_grad_accum, chunk_tokens):
         need_dx, need_dw = x.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
-        accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
         if reduction == "mean":
             denom = _denominator(target, class_weight, opts.ignore_index)
             grad_scale = (1.0 / denom).reshape(1)
         else:
             grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        loss_tok, stats, dx, dw, db = chunked_loss_and_grads(
+        loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw,
-            need_db=need_db, weight_grad_accum=accum, chunk_tokens=chunk_tokens)
+            need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
         lse = lse_of(stats)
         loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
-        save_precomputed_grads(ctx, x, w, b, dx, dw, db)
+        save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
@@ -131,16 +135,14 @@ class _PerTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, target, class_weight, opts, impl, weight_grad_accum, chunk_tokens):
         if impl == "fused":
-            loss_tok, lse = _fused_ops().fused_ce_forward(
+            loss_tok, saved_stats = _fused_ops().fused_ce_forward(
                 x, w, b, target, class_weight, ignore_index=opts.ignore_index,
-                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
-            saved_stats = lse
+                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap, return_stats=True)
         else:
             loss_tok, saved_stats = chunked_loss(x, w, b, target, class_weight, opts)
-            lse = lse_of(saved_stats)
+        lse = lse_of(saved_stats)
         ctx.save_for_backward(x, w, b, target, class_weight, saved_stats)
-        ctx.opts, ctx.impl, ctx.chunk_tokens = opts, impl, chunk_tokens
-        ctx.accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
+        ctx.opts, ctx.impl, ctx.chunk_tokens, ctx.accum = opts, impl, chunk_tokens, weight_grad_accum
         ctx.mark_non_differentiable(lse)
         return loss_tok, lse
 

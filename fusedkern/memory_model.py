@@ -22,10 +22,11 @@ Providers (the names used in the results CSVs):
 - `huggingface_fp32` for SimPO — the SimPO seed's baseline (`reference.hf_linear_simpo_loss`): one
   fp32 log-softmax over all rows for the log-probabilities and a second one over the chosen half
   for the NLL term, each with its own gradient path: 4·T·V·4 at the peak.
-- `fusedkern_chunked` — one reused C×V logits buffer while the chunks run, and an fp32 V×H
-  accumulator for dW (bf16/fp16 weights); the buffer is freed before the accumulator is cast into
-  dW's storage, so the peak is the accumulator plus whatever the buffer exceeds dW by
-  (V·H·4 + max(0, C·V·e − V·H·e)), plus per-token fp32 loss and (max, log-sum) statistics.
+- `fusedkern_chunked` — the plan of `fusedkern/chunk_plan.py`: when every token fits in
+  256 MiB + V·H·4, one T×V buffer and no accumulator (one dW GEMM, fp32 inside cuBLAS); otherwise
+  an fp32 V×H accumulator for dW (bf16/fp16 weights) and a C = H row buffer inside dW's own storage
+  (0 extra; a caller's bigger chunk adds its C·V·e). Plus per-token fp32 loss and (max, log-sum)
+  statistics.
 - `fusedkern_chunked_lean` — the chunk buffer only (dW accumulated in the weight's dtype, in place).
 - `fusedkern_fused` — no logits buffer: the backward's fp32 accumulator workspace (a fixed budget,
   16 MiB by default: `fusedkern.kernels.fused_ce.DEFAULT_WORKSPACE_BYTES`) plus per-token
@@ -55,6 +56,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from fusedkern.chunk_plan import CHUNK_MULTIPLE, GRAD_CHUNK_BUDGET_BYTES, grad_chunk_plan
 
 __all__ = [
     "MIB",
@@ -97,10 +100,6 @@ _ELEMENT_SIZE = {
     "bf16": 2,
 }
 
-# The design's chunk budget (docs/design.md, "Strategies"): the largest multiple of 64 rows whose
-# logits chunk fits in 256 MiB; 64 rows keeps every chunk a whole number of GEMM tiles.
-_CHUNK_BUDGET_BYTES = 256 * MIB
-_CHUNK_MULTIPLE = 64
 # The fused backward's fp32 accumulators are cut to fit this budget (fusedkern/kernels/fused_ce.py,
 # DEFAULT_WORKSPACE_BYTES); repeated here so that the model needs no kernel import.
 _FUSED_WORKSPACE_BYTES = 16 * MIB
@@ -132,10 +131,10 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def default_chunk_size(vocab: int, dtype="bfloat16", budget_bytes: int = _CHUNK_BUDGET_BYTES) -> int:
-    """fusedkern's default chunk rows: the largest multiple of 64 with C·V·e ≤ 256 MiB (at least 64)."""
-    rows = budget_bytes // (vocab * element_size(dtype))
-    return max(_CHUNK_MULTIPLE, rows // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+def default_chunk_size(vocab: int, dtype="bfloat16", budget_bytes: int = GRAD_CHUNK_BUDGET_BYTES) -> int:
+    """The lean mode's chunk rows: the largest multiple of 64 with C·V·e ≤ 256 MiB (at least 64).
+    (The default mode's chunk is `chunk_plan.grad_chunk_plan`'s.)"""
+    return max(CHUNK_MULTIPLE, budget_bytes // (vocab * element_size(dtype)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
 
 
 def liger_chunk_size(tokens: int, hidden: int, vocab: int, version: str = "0.8.5") -> int:
@@ -222,19 +221,18 @@ def terms(
             _minus_grad_storage(T, H, V, e),
         ]
     if provider in ("fusedkern_chunked", "fusedkern_chunked_lean"):
-        rows = min(chunk_size if chunk_size is not None else default_chunk_size(V, dtype), T)
-        _check_sizes(chunk_size=rows)
+        plan = grad_chunk_plan(T, V, H, e, need_dw=True, fp32_accum=provider == "fusedkern_chunked" and e < 4,
+                               chunk_tokens=chunk_size)
+        rows = plan.chunk_tokens
         chunk = Term(f"reused logits chunk buffer (C = {rows})", rows * V * e, "C·V·e")
         stats = _per_token_stats(T, 3, "loss and (max, log-sum) statistics")
-        if provider == "fusedkern_chunked_lean" or e >= 4:
-            # dW is accumulated in its own storage: the buffer is live next to dX and dW
+        if not plan.fp32_accumulator:
+            # dW is formed in its own storage (lean, fp32 weight, or a single chunk): the buffer is
+            # live next to dX and dW
             return [chunk, stats] + _grad_storage(T, H, V, e) + [_minus_grad_storage(T, H, V, e)]
-        return [
-            Term("fp32 dW accumulator", V * H * 4, "V·H·4"),
-            Term("chunk buffer beyond dW's size (freed before the cast allocates dW)",
-                 max(0, rows * V * e - V * H * e), "max(0, C·V·e − V·H·e)"),
-            stats,
-        ]
+        if plan.buffer_in_dw_storage:
+            chunk = Term(f"logits chunk buffer (C = {rows}) inside dW's own storage", 0, "0")
+        return [Term("fp32 dW accumulator", V * H * 4, "V·H·4"), chunk, stats]
     if provider == "fusedkern_fused":
         return [
             Term("fp32 accumulator workspace (the kernel's budget)", _FUSED_WORKSPACE_BYTES, "16 MiB"),

@@ -92,7 +92,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
         _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
         two_b, seq, _ = input.shape
-        plan = plan_for(two_b, seq, linear_weight.shape[0], input.dtype, chunk_tokens)
+        plan = plan_for(two_b, seq, linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)
         if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
                 and plan[0] != "generic":
             # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)

@@ -22,28 +22,32 @@ from __future__ import annotations
 
 import torch
 
+from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import (
-    GRAD_CHUNK_BUDGET_BYTES,
     LossOptions,
     _logits_into,
     _row_kernel_args,
     chunk_grads,
-    chunk_tokens_for,
     chunked_loss,
     grad_buffers,
+    logits_buffer,
+    plan_for_grads,
 )
 from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern.linear_cross_entropy import rescaled_grads, save_precomputed_grads
 
 
-def plan_for(n_rows: int, seq: int, vocab: int, dtype: torch.dtype, chunk_tokens: int | None) -> tuple[str, int]:
-    """("pairs", pairs per chunk) | ("prepass", responses per chunk) | ("generic", 0)."""
-    C = chunk_tokens or chunk_tokens_for(n_rows * seq, vocab, dtype, GRAD_CHUNK_BUDGET_BYTES)
+def plan_for(n_rows: int, seq: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
+             chunk_tokens: int | None) -> tuple[str, int, GradChunkPlan]:
+    """(mode, responses or pairs per chunk, the chunk plan of `chunk_plan.grad_chunk_plan`):
+    ("pairs", pairs per chunk, …) | ("prepass", responses per chunk, …) | ("generic", 0, …)."""
+    grad_plan = plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
+    C = grad_plan.chunk_tokens
     if C >= 2 * seq:
-        return "pairs", max(1, min(C // (2 * seq), n_rows // 2))
+        return "pairs", max(1, min(C // (2 * seq), n_rows // 2)), grad_plan
     if C >= seq:
-        return "prepass", C // seq
-    return "generic", 0
+        return "prepass", C // seq, grad_plan
+    return "generic", 0, grad_plan
 
 
 def _upstream_per_token(a_self, a_partner, n_self, n_chosen_total, *, chosen: bool, beta, gamma, alpha,
@@ -86,15 +90,15 @@ class ChunkedSimPO(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x3d, w, b, target2d, opts: LossOptions, hp: dict, weight_grad_accum: str, plan: tuple, loss_fn):
-        mode, per_chunk = plan
+        mode, per_chunk, grad_plan = plan
         two_b, seq, hidden = x3d.shape
         n_pairs = two_b // 2
         x = x3d.reshape(-1, hidden)
         y = target2d.reshape(-1)
         need_dx, need_dw = x3d.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
-        accum = "weight_dtype" if w.dtype == torch.float32 else weight_grad_accum
-        dx, dw, db = grad_buffers(x, w, b, need_dx, need_dw, need_db, accum)
+        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, grad_plan)
+        scratch = dw_out if grad_plan.buffer_in_dw_storage else None
         mask = target2d != opts.ignore_index
         n_tokens = mask.sum(-1)  # [2B]
         n_chosen_total = n_tokens[:n_pairs].sum()
@@ -110,7 +114,7 @@ class ChunkedSimPO(torch.autograd.Function):
 
         first = True
         if mode == "pairs":
-            buf = torch.empty((2 * per_chunk * seq, w.shape[0]), device=x.device, dtype=x.dtype)
+            buf = logits_buffer(2 * per_chunk * seq, w.shape[0], x, scratch)
             for i0 in range(0, n_pairs, per_chunk):
                 i1 = min(i0 + per_chunk, n_pairs)
                 k = i1 - i0
@@ -140,7 +144,7 @@ class ChunkedSimPO(torch.autograd.Function):
             nll_rejected, _ = chunked_loss(x[r_rej], w, b, y[r_rej], None, opts)
             a_rejected = (-nll_rejected).view(n_pairs, seq).sum(-1) / n_tokens[n_pairs:].clamp(min=1)
             a_chosen = torch.empty_like(a_rejected)
-            buf = torch.empty((per_chunk * seq, w.shape[0]), device=x.device, dtype=x.dtype)
+            buf = logits_buffer(per_chunk * seq, w.shape[0], x, scratch)
             for chosen, offset in ((True, 0), (False, n_pairs)):
                 for i0 in range(0, n_pairs, per_chunk):
                     i1 = min(i0 + per_chunk, n_pairs)
@@ -153,7 +157,7 @@ class ChunkedSimPO(torch.autograd.Function):
                         a_chosen[i0:i1] = a_self
                     first = False
 
-        save_precomputed_grads(ctx, x3d, w, b, dx, dw, db)
+        save_precomputed_grads(ctx, x3d, w, b, dx, dw, db, dw_out)
         logp2d = logp.view(two_b, seq)
         ctx.mark_non_differentiable(logp2d)
         return loss_fn(logp2d, mask), logp2d

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import fusedkern
 from fusedkern import reference
+from fusedkern.chunked import LossOptions, chunked_loss, lse_of
 from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy
 from tests.conftest import DEVICE
 
@@ -171,8 +172,11 @@ def test_no_grad_gives_the_same_loss_and_lse(impl):
     assert not lse_g.requires_grad
 
 
-def test_every_output_element_is_written(monkeypatch):
-    """Poison every buffer the package allocates; a missed store would surface as NaN."""
+@pytest.mark.parametrize("dtype,chunk", [(torch.float32, 8), (torch.float16, 8), (torch.float16, 32)],
+                         ids=["fp32", "fp16-buffer-in-dW-storage", "fp16-buffer-beside-accumulator"])
+def test_every_output_element_is_written(monkeypatch, dtype, chunk):
+    """Poison every buffer the package allocates; a missed store would surface as NaN. fp16 with
+    chunk ≤ H puts the logits buffer inside dW's storage (the fp32 accumulator is cast over it)."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def poison(t):
@@ -180,8 +184,29 @@ def test_every_output_element_is_written(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
     for reduction in ("mean", "none"):
-        x, w, y, b, cw = make_inputs(19, 17, 67, torch.float32, bias=True, weight=True)
-        check_against_reference(x, w, y, b, cw, reduction=reduction, chunk_tokens=8, label_smoothing=0.1)
+        x, w, y, b, cw = make_inputs(19 if chunk < 19 else 45, 17, 67, dtype, bias=True, weight=True)
+        check_against_reference(x, w, y, b, cw, reduction=reduction, chunk_tokens=chunk, label_smoothing=0.1)
+    with torch.no_grad():  # the loss-only forward's vocabulary tiles (merged partial statistics)
+        x, w, y, b, cw = make_inputs(19, 17, 67, dtype, bias=True, weight=True)
+        loss, stats = chunked_loss(x, w, b, y, cw, LossOptions(label_smoothing=0.1), tile=(8, 16))
+        ref = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, linear_bias=b.double(),
+                                                  weight=cw.double(), reduction="none", label_smoothing=0.1)
+        assert torch.isfinite(stats).all() and rel_err(loss, ref) < (1e-6 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+@pytest.mark.parametrize("tile", [(8, 16), (23, 64), (5, 130)], ids=["5-tiles", "one-chunk", "whole-rows"])
+def test_loss_only_vocabulary_tiles_match_fp64(options, tile):
+    """Loss-only forward over [C, Vs] tiles (V = 131: the last slice is 3 columns wide): per-token loss
+    and lse from partial statistics merged across slices, every option."""
+    opts = dict(OPTION_SETS[options])
+    x, w, y, b, cw = make_inputs(23, 29, 131, torch.float32, bias=opts.pop("bias", False),
+                                 weight=opts.pop("weight", False))
+    loss, stats = chunked_loss(x, w, b, y, cw, LossOptions(**opts), tile=tile)
+    ref, ref_lse = reference.linear_cross_entropy_fp64(
+        x.double(), w.double(), y, linear_bias=None if b is None else b.double(),
+        weight=None if cw is None else cw.double(), reduction="none", return_lse=True, **opts)
+    assert rel_err(loss, ref) < 1e-6 and rel_err(lse_of(stats), ref_lse) < 1e-6
 
 
 def test_module_matches_function_and_double_backward_is_refused():
@@ -231,6 +256,16 @@ def test_gpu_bf16_realistic(impl, options, reduction):
     x, w, y, b, cw = make_inputs(2048, 1024, 32003, torch.bfloat16, bias=opts.pop("bias", False),
                                  weight=opts.pop("weight", False), device="cuda", seed=1)
     check_against_reference(x, w, y, b, cw, reduction=reduction, impl=impl, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 2048], ids=["one-chunk", "buffer-in-dW-storage"])
+def test_gpu_default_plan_bf16(chunk):
+    """The default mode's two plans at H = 4096: one chunk without accumulator, and 8 chunks whose
+    logits buffer lives inside dW's storage while the fp32 accumulator collects dW."""
+    T = 8192 if chunk is None else 16384
+    x, w, y, b, cw = make_inputs(T, 4096, 32003, torch.bfloat16, device="cuda", seed=3)
+    check_against_reference(x, w, y, b, cw, chunk_tokens=chunk)
 
 
 @pytest.mark.gpu

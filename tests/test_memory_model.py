@@ -45,13 +45,18 @@ def test_default_chunk_is_largest_multiple_of_64_within_256_mib():
 def test_chunked_terms():
     acc = _term("fusedkern_chunked", "accumulator", 32768)
     assert acc.nbytes == V * H * 4
-    # the 1024-row buffer (250 MiB) is smaller than dW (1002 MiB), which the final cast allocates
-    # after the buffer is freed: the peak is the accumulator (+ per-token stats)
-    assert _term("fusedkern_chunked", "beyond dW", 32768).nbytes == 0
+    # many tokens: the C = H = 4096 row buffer lives inside dW's own storage (V·H·e bytes): the peak
+    # is the accumulator (+ per-token stats)
+    assert _term("fusedkern_chunked", "inside dW", 32768).nbytes == 0
+    assert "C = 4096" in _term("fusedkern_chunked", "inside dW", 32768).name
     assert mm.peak_extra_bytes("fusedkern_chunked", 32768, H, V) == V * H * 4 + 3 * 32768 * 4
-    # a buffer larger than dW adds its excess
+    # a caller's chunk larger than dW's storage is a separate buffer next to the accumulator
     big = mm.peak_extra_bytes("fusedkern_chunked", 32768, H, V, chunk_size=8192)
-    assert big == V * H * 4 + (8192 - H) * V * 2 + 3 * 32768 * 4
+    assert big == V * H * 4 + 8192 * V * 2 + 3 * 32768 * 4
+    # few tokens (T·V·e ≤ 256 MiB + V·H·4): one chunk, no accumulator — the T×V buffer only
+    for tokens in (4096, 8192):
+        assert mm.peak_extra_bytes("fusedkern_chunked", tokens, H, V) == tokens * V * 2 + 3 * tokens * 4
+    assert mm.peak_extra_bytes("fusedkern_chunked", 9216, H, V) > mm.peak_extra_bytes("fusedkern_chunked", 16384, H, V)
     # lean: the buffer next to dX and dW, which cancel against the convention's subtraction
     assert _term("fusedkern_chunked_lean", "chunk buffer", 32768).nbytes == 1024 * V * 2
     assert mm.peak_extra_bytes("fusedkern_chunked_lean", 32768, H, V) == 1024 * V * 2 + 3 * 32768 * 4

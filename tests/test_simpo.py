@@ -45,7 +45,7 @@ def test_logprobs_match_fp64_with_per_token_upstream(impl, softcap):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_simpo_matches_fp64_every_strategy(chunk_tokens, mode, dtype):
     x, w, y, b = simpo_inputs(6, 6, 16, 61, dtype, empty_response=True)
-    assert plan_for(6, 6, 61, dtype, chunk_tokens)[0] == mode
+    assert plan_for(6, 6, w, True, "fp32", chunk_tokens)[0] == mode
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], chunk_tokens=chunk_tokens, **HP)
     f64 = [t.double().requires_grad_() for t in (x, w, b)]

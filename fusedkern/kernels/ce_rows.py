@@ -39,10 +39,8 @@ def _tanh(u, USE_LIBDEVICE: tl.constexpr):
 
 
 _CONFIGS = [
-    triton.Config({"BLOCK_V": 2048}, num_warps=8),
-    triton.Config({"BLOCK_V": 4096}, num_warps=8),
-    triton.Config({"BLOCK_V": 1024}, num_warps=4),
-    triton.Config({"BLOCK_V": 4096}, num_warps=16),
+    triton.Config({"BLOCK_V": block}, num_warps=warps, num_stages=stages)
+    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)) for stages in (1, 3)
 ]
 if interpreting():  # tiny shapes on CPU: a small block keeps the masked tail paths exercised
     _CONFIGS = [triton.Config({"BLOCK_V": 32}, num_warps=1)]
@@ -56,7 +54,7 @@ def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constex
         return z
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP"])
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "FIND_TARGET"])
 @triton.jit
 def _row_stats_kernel(
     # pointers
@@ -65,13 +63,17 @@ def _row_stats_kernel(
     partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (label smoothing)
     logits_ptr,  # (C, V) input dtype, read only
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
+    target_ptr,  # (C,) class indices (FIND_TARGET)
+    target_logit_ptr,  # (C,) fp32 out: s of the target column, where it falls in this tile (FIND_TARGET)
     # shapes and strides
     V, stride_row, span,  # span = columns per slice (the last slice ends at V)
+    partial_stride,  # partials per row in the output arrays (≥ SPLIT; a tile writes its SPLIT of them)
+    col_base,  # vocabulary index of the tile's column 0 (a vocabulary-sliced loss-only tile; else 0)
     # options
     softcap,
     # meta-parameters
-    SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FIND_TARGET: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -89,10 +91,13 @@ def _row_stats_kernel(
         cols = start + offs
         mask = cols < col1
         s = _softcapped(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
-        m_new = tl.where(mask, tl.maximum(m_lane, s), m_lane)
-        seen = m_new != -float("inf")  # a lane that has not yet held a valid column keeps d = 0
-        d_lane = tl.where(seen, d_lane * tl.exp(m_lane - m_new), 0.0) + tl.where(mask, tl.exp(s - m_new), 0.0)
-        m_lane = m_new
+        # One exp per element (the exp unit, not memory, bounds this loop on the H200): with
+        # u = exp(−|s − m|), a new max gives d·u + 1 and m = s, otherwise d + u. A valid s is finite,
+        # so u is never exp(NaN) on a masked-in lane; masked-out lanes keep (m, d).
+        u = tl.exp(-tl.abs(s - m_lane))
+        is_new_max = s > m_lane
+        d_lane = tl.where(mask, tl.where(is_new_max, d_lane * u + 1.0, d_lane + u), d_lane)
+        m_lane = tl.where(mask & is_new_max, s, m_lane)
         if HAS_WEIGHT:
             ws_lane += tl.load(class_weight_ptr + cols, mask=mask, other=0.0) * s
         else:
@@ -100,13 +105,18 @@ def _row_stats_kernel(
     m = tl.max(m_lane, axis=0)
     d = tl.sum(tl.where(m_lane != -float("inf"), d_lane * tl.exp(m_lane - m), 0.0), axis=0)
     ws = tl.sum(ws_lane, axis=0)
-    out = row * SPLIT + split
+    out = row * partial_stride + split
     tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·BLOCK_V): merged as 0 mass
     tl.store(partial_sumexp_ptr + out, d)
     tl.store(partial_wsum_ptr + out, ws)
+    if FIND_TARGET:
+        col_y = tl.load(target_ptr + row).to(tl.int64) - col_base  # outside [col0, col1) when ignored
+        if (col_y >= col0) & (col_y < col1):
+            s_y = _softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
+            tl.store(target_logit_ptr + row, s_y)
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD"],
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "TARGET_LOGIT_GIVEN"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
 @triton.jit
@@ -118,6 +128,7 @@ def _row_finish_kernel(
     log_sumexp_ptr,  # (C,) fp32 log Σ_v exp(s_v − m), so lse = m + log_sumexp: out / in like row_max
     partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
+    target_logit_ptr,  # (C,) fp32 s_y from the stats kernel (TARGET_LOGIT_GIVEN: the logits are gone)
     class_weight_ptr,  # (V,) fp32 class weights w_v (HAS_WEIGHT)
     class_weight_sum_ptr,  # (1,) fp32 Σ_v w_v (HAS_WEIGHT)
     grad_ptr,  # fp32 upstream ∂L/∂ℓ_t: (C,) if PER_TOKEN_GRAD else (1,) shared by all tokens
@@ -130,7 +141,8 @@ def _row_finish_kernel(
     softcap,  # c in s = c·tanh(z/c) (HAS_SOFTCAP)
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, TARGET_LOGIT_GIVEN: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -154,7 +166,10 @@ def _row_finish_kernel(
     lse = m + log_d
 
     # 2. The target's logit and class weight (ignored rows read index 0 and are masked below).
-    s_y = _softcapped(tl.load(row_ptr + safe_target).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
+    if TARGET_LOGIT_GIVEN:
+        s_y = tl.load(target_logit_ptr + row)
+    else:
+        s_y = _softcapped(tl.load(row_ptr + safe_target).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
     if HAS_WEIGHT:
         w_y = tl.load(class_weight_ptr + safe_target)
         w_sum = tl.load(class_weight_sum_ptr)
@@ -245,21 +260,105 @@ def ce_rows(
     assert logits.stride(1) == 1 and C > 0
     split = _split_for(C, V)
     dummy = stats  # any fp32 tensor: never read when its flag is off
-    common = dict(SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
-                  USE_LIBDEVICE=not interpreting())
-    cw = class_weight if class_weight is not None else dummy
-    cap = float(softcap or 1.0)
-    span = triton.cdiv(triton.cdiv(V, split), 64) * 64  # columns per slice; 64-aligned keeps loads 16-byte aligned
+    span = _span(V, split)
     if compute_stats:
         parts = torch.empty((3, C, split), device=logits.device, dtype=torch.float32)
-        _row_stats_kernel[(C, split)](parts[0], parts[1], parts[2], logits, cw, V, logits.stride(0),
-                                      span, cap, **common)
+        _launch_stats(logits, parts, split, span, col_base=0, target=None, target_logit=None,
+                      class_weight=class_weight, softcap=softcap)
     else:
         parts = (dummy, dummy, dummy)
     write_grad = grad is not None
-    _row_finish_kernel[(C, split if write_grad else 1)](
-        logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1], parts[2], target, cw,
+    _launch_finish(logits, target, None, parts, (C, split if write_grad else 1), split, span, loss=loss, stats=stats,
+                   class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
+                   ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                   compute_stats=compute_stats, per_token_grad=per_token_grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocabulary-sliced statistics (loss-only forward): the logits of C tokens arrive as tiles [C, Vs]
+# of a few vocabulary columns at a time, so that each tile's GEMM stays compute-bound within 64 MiB.
+# Each tile's stats kernel writes its SPLIT partials into its own slots of one [3, C, P] array and
+# records the target's logit when the target falls in the tile; `merge_row_stats` then reduces the
+# P partials of each row to lse and loss, exactly like the whole-row path.
+
+
+def tile_partials(n_tokens: int, vocab: int, slice_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(parts [3, C, P] fp32, target_logit [C] fp32, split per tile) for `row_stats_tile` / `merge_row_stats`.
+
+    P = the next power of two ≥ tiles·split (the merge loads a row's partials as one vector); the
+    unused slots hold max = −inf, i.e. zero probability mass."""
+    split = _split_for(n_tokens, slice_cols)
+    n_tiles = triton.cdiv(vocab, slice_cols)
+    P = triton.next_power_of_2(n_tiles * split)
+    parts = torch.empty((3, n_tokens, P), device=device, dtype=torch.float32)
+    parts[0].fill_(-float("inf"))
+    parts[1:].zero_()
+    return parts, torch.zeros(n_tokens, device=device, dtype=torch.float32), split
+
+
+def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor, target_logit: torch.Tensor, *,
+                   tile_index: int, split: int, col_base: int, class_weight: torch.Tensor | None,
+                   softcap: float | None) -> None:
+    """Partial statistics of a logits tile [C, Vs] = vocabulary columns col_base … col_base + Vs − 1.
+
+    Writes parts[:, :, k·split : (k+1)·split] for k = tile_index, and target_logit[t] for the rows
+    whose target lies in the tile."""
+    C, Vs = tile.shape
+    assert tile.stride(1) == 1 and C > 0 and parts.shape[1] == C
+    slot = tile_index * split
+    cw = None if class_weight is None else class_weight[col_base:col_base + Vs]
+    view = parts[:, :, slot:slot + split]  # strided: row stride P, passed to the kernel as partial_stride
+    _launch_stats(tile, view, split, _span(Vs, split), col_base=col_base, target=target, target_logit=target_logit,
+                  class_weight=cw, softcap=softcap, partial_stride=parts.shape[2])
+
+
+def merge_row_stats(parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, vocab: int, *,
+                    loss: torch.Tensor, stats: torch.Tensor, class_weight: torch.Tensor | None,
+                    class_weight_sum: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
+                    softcap: float | None) -> None:
+    """lse, loss and stats [2, C] of every row from the partials of all its tiles (`row_stats_tile`)."""
+    C, P = parts.shape[1], parts.shape[2]
+    _launch_finish(None, target, target_logit, parts, (C, 1), P, _span(vocab, P), loss=loss, stats=stats,
+                   class_weight=class_weight, class_weight_sum=class_weight_sum, grad=None, ignore_index=ignore_index,
+                   label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, compute_stats=True,
+                   per_token_grad=False, vocab=vocab)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _span(V: int, split: int) -> int:
+    """Columns per slice; 64-aligned keeps loads 16-byte aligned."""
+    return triton.cdiv(triton.cdiv(V, split), 64) * 64
+
+
+def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit, class_weight, softcap,
+                  partial_stride=None) -> None:
+    C, V = logits.shape
+    dummy = parts[0]
+    find_target = target is not None
+    _row_stats_kernel[(C, split)](
+        parts[0], parts[1], parts[2], logits, dummy if class_weight is None else class_weight,
+        target if find_target else dummy, target_logit if find_target else dummy,
+        V, logits.stride(0), span, split if partial_stride is None else partial_stride, col_base,
+        float(softcap or 1.0),
+        SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None, FIND_TARGET=find_target,
+        USE_LIBDEVICE=not interpreting())
+
+
+def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
+                   class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
+                   per_token_grad, vocab=None) -> None:
+    dummy = stats  # any fp32 tensor: never read when its flag is off
+    given = target_logit is not None
+    write_grad = grad is not None
+    _row_finish_kernel[grid](
+        dummy if given else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
+        parts[2], target, target_logit if given else dummy, dummy if class_weight is None else class_weight,
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
-        V, logits.stride(0), span,
-        ignore_index, float(label_smoothing), float(z_loss), cap,
-        COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad, **common)
+        vocab if given else logits.shape[1], 0 if given else logits.stride(0), span,
+        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
+        SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
+        COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
+        TARGET_LOGIT_GIVEN=given, USE_LIBDEVICE=not interpreting())

@@ -289,7 +289,8 @@ def _fused_ce_bwd_kernel(
     b_ptr,  # (V,) bias (HAS_BIAS)
     y_ptr,  # (T,) int64 targets
     cw_ptr,  # (V,) fp32 class weights (HAS_WEIGHT and HAS_SMOOTHING)
-    lse_ptr,  # (T,) fp32 lse from the forward
+    row_max_ptr,  # (T,) fp32 m_t, and ...
+    log_sumexp_ptr,  # (T,) fp32 log Σ_v exp(s_tv − m_t): lse = m + this, kept apart (see below)
     coef_ptr,  # (3, T) fp32 per-row coefficients a_t, b_t, c_t (0 for ignored rows): G = (a·p − b·[v=y] − c·w_v)·s'
     # shapes
     T, V, H,
@@ -345,10 +346,12 @@ def _fused_ce_bwd_kernel(
         s = z
 
     # 3. G = g_t·∂ℓ_t/∂z_tv = (a_t·p_tv − b_t·[v = y_t] − c_t·w_v)·s'(z_tv)
-    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    # p = exp((s − m) − log Σ): with |s| ~ 1e3 a single rounded fp32 lse would cost ~1e-4 relative error in p
+    row_m = tl.load(row_max_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    log_d = tl.load(log_sumexp_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
     ca = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
     cb = tl.load(coef_ptr + T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
-    p = tl.exp(s - lse[:, None])  # (BLOCK_T, BLOCK_V)
+    p = tl.exp((s - row_m[:, None]) - log_d[:, None])  # (BLOCK_T, BLOCK_V)
     g = ca[:, None] * p - tl.where(offs_v[None, :] == y[:, None], cb[:, None], 0.0)
     if HAS_SMOOTHING:
         cc = tl.load(coef_ptr + 2 * T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
@@ -525,12 +528,14 @@ def _options(x, weight, softcap, label_smoothing):
 
 
 def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, label_smoothing, z_loss, softcap,
-                     block_config=None, n_split=None):
+                     block_config=None, n_split=None, return_stats=False):
     """Per-token loss and lse without materializing the logits.
 
     x [T, H], weight [V, H] (same dtype: fp32, fp16 or bf16; unit last stride is fastest), bias [V] or
     None, target [T] int64, class_weight [V] fp32 or None. Returns (loss_tok [T] fp32, lse [T] fp32):
-    ℓ_t of docs/design.md (0 for ignored tokens) and logsumexp_v s_tv (for every token).
+    ℓ_t of docs/design.md (0 for ignored tokens) and logsumexp_v s_tv (for every token); with
+    `return_stats`, (loss_tok, stats [2, T] fp32 = (m_t, log Σ exp(s − m_t))) instead, the precise form
+    that `fused_ce_backward` prefers.
     `block_config` / `n_split` (tests): fixed BLOCK_T/BLOCK_V/BLOCK_H (+ num_warps, num_stages, and
     GROUP_T for the backward's launch order) instead of autotuning, and a fixed number of V-splits.
     """
@@ -568,7 +573,8 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     # 2. combine the splits: lse = M + log Σ_s d_s·exp(m_s − M)
     m, d, sy = part[0], part[1], part[2]
     big_m = m.amax(dim=0)
-    lse = big_m + torch.log((d * torch.exp(m - big_m)).sum(dim=0))
+    log_d = torch.log((d * torch.exp(m - big_m)).sum(dim=0))
+    lse = big_m + log_d
     sy = sy.sum(dim=0)  # only the split holding y_t contributes
 
     # 3. ℓ_t = (1−ε)·w_y·(lse − s_y) + (ε/V)·(W_sum·lse − Σ_v w_v·s_v) + z_loss·lse²
@@ -581,14 +587,15 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     if z_loss:
         loss = loss + float(z_loss) * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
-    return loss, lse
+    return (loss, torch.stack([big_m, log_d])) if return_stats else (loss, lse)
 
 
 def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, ignore_index, label_smoothing,
                       z_loss, softcap, need_dx, need_dw, need_db, max_workspace_bytes=None, block_config=None):
     """Gradients of Σ_t grad_tok[t]·ℓ_t, recomputing the logits tile by tile.
 
-    grad_tok [T] fp32 = ∂L/∂ℓ_t (ignored tokens are zeroed here too), lse [T] fp32 from the forward.
+    grad_tok [T] fp32 = ∂L/∂ℓ_t (ignored tokens are zeroed here too), lse [T] fp32 from the forward, or
+    its precise form stats [2, T] (`fused_ce_forward(..., return_stats=True)`).
     Returns (dx [T, H] in x.dtype or None, dw [V, H] in weight.dtype or None, db [V] in bias.dtype or
     None). `max_workspace_bytes` bounds the fp32 accumulators (default 16 MiB; larger allows one pass
     instead of two when x is bf16/fp16); `block_config` (tests): fixed block sizes, see forward.
@@ -611,7 +618,11 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     fp32 = x.dtype == torch.float32
     kw, min_bt, max_bt, granule_v = _meta(block_config, fp32)
     target = target.contiguous()
-    lse = lse.contiguous().to(torch.float32)
+    if lse.dim() == 2:  # stats (m, log Σ): exact s − m in the kernel
+        row_max, log_sumexp = lse[0].contiguous().float(), lse[1].contiguous().float()
+    else:
+        row_max, log_sumexp = lse.contiguous().float(), torch.zeros_like(lse, dtype=torch.float32)
+    lse = row_max + log_sumexp
 
     # 1. per-row coefficients of G (0 for ignored rows):
     #    a = g·((1−ε)·w_y + ε·W_sum/V + 2·z_loss·lse), b = g·(1−ε)·w_y, c = g·ε/V
@@ -667,7 +678,7 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
             dw_arg = (dw_ws if dw_ws is not None else dw[v0:]) if do_dw else dummy
             db_arg = db_acc if do_db else dummy
             args = (dx_arg, dw_arg, db_arg, x, weight, bias if bias is not None else x, target,
-                    cw if has_weight else dummy, lse, coef,
+                    cw if has_weight else dummy, row_max, log_sumexp, coef,
                     T, V, H, t0, t1, v0, v1, t_bucket, mode,
                     x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                     bias.stride(0) if bias is not None else 0, dx_arg.stride(0), dw_arg.stride(0),

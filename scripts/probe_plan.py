@@ -1,0 +1,61 @@
+"""Probe on the H200 for the chunk plans of fusedkern/chunk_plan.py: the loss-only tile shape
+(C tokens × Vs vocabulary columns within 64 MiB) against one cuBLAS GEMM, and the row kernel's
+bandwidth per chunk size. Prints one line per measurement; JSON lines to $OUT/probe_plan.jsonl.
+
+    python scripts/probe_plan.py [TOKENS ...]
+"""
+import json
+import os
+import sys
+
+import torch
+
+import fusedkern  # noqa: F401  (sets up the runtime before the kernels import)
+from fusedkern.chunked import LossOptions, chunked_loss
+from fusedkern.kernels.ce_rows import ce_rows
+
+H, V = 4096, 128256
+out = open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_plan.jsonl"), "a")
+
+
+def ms_p50(fn, warmup=3, reps=15):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); fn(); end.record(); torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def record(**kw):
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
+    out.write(json.dumps(kw) + "\n"); out.flush()
+
+
+torch.manual_seed(0)
+w = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16)
+for T in [int(s) for s in sys.argv[1:]] or [4096, 32768]:
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda")
+    gemm = ms_p50(lambda: torch.mm(x, w.t()))
+    record(T=T, what="cublas_1gemm", ms=gemm)
+    for tile in [(256, V), (1024, 32768), (2048, 16384), (4096, 8192), (8192, 4096)]:
+        ms = ms_p50(lambda: chunked_loss(x, w, None, y, None, LossOptions(), tile=tile))
+        record(T=T, what=f"loss_tiles_{tile[0]}x{tile[1]}", ms=ms, ratio=ms / gemm)
+    del x
+for C in (1024, 4096):
+    z = torch.randn(C, V, device="cuda", dtype=torch.bfloat16) * 3
+    stats = torch.empty(2, C, device="cuda"); loss = torch.empty(C, device="cuda")
+    one = torch.ones(1, device="cuda")
+    common = dict(class_weight=None, class_weight_sum=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                  softcap=None)
+    y = torch.randint(0, V, (C,), device="cuda")
+    ms = ms_p50(lambda: ce_rows(z, y, loss=loss, stats=stats, grad=one, compute_stats=True, **common))
+    record(C=C, what="row_kernel_stats_and_grad", ms=ms, GBps=3 * C * V * 2 / ms / 1e6)
+    ms = ms_p50(lambda: ce_rows(z, y, loss=loss, stats=stats, grad=None, compute_stats=True, **common))
+    record(C=C, what="row_kernel_stats_only", ms=ms, GBps=C * V * 2 / ms / 1e6)
+    ms = ms_p50(lambda: z.mul_(1.0))
+    record(C=C, what="torch_inplace_mul_reference", ms=ms, GBps=2 * C * V * 2 / ms / 1e6)
