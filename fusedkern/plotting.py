@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -655,26 +655,30 @@ def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x:
 _CHUNK_VARIANT = re.compile(r"fusedkern_chunked(?P<lean>_lean)?(?:_c(?P<chunk>\d+))?")
 
 
-def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *, default_chunk: int,
-                         floor: pd.DataFrame) -> pd.DataFrame:
+def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *,
+                         default_chunk: int | Callable[[str, int], int], floor: pd.DataFrame) -> pd.DataFrame:
     """One row per (accumulation, chunk tokens, tokens): ms_p50, ratio to the floor of the same run,
-    peak extra MiB and, where measured, the relative dW error. `timing` holds the chunked variants
-    (full mode), `floor` the `cublas_3gemm` full-mode rows; the unsuffixed providers ran with
-    `default_chunk` tokens per chunk."""
+    peak extra MiB, whether it is the provider's default plan, and, where measured, the relative dW
+    error. `timing` holds the chunked variants (full mode), `floor` the `cublas_3gemm` full-mode rows;
+    the unsuffixed providers ran with `default_chunk` tokens per chunk, a number or a function
+    (provider, tokens) → chunk. Where a default coincides with a study point, the default row stays."""
     rows = []
     floor_ms = floor[(floor["provider"] == "cublas_3gemm") & (floor["mode"] == "full")].set_index("x")["ms_p50"]
     err = {}
     if accuracy is not None and "err_dw" in accuracy:
         err = {(p, x): e for p, x, e in accuracy[["provider", "x", "err_dw"]].itertuples(index=False)}
+    chunk_of = default_chunk if callable(default_chunk) else (lambda provider, tokens: default_chunk)
     for r in timing[timing["mode"] == "full"].itertuples(index=False):
         m = _CHUNK_VARIANT.fullmatch(r.provider)
         if not m:
             continue
         rows.append(dict(accumulation="weight dtype (lean)" if m["lean"] else "fp32",
-                         chunk_tokens=int(m["chunk"] or default_chunk), tokens=int(r.x), ms_p50=r.ms_p50,
-                         ratio=r.ms_p50 / floor_ms.get(r.x, float("nan")), peak_extra_mib=r.peak_extra_mib,
-                         err_dw=err.get((r.provider, r.x), float("nan"))))
-    return pd.DataFrame(rows).sort_values(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True)
+                         chunk_tokens=int(m["chunk"] or chunk_of(r.provider, int(r.x))), tokens=int(r.x),
+                         default=not m["chunk"], ms_p50=r.ms_p50, ratio=r.ms_p50 / floor_ms.get(r.x, float("nan")),
+                         peak_extra_mib=r.peak_extra_mib, err_dw=err.get((r.provider, r.x), float("nan"))))
+    table = pd.DataFrame(rows).sort_values(["accumulation", "chunk_tokens", "tokens", "default"],
+                                           ascending=[True, True, True, False])
+    return table.drop_duplicates(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True)
 
 
 def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: float | None, caption: str):

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedkern import memory_model
+from fusedkern.chunk_plan import grad_chunk_plan
 
 torch.manual_seed(seed)
 pd.set_option("display.precision", 3)
@@ -203,21 +204,34 @@ check("chunked dX vs autograd", dX, x_ad.grad)
 check("chunked dW (accumulated over chunks) vs autograd", dW, W_ad.grad)
 
 # %%
-chunk = memory_model.default_chunk_size(V0, "bfloat16")
-pd.DataFrame(
-    {
+
+lean_chunk = memory_model.default_chunk_size(V0, "bfloat16")
+
+
+def plan_row(t):
+    plan = grad_chunk_plan(t, V0, H0, 2, need_dw=True, fp32_accum=True)
+    where = "inside dW's storage" if plan.buffer_in_dw_storage else "own allocation"
+    return {
         "tokens": t,
         "logits T×V bf16 (MiB)": t * V0 * 2 / 2**20,
-        f"chunk C×V bf16, C = {chunk} (MiB)": min(chunk, t) * V0 * 2 / 2**20,
-        "fp32 dW accumulator V×H×4 (MiB)": V0 * H0 * 4 / 2**20,
+        f"lean: chunk C×V, C = {lean_chunk} (MiB)": min(lean_chunk, t) * V0 * 2 / 2**20,
+        "default: chunk C": plan.chunk_tokens,
+        "default: buffer": where,
+        "default: fp32 dW accumulator (MiB)": V0 * H0 * 4 / 2**20 if plan.fp32_accumulator else 0.0,
     }
-    for t in seed_shape["tokens"]
-).set_index("tokens").round(1)
+
+
+pd.DataFrame(plan_row(t) for t in seed_shape["tokens"]).set_index("tokens").round(1)
 
 # %% [markdown]
-# The chunk stays at 250 MiB from 4096 to 32768 tokens while the full logits grow to 7.8 GiB; the
-# fp32 accumulator is the larger term, which is why fusedkern also offers a lean mode that
-# accumulates dW in the weight's dtype (notebook 03 models every provider's peak).
+# The lean chunk stays at 250 MiB from 4096 to 32768 tokens while the full logits grow to 7.8 GiB.
+# The default mode may also hold one fp32 V×H accumulator (2004 MiB), and `fusedkern/chunk_plan.py`
+# spends that allowance on speed: up to 9216 tokens run as a single chunk with no accumulator at all
+# (one dW GEMM, fp32 inside cuBLAS), and beyond that the accumulator collects dW while the logits
+# buffer — 4096 tokens — lives inside dW's own bf16 storage, which is otherwise idle until the
+# accumulator is cast into it. Fewer, larger chunks mean fewer passes of the fp32 accumulator
+# through memory and larger GEMMs (notebook 07 measures the trade-off; notebook 03 models every
+# provider's peak).
 #
 # ## 5 · Every option in one gradient
 #

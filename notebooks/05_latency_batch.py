@@ -13,8 +13,9 @@
 # | provider | how | GEMMs |
 # |---|---|---|
 # | `fusedkern_generic` | `linear_logprobs` saves the log-sum-exp, the backward recomputes the logits | 4 |
-# | `fusedkern_chunked[_lean]` | default 256 MiB chunk (1024 tokens): a loss-only pass over the rejected half gives every A_l, then chunks of whole responses form their gradient in the forward | 3.5 |
-# | `fusedkern_chunked[_lean]_c2048` | a chunk holds a whole chosen/rejected pair (501 MiB buffer): gradient formed in the forward | 3 |
+# | `fusedkern_chunked` | default: the chunk plan of `fusedkern/chunk_plan.py` — batch 2 and 4 in one chunk without an fp32 accumulator, batch 8 and 16 in 4096-token chunks (two pairs) inside dW's own storage, next to the fp32 accumulator; each chunk holds whole pairs, so the gradient is formed in the forward | 3 |
+# | `fusedkern_chunked_lean` | lean (≤ 256 MiB, dW in bf16): a 1024-token chunk cannot hold a pair, so a loss-only pass over the rejected half gives every A_l first, then chunks of whole responses | 3.5 |
+# | `fusedkern_chunked[_lean]_c2048` | a 2048-token chunk, one pair (default mode: inside dW's storage; lean: a 501 MiB buffer) | 3 |
 #
 # Liger processes one pair at a time with its gradients formed in the forward: three GEMMs, but a
 # per-pair fp32 logits buffer and a weight-sized gradient per pair (notebook 03).

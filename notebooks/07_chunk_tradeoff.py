@@ -7,7 +7,10 @@
 # bf16). Each chunk costs one pass of the dW GEMM's output through memory (4.2 GB in fp32,
 # 2.1 GB in bf16) and a GEMM tail, so fewer, larger chunks approach the three-GEMM floor — at the
 # price of memory; bf16 accumulation rounds the running sum once per chunk, so its error grows with
-# the number of chunks. Data: `chunk_study.csv` (full mode, same device call as `ce.csv`, whose
+# the number of chunks. With fp32 accumulation a chunk of up to H = 4096 tokens fits inside dW's own
+# bf16 storage (idle until the accumulator is cast into it), so in that mode memory stays at the
+# accumulator up to C = 4096, and the default plan takes C = 4096 (or one chunk of all tokens when
+# they fit the accumulator's allowance; `fusedkern/chunk_plan.py`). Data: `chunk_study.csv` (full mode, same device call as `ce.csv`, whose
 # floor and default-chunk rows it is divided by) and `accuracy.csv`.
 
 # %% tags=["parameters"]
@@ -15,8 +18,7 @@ quick = False
 data_dir = "../data"
 figures_dir = "../figures"
 gpu = "h200"
-# default_chunk: the chunk of the providers without a _c<N> suffix (the 256 MiB budget at V = 128256, bf16)
-default_chunk = 1024
+hidden, vocab = 4096, 128256  # the study's LM head (the sidecar's values win when present)
 
 # %%
 from pathlib import Path
@@ -29,6 +31,7 @@ import pandas as pd
 from IPython.display import display
 
 from fusedkern import plotting
+from fusedkern.chunk_plan import grad_chunk_plan
 
 plotting.use_style()
 ce = plotting.load_measured(measured / "ce.csv")
@@ -39,6 +42,14 @@ have = ce is not None and study is not None
 # %%
 if have:
     timing = pd.concat([study, ce[ce["provider"].isin(["fusedkern_chunked", "fusedkern_chunked_lean"])]])
+    meta = study.attrs["meta"]
+    hidden, vocab = int(meta.get("hidden", hidden)), int(meta.get("vocab", vocab))
+
+    def default_chunk(provider, tokens):
+        """The chunk the unsuffixed providers ran with: `fusedkern/chunk_plan.py`'s plan."""
+        return grad_chunk_plan(tokens, vocab, hidden, 2, need_dw=True,
+                               fp32_accum=not provider.endswith("_lean")).chunk_tokens
+
     table = plotting.chunk_tradeoff_table(timing, accuracy, default_chunk=default_chunk, floor=ce)
     caption = plotting.provenance(study.attrs["meta"], f"data/measured/{gpu}/chunk_study.csv + ce.csv + accuracy.csv")
     print(caption)
@@ -65,7 +76,8 @@ if have:
     at = table[table["tokens"] == biggest]
     for accumulation, part in at.groupby("accumulation"):
         best = part.loc[part["ratio"].idxmin()]
-        default = part[part["chunk_tokens"] == default_chunk].iloc[0]
-        print(f"dW in {accumulation}: C = {default_chunk}: {default.ratio:.3f}× with {default.peak_extra_mib:.0f} MiB; "
+        default = part[part["default"]].iloc[0]
+        print(f"dW in {accumulation}: default C = {int(default.chunk_tokens)}: {default.ratio:.3f}× with "
+              f"{default.peak_extra_mib:.0f} MiB; "
               f"best C = {int(best.chunk_tokens)}: {best.ratio:.3f}× with {best.peak_extra_mib:.0f} MiB "
               f"(dW error {default.err_dw:.2e} → {best.err_dw:.2e})")

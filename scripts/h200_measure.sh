@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every measurement of the project on the GPU machine, in one call that fits its 10-minute limit.
 #
-#   scripts/h200_measure.sh OUTDIR [quick]
+#   scripts/h200_measure.sh OUTDIR [full|quick] [all|ce|simpo]
 #
 # Needs the wheels of scripts/fetch_wheels.sh in .whl/ (carried with the working tree: the GPU
 # machine has no package index). Installs them into throwaway --target folders, one per Liger
@@ -12,6 +12,9 @@
 #   4. accuracy  tokens 4096 and 32768 against the chunked fp64 truth (+ Liger 0.4.2, appended)
 # Each writes OUTDIR/<sweep>.csv + .json (rewritten after every provider, so a sweep cut short by
 # its time cap keeps what it finished) and OUTDIR/<sweep>.log. `quick`: fewer sizes and reps.
+# The third argument splits the work over two device calls when one call has less time left:
+# `ce` runs 1–2 and the chunk study (everything a cross-entropy ratio is divided by stays in one
+# call), `simpo` runs 3–4.
 #
 # Time budget (H200 anchors of /work/shared/reference/README.md §4; fusedkern's own times are
 # guesses): a case costs (warmup + reps + 1 memory run) × its wall time, reps sized to ~1 s per
@@ -23,6 +26,7 @@ set -uo pipefail
 
 outdir="${1:?usage: scripts/h200_measure.sh OUTDIR [quick]}"
 profile="${2:-full}"
+parts="${3:-all}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
 mkdir -p "$outdir"
@@ -84,16 +88,20 @@ run() {
     study="$study fusedkern_chunked_lean_c512 fusedkern_chunked_lean_c2048 fusedkern_chunked_lean_c4096 fusedkern_chunked_lean_c8192"
     main_ce="cublas_1gemm cublas_3gemm huggingface_bf16 torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean"
     main_ce="$main_ce fusedkern_fused liger cut_cross_entropy torch_linear_cross_entropy"
-    run ce 230 "$site085" ce --tokens $ce_tokens $timing --providers $main_ce --out "$outdir/ce.csv"
-    # the chunk-size / accumulation trade-off (full mode only), its own file
-    run chunk_study 60 "$site085" ce --tokens $ce_tokens $timing --providers $study --modes full \
-        --out "$outdir/chunk_study.csv"
-    run ce_liger042 45 "$site042" ce --tokens $ce_tokens $timing --providers liger \
-        --append --out "$outdir/ce.csv"
-    run simpo 130 "$site085" simpo --batch $simpo_batch --seq "$simpo_seq" $timing --out "$outdir/simpo.csv"
-    run accuracy 50 "$site085" accuracy --tokens $accuracy_tokens --out "$outdir/accuracy.csv"
-    run accuracy_liger042 25 "$site042" accuracy --tokens $accuracy_tokens --providers liger \
-        --append --out "$outdir/accuracy.csv"
+    if [ "$parts" != simpo ]; then
+        run ce 230 "$site085" ce --tokens $ce_tokens $timing --providers $main_ce --out "$outdir/ce.csv"
+        # the chunk-size / accumulation trade-off (full mode only), its own file
+        run chunk_study 60 "$site085" ce --tokens $ce_tokens $timing --providers $study --modes full \
+            --out "$outdir/chunk_study.csv"
+        run ce_liger042 45 "$site042" ce --tokens $ce_tokens $timing --providers liger \
+            --append --out "$outdir/ce.csv"
+    fi
+    if [ "$parts" != ce ]; then
+        run simpo 130 "$site085" simpo --batch $simpo_batch --seq "$simpo_seq" $timing --out "$outdir/simpo.csv"
+        run accuracy 90 "$site085" accuracy --tokens $accuracy_tokens --out "$outdir/accuracy.csv"
+        run accuracy_liger042 25 "$site042" accuracy --tokens $accuracy_tokens --providers liger \
+            --append --out "$outdir/accuracy.csv"
+    fi
 }
 
 echo "h200_measure.sh done in $((SECONDS - script_start)) s; failures: ${failures[*]:-none}"

@@ -167,3 +167,17 @@ def test_chunk_size_variants_follow_their_parent():
     style = plotting.style_for("fusedkern_chunked_c512")
     assert style["color"] == plotting.style_for("fusedkern_chunked")["color"]
     assert style["label"].endswith("C = 512")
+
+
+def test_chunk_tradeoff_table_keeps_the_default_row_where_it_meets_a_study_point():
+    def row(provider, x, ms, mib, mode="full"):
+        return dict(op="ce", provider=provider, x_name="tokens", x=x, mode=mode, ms_p50=ms, peak_extra_mib=mib)
+    timing = pd.DataFrame([row("fusedkern_chunked", 32768, 160.0, 2004.0), row("fusedkern_chunked_c4096", 32768, 161.0, 2004.0),
+                           row("fusedkern_chunked_c512", 32768, 200.0, 2004.0), row("fusedkern_chunked_lean", 32768, 170.0, 251.0)])
+    floor = pd.DataFrame([row("cublas_3gemm", 32768, 150.0, 8016.0)])
+    table = plotting.chunk_tradeoff_table(
+        timing, None, floor=floor, default_chunk=lambda provider, tokens: 1024 if provider.endswith("_lean") else 4096)
+    fp32 = table[table["accumulation"] == "fp32"]
+    assert list(fp32["chunk_tokens"]) == [512, 4096] and list(fp32["default"]) == [False, True]
+    assert fp32[fp32["default"]]["ratio"].iloc[0] == pytest.approx(160.0 / 150.0)
+    assert table[table["accumulation"] != "fp32"]["chunk_tokens"].tolist() == [1024]
