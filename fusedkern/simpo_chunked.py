@@ -119,8 +119,11 @@ class ChunkedSimPO(torch.autograd.Function):
                 i1 = min(i0 + per_chunk, n_pairs)
                 k = i1 - i0
                 rw, rl = rows(i0, i1), rows(n_pairs + i0, n_pairs + i1)
-                x_c = torch.cat([x[rw], x[rl]])  # (2kS, H): chosen then rejected halves of k pairs
-                y_c = torch.cat([y[rw], y[rl]])
+                if k == n_pairs:  # one chunk holds every pair: the input already is chosen-then-rejected
+                    x_c, y_c = x, y
+                else:
+                    x_c = torch.cat([x[rw], x[rl]])  # (2kS, H): chosen then rejected halves of k pairs
+                    y_c = torch.cat([y[rw], y[rl]])
                 n_c = torch.cat([n_tokens[i0:i1], n_tokens[n_pairs + i0:n_pairs + i1]])
                 # statistics of both halves first, so each half's gradient sees its partner's A
                 z = _logits_into(buf, x_c, w, b)
