@@ -655,6 +655,37 @@ def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x:
 _CHUNK_VARIANT = re.compile(r"fusedkern_chunked(?P<lean>_lean)?(?:_c(?P<chunk>\d+))?")
 
 
+def ratio_tables(df: pd.DataFrame, modes: Sequence[str]) -> dict[str, pd.DataFrame]:
+    """Per mode, provider × x of ms_p50 ÷ that mode's floor (`floor_provider`), where the floor ran."""
+    out = {}
+    for mode in modes:
+        table = pivot(df, mode)
+        floor = floor_provider(mode)
+        if floor in table.index:
+            out[mode] = table / table.loc[floor]
+    return out
+
+
+def failed_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows the harness could not measure (out of memory, errors), with their note."""
+    notes = df[df["note"].fillna("") != ""][["provider", "x", "mode", "note"]]
+    return notes.sort_values(["provider", "x", "mode"]).reset_index(drop=True)
+
+
+def anchor_comparison(df: pd.DataFrame, anchors: pd.DataFrame, op: str, names: Mapping[str, str]) -> pd.DataFrame:
+    """Our full-mode time and memory next to the reference anchors of the same providers.
+
+    anchors: `data/reference/h200_anchors_*.csv`; names: anchor provider → our provider name.
+    Returns (provider, x) rows with both measurements and the ratios ours / anchor (empty when none match)."""
+    anchors = anchors[(anchors.op == op) & anchors.provider.isin(names)].copy()
+    anchors["provider"] = anchors.provider.map(names)
+    ours = df[df["mode"] == "full"][["provider", "x", "ms_p50", "peak_extra_mib"]]
+    both = ours.merge(anchors[["provider", "x", "full_ms", "full_peak_extra_mib"]], on=["provider", "x"])
+    both["ms ours / anchor"] = both.ms_p50 / both.full_ms
+    both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
+    return both.set_index(["provider", "x"]).sort_index()
+
+
 def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *,
                          default_chunk: int | Callable[[str, int], int], floor: pd.DataFrame) -> pd.DataFrame:
     """One row per (accumulation, chunk tokens, tokens): ms_p50, ratio to the floor of the same run,

@@ -121,12 +121,9 @@ if have and not quick:
 
 # %%
 if have:
-    per_mode = {mode: plotting.pivot(df, mode) for mode in modes}
-    for mode, table in per_mode.items():
-        floor = plotting.floor_provider(mode)
-        if floor in table.index:
-            print(f"{mode}: × {floor}")
-            display((table / table.loc[floor]).round(2))
+    for mode, table in plotting.ratio_tables(df, modes).items():
+        print(f"{mode}: × {plotting.floor_provider(mode)}")
+        display(table.round(2))
 
 # %% [markdown]
 # ## Failures, losses and a cross-check
@@ -138,23 +135,16 @@ if have:
 
 # %%
 if have:
-    notes = df[df["note"].fillna("") != ""][["provider", "x", "mode", "note"]]
+    notes = plotting.failed_rows(df)
     print("no failed measurement" if notes.empty else "rows without a measurement:")
     if not notes.empty:
-        display(notes.sort_values(["provider", "x", "mode"]).reset_index(drop=True))
-    losses = plotting.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss")
-    display(losses.round(4))
+        display(notes)
+    display(plotting.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss").round(4))
 
 # %%
 if have:
-    anchors = pd.read_csv(anchors_csv)
-    anchors = anchors[(anchors.op == sweep) & anchors.provider.isin(reference_names)].copy()
-    anchors["provider"] = anchors.provider.map(reference_names)
-    ours = df[df["mode"] == "full"][["provider", "x", "ms_p50", "peak_extra_mib"]]
-    both = ours.merge(anchors[["provider", "x", "full_ms", "full_peak_extra_mib"]], on=["provider", "x"])
+    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), sweep, reference_names)
     if gpu != "h200" or both.empty:
         print("no comparable reference anchors for this data")
     else:
-        both["ms ours / anchor"] = both.ms_p50 / both.full_ms
-        both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
-        display(both.set_index(["provider", "x"]).sort_index().round(3))
+        display(both.round(3))

@@ -77,9 +77,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from fusedkern._runtime import autotune_configs, interpreting
+from fusedkern.kernels.ce_rows import _tanh  # tanh in fp32: libdevice on the GPU, exact forms in the interpreter
 
 #: default extra-memory budget of the backward's fp32 accumulators (bytes)
 DEFAULT_WORKSPACE_BYTES = 16 << 20
@@ -91,23 +91,6 @@ __all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes", "DEFAULT_
 
 # ----------------------------------------------------------------------------------------------
 # device helpers
-
-
-@triton.jit
-def _tanh(u, USE_LIBDEVICE: tl.constexpr):
-    """tanh in fp32: libdevice on the GPU; in the interpreter a Taylor series near 0 (where 1 − e
-    would cancel) and the overflow-free form sign(u)·(1 − e)/(1 + e), e = exp(−2|u|), elsewhere."""
-    if USE_LIBDEVICE:
-        return libdevice.tanh(u)
-    else:
-        a = tl.abs(u)
-        e = tl.exp(-2.0 * a)
-        big = (1.0 - e) / (1.0 + e)
-        a2 = a * a
-        small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
-                                                             + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))))
-        r = tl.where(a < 0.125, small, big)
-        return tl.where(u < 0, -r, r)
 
 
 @triton.jit
