@@ -150,7 +150,7 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
             tile = _logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
                                 None if b is None else b[v0:v1])
             row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
-                           class_weight=class_weight, softcap=opts.softcap)
+                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)
         merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1], **kernel_args)
 
 
