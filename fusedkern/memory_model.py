@@ -232,7 +232,14 @@ def terms(
             return [chunk, stats] + _grad_storage(T, H, V, e) + [_minus_grad_storage(T, H, V, e)]
         if plan.buffer_in_dw_storage:
             chunk = Term(f"logits chunk buffer (C = {rows}) inside dW's own storage", 0, "0")
-        return [Term("fp32 dW accumulator", V * H * 4, "V·H·4"), chunk, stats]
+        out = [Term("fp32 dW accumulator", V * H * 4, "V·H·4"), chunk, stats]
+        pairs_per_chunk = rows // (2 * seq)
+        if op == "simpo" and 1 <= pairs_per_chunk < T // (2 * seq):
+            # a chunk of k pairs gathers its chosen and rejected rows into one input (the dW GEMM needs
+            # them contiguous); with one chunk for every pair the input already is in that order
+            k = pairs_per_chunk
+            out.append(Term(f"chunk input: {k} pairs' rows gathered", 2 * k * seq * H * e, "2·k·S·H·e"))
+        return out
     if provider == "fusedkern_fused":
         return [
             Term("fp32 accumulator workspace (the kernel's budget)", _FUSED_WORKSPACE_BYTES, "16 MiB"),

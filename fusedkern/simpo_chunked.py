@@ -142,6 +142,7 @@ class ChunkedSimPO(torch.autograd.Function):
                 chunk_grads(z, x_c, w, None, dw, db, first)
                 logp[rw], logp[rl] = -nll[:k * seq], -nll[k * seq:]
                 first = False
+                del x_c, y_c, z  # the next chunk's gathered rows must not coexist with these
         else:  # "prepass": every A_l from a loss-only pass, then chosen chunks, then rejected chunks
             r_rej = rows(n_pairs, two_b)
             nll_rejected, _ = chunked_loss(x[r_rej], w, b, y[r_rej], None, opts)
