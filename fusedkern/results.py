@@ -104,13 +104,16 @@ def _run(command: list[str], cwd: Path | None = None) -> str | None:
 def _git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout this package lives in.
 
-    The GPU machine receives a copy of the working tree without `.git`; there the commit comes
-    from the environment variable FUSEDKERN_GIT_COMMIT when the caller sets it, else None.
+    FUSEDKERN_GIT_COMMIT, when the caller sets it, wins (dirty unknown): a GPU machine may receive
+    a copy of the working tree whose `.git` is missing or stale (it once reported the session's
+    starting commit, with every later change as "dirty").
     """
+    if os.environ.get("FUSEDKERN_GIT_COMMIT"):
+        return os.environ["FUSEDKERN_GIT_COMMIT"], None
     repo = Path(__file__).resolve().parents[1]
     commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     if not commit:
-        return os.environ.get("FUSEDKERN_GIT_COMMIT") or None, None
+        return None, None
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return commit, None if status is None else status != ""
 
