@@ -712,9 +712,29 @@ def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *,
     return table.drop_duplicates(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True)
 
 
-def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: float | None, caption: str):
-    """Time ÷ floor, peak extra memory and dW error against chunk size, at one token count."""
+def chunk_error_table(accuracy: pd.DataFrame, *, default_chunk: int | Callable[[str, int], int]) -> pd.DataFrame:
+    """(accumulation, chunk_tokens, tokens, err_dw) of the chunked variants in an accuracy sweep."""
+    chunk_of = default_chunk if callable(default_chunk) else (lambda provider, tokens: default_chunk)
+    rows = []
+    for r in accuracy.itertuples(index=False):
+        m = _CHUNK_VARIANT.fullmatch(r.provider)
+        if m and not math.isnan(r.err_dw):
+            rows.append(dict(accumulation="weight dtype (lean)" if m["lean"] else "fp32", tokens=int(r.x),
+                             chunk_tokens=int(m["chunk"] or chunk_of(r.provider, int(r.x))), err_dw=r.err_dw))
+    return pd.DataFrame(rows, columns=["accumulation", "chunk_tokens", "tokens", "err_dw"]).drop_duplicates(
+        ["accumulation", "chunk_tokens", "tokens"]).sort_values(["accumulation", "chunk_tokens"])
+
+
+def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: float | None, caption: str,
+                          errors: pd.DataFrame | None = None, error_tokens: int | None = None):
+    """Time ÷ floor, peak extra memory and dW error against chunk size, at one token count (the
+    error panel at `error_tokens` from `errors` = `chunk_error_table(...)` when given)."""
     at = table[table["tokens"] == tokens]
+    if errors is not None:
+        error_tokens = error_tokens or tokens
+        err_at = errors[errors["tokens"] == error_tokens]
+    else:
+        error_tokens, err_at = tokens, at
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     colors = {"fp32": _STYLES["fusedkern_chunked"]["color"],
               "weight dtype (lean)": _STYLES["fusedkern_chunked_lean"]["color"]}
@@ -722,6 +742,8 @@ def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: flo
         style = dict(color=colors.get(accumulation, "gray"), marker="o", label=f"dW accumulated in {accumulation}")
         axes[0].plot(part["chunk_tokens"], part["ratio"], **style)
         axes[1].plot(part["chunk_tokens"], part["peak_extra_mib"], **style)
+    for accumulation, part in err_at.groupby("accumulation", sort=True):
+        style = dict(color=colors.get(accumulation, "gray"), marker="o", label=f"dW accumulated in {accumulation}")
         if part["err_dw"].notna().any():
             axes[2].plot(part["chunk_tokens"], part["err_dw"], **style)
     axes[0].axhline(1.0, color="black", linestyle="--", linewidth=1, label="floor: 3 cuBLAS GEMMs")
@@ -729,9 +751,9 @@ def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: flo
     if torch_err_dw is not None:
         axes[2].axhline(torch_err_dw, color="gray", linestyle=":", linewidth=1, label="PyTorch bf16 (one GEMM)")
     titles = ("forward + backward ÷ floor", "peak extra memory, MiB", "dW relative error vs fp64")
-    for ax, title in zip(axes, titles):
+    for ax, title, n in zip(axes, titles, (tokens, tokens, error_tokens)):
         size_axis(ax, sorted(at["chunk_tokens"].unique()), label="tokens per chunk")
-        ax.set_title(f"{title} ({tokens} tokens)")
+        ax.set_title(f"{title} ({n} tokens)")
         ax.legend(fontsize=8)
     axes[1].set_yscale("log")
     add_caption(fig, caption)

@@ -57,12 +57,18 @@ if have:
 
 # %%
 if have:
+    # time and memory at the largest size where both accumulations have every chunk size (a sweep cut
+    # by its time cap leaves gaps); the dW error at the accuracy sweep's largest size
+    counts = table.groupby("tokens")["chunk_tokens"].count()
+    figure_tokens = int(counts[counts == counts.max()].index.max())
+    errors = plotting.chunk_error_table(accuracy, default_chunk=default_chunk) if accuracy is not None else None
+    error_tokens = int(errors["tokens"].max()) if errors is not None and len(errors) else figure_tokens
     torch_err = None
     if accuracy is not None:
-        hf = accuracy[(accuracy["provider"] == "huggingface_bf16") & (accuracy["x"] == table["tokens"].max())]
+        hf = accuracy[(accuracy["provider"] == "huggingface_bf16") & (accuracy["x"] == error_tokens)]
         torch_err = float(hf["err_dw"].iloc[0]) if len(hf) else None
-    fig = plotting.chunk_tradeoff_figure(table, tokens=int(table["tokens"].max()), torch_err_dw=torch_err,
-                                         caption=caption)
+    fig = plotting.chunk_tradeoff_figure(table, tokens=figure_tokens, torch_err_dw=torch_err, caption=caption,
+                                         errors=errors, error_tokens=error_tokens)
     display(plotting.save_figure(fig, figures_dir / "07_chunk_tradeoff"))
 
 # %% [markdown]
@@ -72,7 +78,7 @@ if have:
 
 # %%
 if have:
-    biggest = table["tokens"].max()
+    biggest = figure_tokens
     at = table[table["tokens"] == biggest]
     for accumulation, part in at.groupby("accumulation"):
         best = part.loc[part["ratio"].idxmin()]
@@ -80,4 +86,9 @@ if have:
         print(f"dW in {accumulation}: default C = {int(default.chunk_tokens)}: {default.ratio:.3f}× with "
               f"{default.peak_extra_mib:.0f} MiB; "
               f"best C = {int(best.chunk_tokens)}: {best.ratio:.3f}× with {best.peak_extra_mib:.0f} MiB "
-              f"(dW error {default.err_dw:.2e} → {best.err_dw:.2e})")
+              f"({biggest} tokens)")
+    if errors is not None:
+        for accumulation, part in errors[errors["tokens"] == error_tokens].groupby("accumulation"):
+            pairs = ", ".join(f"C = {int(c)}: {e:.2e}" for c, e in zip(part.chunk_tokens, part.err_dw))
+            print(f"dW relative error at {error_tokens} tokens, {accumulation}: {pairs}"
+                  + (f" (PyTorch bf16: {torch_err:.2e})" if torch_err else ""))
