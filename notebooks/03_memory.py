@@ -198,7 +198,9 @@ plotting.save_figure(fig, figures_dir / "03_memory")
 
 # %% [markdown]
 # The chunked implementations' memory is set by the chunk (C·V) and, for fusedkern's default, the
-# fp32 dW accumulator — constants in T. At 32768 tokens the model puts the bf16 baseline at 22 GiB
-# extra and the fp32 upcast at 46 GiB, fusedkern's default chunked path at 2 GiB (the fp32
-# accumulator), its lean path at 250 MiB and the fused one at 17 MiB. Which to choose is a latency
-# question: notebooks 04 and 05.
+# fp32 dW accumulator allowance — constants in T. fusedkern's default spends that allowance on one
+# chunk of every token while T·V·2 fits it (1002 MiB at 4096 tokens), then on the fp32 accumulator
+# with a 4096-token buffer inside dW's own storage (2004 MiB from 9280 tokens on). At 32768 tokens
+# the model puts the bf16 baseline at 22 GiB extra and the fp32 upcast at 46 GiB, fusedkern's
+# default at 2 GiB, its lean path at 250 MiB and the fused one at 17 MiB (measured: 33 MiB, the gap
+# above). Which to choose is a latency question: notebooks 04 and 05.
