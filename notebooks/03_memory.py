@@ -202,5 +202,6 @@ plotting.save_figure(fig, figures_dir / "03_memory")
 # chunk of every token while T·V·2 fits it (1002 MiB at 4096 tokens), then on the fp32 accumulator
 # with a 4096-token buffer inside dW's own storage (2004 MiB from 9280 tokens on). At 32768 tokens
 # the model puts the bf16 baseline at 22 GiB extra and the fp32 upcast at 46 GiB, fusedkern's
-# default at 2 GiB, its lean path at 250 MiB and the fused one at 17 MiB (measured: 33 MiB, the gap
-# above). Which to choose is a latency question: notebooks 04 and 05.
+# default at 2 GiB, its lean path at 250 MiB and the fused one at 17 MiB (measured: 33 MiB — the
+# backward kept its dX workspace alive while the dW pass allocated its own; fixed in the code after
+# the last H200 run, not yet re-measured). Which to choose is a latency question: notebooks 04 and 05.
