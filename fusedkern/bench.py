@@ -450,9 +450,10 @@ def _sync(device: torch.device) -> None:
 
 
 def settle_gpu(device: torch.device, seconds: float = 3.0) -> None:
-    """Run bf16 GEMMs for `seconds` before the first timed case, so that it does not get the clock
-    boost of an idle GPU that later cases (after seconds of sustained load) no longer have: with the
-    floor measured first at each size, a cold start favours the denominator of every ratio."""
+    """Run bf16 GEMMs for `seconds` before the first timed case, so that it cannot get the clock boost
+    of an idle GPU that later cases (after seconds of sustained load) no longer have. A precaution: the
+    floor is timed first at each size, and the H200 gave it 8.35 ms in one call and 9.45 ms in another
+    at 2048 tokens; the effect of this warm-up alone was not isolated."""
     if device.type != "cuda":
         return
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)

@@ -24,14 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedkern.chunk_plan import (
-    GRAD_CHUNK_BUDGET_BYTES,
-    LOSS_CHUNK_BUDGET_BYTES,
-    GradChunkPlan,
-    chunk_rows,
-    grad_chunk_plan,
-    loss_tile,
-)
+from fusedkern.chunk_plan import GradChunkPlan, grad_chunk_plan, loss_tile
 from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
 
 @dataclass(frozen=True)
@@ -42,14 +35,6 @@ class LossOptions:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
-
-
-def chunk_tokens_for(n_tokens: int, vocab: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """Largest multiple of 64 tokens whose [C, V] logits fit `budget_bytes` (at least 64, at most T).
-
-    At V = 128256 in bf16: 1024 tokens (250.5 MiB) for 256 MiB, 256 tokens (62.6 MiB) for 64 MiB.
-    """
-    return chunk_rows(n_tokens, vocab, torch.empty((), dtype=dtype).element_size(), budget_bytes)
 
 
 def plan_for_grads(n_tokens: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
@@ -168,7 +153,7 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
     if chunk_tokens:
         C, Vs = chunk_tokens, V
     else:
-        C, Vs = tile or loss_tile(T, V, x.element_size(), LOSS_CHUNK_BUDGET_BYTES)
+        C, Vs = tile or loss_tile(T, V, x.element_size())
     if Vs >= V:
         _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
                     grad=None, per_token_grad=False)

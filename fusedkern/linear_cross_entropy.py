@@ -13,13 +13,12 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import (
-    GRAD_CHUNK_BUDGET_BYTES,
     LossOptions,
-    chunk_tokens_for,
     chunked_grads,
     chunked_loss,
     chunked_loss_and_grads,
     lse_of,
+    plan_for_grads,
 )
 
 IMPLS = ("auto", "chunked", "fused")
@@ -207,9 +206,9 @@ def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accu
         return impl
     if x2d.is_cuda:
         vocab, hidden = w.shape
-        C = chunk_tokens_for(x2d.shape[0], vocab, x2d.dtype, GRAD_CHUNK_BUDGET_BYTES)
-        need = C * vocab * x2d.element_size()
-        if weight_grad_accum == "fp32" and w.dtype != torch.float32:
+        plan = plan_for_grads(x2d.shape[0], w, w.requires_grad, weight_grad_accum, None)
+        need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * x2d.element_size()
+        if plan.fp32_accumulator:
             need += vocab * hidden * 4
         if torch.cuda.mem_get_info(x2d.device)[0] < need:
             return "fused"

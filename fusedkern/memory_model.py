@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fusedkern.chunk_plan import CHUNK_MULTIPLE, GRAD_CHUNK_BUDGET_BYTES, grad_chunk_plan
+from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows, grad_chunk_plan
 
 __all__ = [
     "MIB",
@@ -134,7 +134,7 @@ def _next_power_of_2(n: int) -> int:
 def default_chunk_size(vocab: int, dtype="bfloat16", budget_bytes: int = GRAD_CHUNK_BUDGET_BYTES) -> int:
     """The lean mode's chunk rows: the largest multiple of 64 with C·V·e ≤ 256 MiB (at least 64).
     (The default mode's chunk is `chunk_plan.grad_chunk_plan`'s.)"""
-    return max(CHUNK_MULTIPLE, budget_bytes // (vocab * element_size(dtype)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return chunk_rows(math.inf, vocab, element_size(dtype), budget_bytes)
 
 
 def liger_chunk_size(tokens: int, hidden: int, vocab: int, version: str = "0.8.5") -> int:

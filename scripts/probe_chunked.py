@@ -3,7 +3,7 @@ the row kernel), before tuning. Prints a table; writes JSON lines to $OUT/probe.
 import json, os, sys, time
 import torch
 import fusedkern
-from fusedkern.chunked import chunk_tokens_for, GRAD_CHUNK_BUDGET_BYTES
+from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows
 from fusedkern.kernels.ce_rows import ce_rows
 
 H, V = 4096, 128256
@@ -49,7 +49,7 @@ for T in sizes:
         torch.mm(xd, wd.t()); torch.mm(G, wd); torch.mm(G.t(), xd)
     rec(T=T, what="cublas_3gemm", ms=bench(three)[0])
     rec(T=T, what="cublas_1gemm", ms=bench(lambda: torch.mm(xd, wd.t()))[0])
-    C = chunk_tokens_for(T, V, torch.bfloat16, GRAD_CHUNK_BUDGET_BYTES)
+    C = chunk_rows(T, V, 2, GRAD_CHUNK_BUDGET_BYTES)  # the lean chunk (bf16)
     acc = torch.empty(V, H, device=dev, dtype=torch.float32)
     accb = torch.empty(V, H, device=dev, dtype=torch.bfloat16)
     dx = torch.empty_like(xd)
