@@ -15,6 +15,8 @@ contract allows:
 - fp32 accumulation with more tokens: the accumulator, and the buffer *inside dW's own storage*
   (V·H·e bytes, idle until the accumulator is cast into it at the end): C = H tokens (4096), at no
   memory beyond the accumulator.
+- the fused strategy (no logits buffer): its fp32 gradient accumulators get what the 16 MiB
+  budget leaves after the per-token and per-class vectors (`fused_accumulator_budget`).
 - loss only: tiles of C × Vs logits (C tokens × a vocabulary slice) within 64 MiB, with row
   statistics merged across slices; a slice keeps the GEMM compute-bound (a 256 × 128256 chunk would
   re-read all of W for every 256 tokens).
@@ -28,6 +30,7 @@ MIB = 1 << 20
 GRAD_CHUNK_BUDGET_BYTES = 256 * MIB  # the logits/gradient buffer when gradients are formed
 LOSS_CHUNK_BUDGET_BYTES = 64 * MIB  # the logits buffer of a loss-only forward
 CHUNK_MULTIPLE = 64  # rows per chunk are a multiple of 64: whole GEMM tiles
+FUSED_EXTRA_BUDGET_BYTES = 16 * MIB  # everything a fused forward+backward allocates beyond inputs and grads
 LOSS_TILE_TOKENS = 2048  # token rows of a loss-only tile (the vocabulary slice takes the rest)
 
 
@@ -81,3 +84,19 @@ def loss_tile(n_tokens: int, vocab: int, elt: int, budget_bytes: int = LOSS_CHUN
     C = min(n_tokens, LOSS_TILE_TOKENS)
     vs = max(CHUNK_MULTIPLE, (budget_bytes // (C * elt)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     return C, min(vs, vocab)
+
+
+def fused_vector_bytes(n_tokens: int, vocab: int) -> int:
+    """Bytes of the fused strategy's O(T + V) vectors, an upper bound: per token, the saved (max,
+    log-sum) statistics, loss, lse, three gradient coefficients and their temporaries (≤ 48 bytes);
+    per class, the fp32 bias-gradient accumulator and class weights (≤ 8 bytes); plus 256 KiB for the
+    small tensors of the launches. The H200 measured 16.1 / 16.3 MiB at 4096 / 8192 tokens with a
+    flat 16 MiB of accumulators, i.e. ~25–38 bytes per token beyond them."""
+    return 48 * n_tokens + 8 * vocab + 256 * 1024
+
+
+def fused_accumulator_budget(n_tokens: int, vocab: int, budget_bytes: int = FUSED_EXTRA_BUDGET_BYTES) -> int:
+    """Bytes left for the fused backward's fp32 accumulators so that its whole extra memory stays
+    within `budget_bytes`: 14.6 MiB at 4096 tokens and 13.3 MiB at 32768 (V = 128256). Never below
+    1 MiB (beyond ~300k tokens the vectors alone pass the budget; the accumulators then stay small)."""
+    return max(MIB, budget_bytes - fused_vector_bytes(n_tokens, vocab))

@@ -28,8 +28,8 @@ Providers (the names used in the results CSVs):
   (0 extra; a caller's bigger chunk adds its C·V·e). Plus per-token fp32 loss and (max, log-sum)
   statistics.
 - `fusedkern_chunked_lean` — the chunk buffer only (dW accumulated in the weight's dtype, in place).
-- `fusedkern_fused` — no logits buffer: the backward's fp32 accumulator workspace (a fixed budget,
-  16 MiB by default: `fusedkern.kernels.fused_ce.DEFAULT_WORKSPACE_BYTES`) plus per-token
+- `fusedkern_fused` — no logits buffer: the backward's fp32 accumulator workspace (an upper bound:
+  what 16 MiB leaves after the O(T + V) vectors, `chunk_plan.fused_accumulator_budget`) plus per-token
   coefficients (12·T), the saved LSE and loss (8·T) and the per-class fp32 vector (4·V).
 - `liger-kernel 0.8.5` — one reused C×V buffer, C = min(next_pow2(⌈T / ⌈V/H⌉⌉), T); dW
   accumulated in place in the weight's dtype (its default `accum_dtype=None`).
@@ -57,7 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows, grad_chunk_plan
+from fusedkern.chunk_plan import (FUSED_EXTRA_BUDGET_BYTES, GRAD_CHUNK_BUDGET_BYTES, chunk_rows, fused_accumulator_budget,
+                                  grad_chunk_plan)
 
 __all__ = [
     "MIB",
@@ -100,9 +101,6 @@ _ELEMENT_SIZE = {
     "bf16": 2,
 }
 
-# The fused backward's fp32 accumulators are cut to fit this budget (fusedkern/kernels/fused_ce.py,
-# DEFAULT_WORKSPACE_BYTES); repeated here so that the model needs no kernel import.
-_FUSED_WORKSPACE_BYTES = 16 * MIB
 
 
 @dataclass(frozen=True)
@@ -242,7 +240,8 @@ def terms(
         return out
     if provider == "fusedkern_fused":
         return [
-            Term("fp32 accumulator workspace (the kernel's budget)", _FUSED_WORKSPACE_BYTES, "16 MiB"),
+            Term("fp32 accumulator workspace (the kernel's budget)", fused_accumulator_budget(T, V),
+                 "16 MiB − (48·T + 8·V + 256 KiB)"),
             _per_token_stats(T, 5, "row coefficients, LSE and loss"),
             Term("fp32 per-class vector", V * 4, "V·4"),
         ]

@@ -269,6 +269,23 @@ def test_gpu_default_plan_bf16(chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl, budget_mib", [("fused", 16), ("chunked", 256)])
+def test_gpu_extra_memory_within_budget(impl, budget_mib):
+    """Peak allocation of forward+backward above the inputs and the gradients' own storage, at the
+    benchmark's shape: the fused strategy within 16 MiB, lean chunked within 256 MiB."""
+    T, H, V = 4096, 4096, 128256
+    x, w, y, _, _ = make_inputs(T, H, V, torch.bfloat16, device="cuda", seed=4)
+    x.requires_grad_(); w.requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fusedkern.linear_cross_entropy(x, w, y, impl=impl, weight_grad_accum="weight_dtype").backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - x.grad.nbytes - w.grad.nbytes
+    assert extra <= budget_mib * 2**20, f"{impl}: {extra / 2**20:.2f} MiB extra > {budget_mib} MiB"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
 def test_gpu_weight_grad_precision_many_tokens(accum):
     """32768 tokens = 32+ chunks: fp32 accumulation must stay within 2× torch's own bf16 error."""

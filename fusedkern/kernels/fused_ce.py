@@ -24,8 +24,8 @@ Backward (`fused_ce_backward`)
     in BLOCK_H chunks: dX[t, h] += G·W[v, h] and dW[v, h] += Gᵀ·X[t, h] (tl.dot on G rounded to the
     input dtype, fp32 products) with `tl.atomic_add` (relaxed; vectorized v4 on sm_90) into fp32
     accumulators, and db[v] += Σ_t G. Token blocks whose targets are all ignored exit early.
-    Where the fp32 accumulators live is the memory/time trade-off (`max_workspace_bytes`, default
-    16 MiB of extra memory):
+    Where the fp32 accumulators live is the memory/time trade-off (`max_workspace_bytes`; by default
+    what a 16 MiB total leaves after the O(T + V) vectors, ~13–14.6 MiB: `chunk_plan.fused_accumulator_budget`):
       * fp32 operands accumulate straight into the returned gradients: no workspace, one launch;
       * T ≤ min BLOCK_T (one token block): every dW/db element has one writer: stored directly in
         the weight's dtype;
@@ -35,7 +35,7 @@ Backward (`fused_ce_backward`)
         - "single pass" when the whole fp32 dX fits next to a V-chunk (small T, or a larger
           budget): launches over V-chunks of Vc rows, each covering all T;
         - "two passes" otherwise: pass A over T-chunks of Tc rows (all V) builds dX (+ db), pass B
-          over V-chunks of Vc rows (all T) builds dW (Tc = Vc = 1024 at H = 4096, 16 MiB).
+          over V-chunks of Vc rows (all T) builds dW (Tc = 896, Vc = 768 at H = 4096, T ≤ 32768).
           Pass B recomputes the logits once more (+1 GEMM of FLOPs) in exchange for O(budget)
           memory; the small accumulator stays in L2 while its atomics land.
       Either way every gradient element is rounded once, from fp32. Atomic adds make dX/dW
@@ -50,12 +50,12 @@ Where the time goes (H200, bf16, T=32768, H=4096, V=128256; one GEMM = 2·T·V·
     backward  3 GEMMs of FLOPs (recompute, dX, dW) in one pass, 4 in two passes; plus
               T·H·V/BV + V·H·T/BT = 2.7e11 fp32 atomic adds (1.1 TB into L2) at BT = BV = 128.
     total     ≥ 4 GEMMs (one pass: ≥ 1.33× three GEMMs) or ≥ 5 (two passes, the 16 MiB default:
-              ≥ 1.67×) at tensor-core speed; with the atomics, which the L2's atomic throughput
-              rather than the tensor cores may bound, expect ~2-3× three cuBLAS GEMMs (an estimate,
-              not measured). The 1.5× goal is out of reach of this design under 16 MiB (4 GEMMs
-              need fp32 [T, H] scratch or low-precision accumulation); the chunked strategy is
-              the fast one.
-    memory    forward: 16·n_split·T bytes of partials (≤ 16 MiB by construction) + 8·T outputs.
+              ≥ 1.67×) at tensor-core speed, plus the atomics, which the L2's atomic throughput
+              rather than the tensor cores may bound. Measured on the H200 (data/measured/h200/):
+              3.8–4.0× the three cuBLAS GEMMs at 4096–32768 tokens. The 1.5× goal is out of reach of
+              this design under 16 MiB (4 GEMMs need fp32 [T, H] scratch or low-precision
+              accumulation); the chunked strategy is the fast one.
+    memory    forward: 16·n_split·T bytes of partials (within the same budget) + 8·T outputs.
               backward: ≤ max_workspace_bytes of fp32 accumulators + 12·T + 4·V bytes of
               coefficients (`workspace_bytes` reports both), plus the gradients themselves.
 
@@ -79,10 +79,12 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting
+from fusedkern.chunk_plan import FUSED_EXTRA_BUDGET_BYTES, fused_accumulator_budget
 from fusedkern.kernels.ce_rows import _tanh  # tanh in fp32: libdevice on the GPU, exact forms in the interpreter
 
-#: default extra-memory budget of the backward's fp32 accumulators (bytes)
-DEFAULT_WORKSPACE_BYTES = 16 << 20
+#: default extra-memory budget of a forward+backward (bytes): the fp32 accumulators get what the
+#: O(T + V) vectors leave (`chunk_plan.fused_accumulator_budget`)
+DEFAULT_WORKSPACE_BYTES = FUSED_EXTRA_BUDGET_BYTES
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
 _V_GRANULE = 256
 
@@ -420,10 +422,10 @@ def _wave_efficiency(n_programs: int, n_sm: int) -> float:
 
 def _forward_splits(T: int, V: int, n_sm: int, granule: int, block_t: int) -> tuple[int, int]:
     """(n_split, split_v): enough programs for ≥ ~4 waves, few idle SMs in the last wave, partials
-    ≤ 16 MiB. Splits are multiples of `granule` columns (whole tiles)."""
+    within the accumulator budget. Splits are multiples of `granule` columns (whole tiles)."""
     n_tb = _cdiv(T, block_t)
     n_granules = _cdiv(V, granule)
-    cap = max(1, min(n_granules, (DEFAULT_WORKSPACE_BYTES // (16 * max(T, 1)))))
+    cap = max(1, min(n_granules, (fused_accumulator_budget(T, V) // (16 * max(T, 1)))))
     lo = max(1, min(cap, _cdiv(4 * n_sm, n_tb)))
     best = None
     for n in range(lo, min(cap, max(lo, 64)) + 1):
@@ -464,12 +466,13 @@ def _plan_backward(T, V, H, x_dtype, w_dtype, need_dx, need_dw, budget, granule_
 
 
 def workspace_bytes(T: int, V: int, H: int, dtype: torch.dtype, *, need_dx: bool = True, need_dw: bool = True,
-                    max_workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> dict:
+                    max_workspace_bytes: int | None = None) -> dict:
     """Extra device memory of the fused strategy beyond inputs and returned gradients (bytes, upper
     bounds): {'forward': partials + loss/lse, 'backward': fp32 accumulators + row coefficients}."""
     n_split, _ = _forward_splits(T, V, 132, _V_GRANULE, 128)
     fwd = 16 * n_split * T + 8 * T
-    passes, _ = _plan_backward(T, V, H, dtype, dtype, need_dx, need_dw, max_workspace_bytes, 128, _V_GRANULE, 64)
+    budget = fused_accumulator_budget(T, V) if max_workspace_bytes is None else max_workspace_bytes
+    passes, _ = _plan_backward(T, V, H, dtype, dtype, need_dx, need_dw, budget, 128, _V_GRANULE, 64)
     ws = 0
     for mode, axis, chunk in passes:
         rows = 0
@@ -580,8 +583,9 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     grad_tok [T] fp32 = ∂L/∂ℓ_t (ignored tokens are zeroed here too), lse [T] fp32 from the forward, or
     its precise form stats [2, T] (`fused_ce_forward(..., return_stats=True)`).
     Returns (dx [T, H] in x.dtype or None, dw [V, H] in weight.dtype or None, db [V] in bias.dtype or
-    None). `max_workspace_bytes` bounds the fp32 accumulators (default 16 MiB; larger allows one pass
-    instead of two when x is bf16/fp16); `block_config` (tests): fixed block sizes, see forward.
+    None). `max_workspace_bytes` bounds the fp32 accumulators (default: what 16 MiB leaves after the
+    O(T + V) vectors, so that all extra memory stays within 16 MiB; larger allows one pass instead of
+    two when x is bf16/fp16); `block_config` (tests): fixed block sizes, see forward.
     """
     T, H = x.shape
     V = weight.shape[0]
@@ -593,7 +597,7 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     if T == 0:
         return (torch.zeros_like(x) if need_dx else None, torch.zeros_like(weight) if need_dw else None,
                 torch.zeros_like(bias) if need_db else None)
-    budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else int(max_workspace_bytes)
+    budget = fused_accumulator_budget(T, V) if max_workspace_bytes is None else int(max_workspace_bytes)
     eps = float(label_smoothing)
     has_weight = class_weight is not None
     cw = class_weight.contiguous().to(torch.float32) if has_weight else None

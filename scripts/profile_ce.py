@@ -1,0 +1,113 @@
+"""Where a chunked forward+backward spends its time on the GPU: torch.profiler's kernel times, summed
+per category, next to the wall time from CUDA events. Writes $OUT/profile_ce.csv (one row per case
+and category) and prints it.
+
+    python scripts/profile_ce.py
+
+Categories: `gemm` (cuBLAS/CUTLASS kernels), `row_kernel` (fusedkern's Triton row statistics and
+gradient), `elementwise` (every other kernel: fills, casts, rescales, reductions), and `gpu_idle` =
+wall − the sum of all kernels (launch gaps and host syncs), all in ms per forward+backward.
+"""
+import csv
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fusedkern
+from fusedkern.bench import make_ce_inputs, make_simpo_inputs
+
+H, V = 4096, 128256
+ITERS = 3
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    if "_row_" in low or "row_stats" in low or "row_finish" in low:
+        return "row_kernel"
+    if any(k in low for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")):
+        return "gemm"
+    return "elementwise"
+
+
+def run_case(label: str, fn) -> list[dict]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ITERS):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall_ms = start.elapsed_time(end) / ITERS
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            fn()
+        torch.cuda.synchronize()
+    per_cat: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if us and evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_cat[category(evt.key)] = per_cat.get(category(evt.key), 0.0) + us / 1e3 / ITERS
+    busy = sum(per_cat.values())
+    rows = [dict(case=label, category=c, ms_per_iter=round(ms, 4)) for c, ms in sorted(per_cat.items())]
+    rows.append(dict(case=label, category="gpu_idle", ms_per_iter=round(max(wall_ms - busy, 0.0), 4)))
+    rows.append(dict(case=label, category="wall", ms_per_iter=round(wall_ms, 4)))
+    for r in rows:
+        print(f"{r['case']:<28} {r['category']:<12} {r['ms_per_iter']:9.3f} ms", flush=True)
+    return rows
+
+
+def ce_case(tokens: int, **options):
+    inp = make_ce_inputs(tokens, H, V, dtype=torch.bfloat16, device="cuda", seed=0)
+    x = inp.x.detach().requires_grad_()
+    w = inp.w.detach().requires_grad_()
+
+    def step():
+        x.grad = w.grad = None
+        fusedkern.linear_cross_entropy(x, w, inp.target, **options).backward()
+    return step
+
+
+def floor_case(tokens: int):
+    inp = make_ce_inputs(tokens, H, V, dtype=torch.bfloat16, device="cuda", seed=0)
+    z = torch.empty(tokens, V, device="cuda", dtype=torch.bfloat16)
+    dx, dw = torch.empty_like(inp.x), torch.empty_like(inp.w)
+
+    def step():
+        torch.mm(inp.x, inp.w.t(), out=z)
+        torch.mm(z, inp.w, out=dx)
+        torch.mm(z.t(), inp.x, out=dw)
+    return step
+
+
+def simpo_case(batch: int, **options):
+    inp = make_simpo_inputs(batch, 1024, H, V, dtype=torch.bfloat16, device="cuda", seed=0)
+    x = inp.x.detach().requires_grad_()
+    w = inp.w.detach().requires_grad_()
+
+    def step():
+        x.grad = w.grad = None
+        fusedkern.linear_simpo_loss(x, w, inp.target, **options)[0].backward()
+    return step
+
+
+def main():
+    rows = []
+    for tokens in (4096, 16384):
+        rows += run_case(f"cublas_3gemm T={tokens}", floor_case(tokens))
+        rows += run_case(f"default T={tokens}", ce_case(tokens))
+        rows += run_case(f"lean T={tokens}", ce_case(tokens, weight_grad_accum="weight_dtype"))
+    rows += run_case("simpo lean batch=4", simpo_case(4, weight_grad_accum="weight_dtype"))
+    rows += run_case("simpo default batch=4", simpo_case(4))
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "profile_ce.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["case", "category", "ms_per_iter"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print("->", path)
+
+
+if __name__ == "__main__":
+    main()
