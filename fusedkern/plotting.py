@@ -570,6 +570,34 @@ def load_measured(path: str | Path) -> pd.DataFrame | None:
     return load_results(path)
 
 
+def load_measured_runs(paths: Sequence[str | Path]) -> pd.DataFrame | None:
+    """Several result CSVs of one sweep, measured in different device calls, as one table in which
+    every x value comes from a single run: for each x, the rows of the *last* file that measured the
+    three-GEMM floor there, "last" by the sidecars' measurement date (a later, complete run replaces
+    an earlier one cut short; a fresh `run_all.py --measure` run replaces both). Ratios to the
+    floor therefore never mix two runs. Adds a `source` column (the file name per row);
+    `attrs["meta"]` is the newest file's sidecar with `sources` = {file: its metadata}."""
+    frames = [(Path(p), load_measured(p)) for p in paths]
+    frames = [(p, df) for p, df in frames if df is not None]
+    if not frames:
+        return None
+    frames.sort(key=lambda item: str(item[1].attrs.get("meta", {}).get("date_utc", "")))
+    chosen: dict = {}
+    for path, df in frames:
+        floor_xs = df.loc[df.provider == "cublas_3gemm", "x"].unique()
+        for x in floor_xs:
+            chosen[x] = path.name
+    parts = []
+    for path, df in frames:
+        keep = df[df.x.map(lambda x, name=path.name: chosen.get(x) == name)].copy()
+        keep["source"] = path.name
+        parts.append(keep)
+    merged = pd.concat(parts, ignore_index=True)
+    merged.attrs["meta"] = dict(frames[-1][1].attrs.get("meta", {}))
+    merged.attrs["meta"]["sources"] = {p.name: df.attrs.get("meta", {}) for p, df in frames}
+    return merged
+
+
 def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50") -> pd.DataFrame:
     """provider × x table of `value` in `mode`, providers in the figures' order."""
     part = df[df["mode"] == mode]

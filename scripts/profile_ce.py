@@ -72,13 +72,14 @@ def ce_case(tokens: int, **options):
 
 def floor_case(tokens: int):
     inp = make_ce_inputs(tokens, H, V, dtype=torch.bfloat16, device="cuda", seed=0)
+    x, w = inp.x.detach(), inp.w.detach()
     z = torch.empty(tokens, V, device="cuda", dtype=torch.bfloat16)
-    dx, dw = torch.empty_like(inp.x), torch.empty_like(inp.w)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
 
     def step():
-        torch.mm(inp.x, inp.w.t(), out=z)
-        torch.mm(z, inp.w, out=dx)
-        torch.mm(z.t(), inp.x, out=dw)
+        torch.mm(x, w.t(), out=z)
+        torch.mm(z, w, out=dx)
+        torch.mm(z.t(), x, out=dw)
     return step
 
 

@@ -234,6 +234,15 @@ def test_plan_backward():
         assert ws["forward"] <= 16 << 20
 
 
+def test_v_chunks_fill_whole_waves():
+    # 14.6 MiB of accumulators allow 768 rows; at 4096 tokens (32 blocks of 128) that is 192 programs on
+    # 132 SMs (73 % of the last wave busy), so the plan takes 512 rows (128 programs, one wave, 97 %)
+    budget = 14 * 2**20 + 600 * 1024
+    assert fc._v_chunk_rows(budget, 4096, 256, 128256, 4096, None, 128) == 768
+    assert fc._v_chunk_rows(budget, 4096, 256, 128256, 4096, 132, 128) == 512
+    assert fc._v_chunk_rows(budget, 4096, 256, 128256, 32768, 132, 128) == 768  # 1536 programs: 97 %
+
+
 @pytest.mark.parametrize("n_split", [1, 2, 5])
 def test_forward_splits_agree(n_split):
     # the split combine (max / rescaled sum-exp / target logit / smoothing sum) for several splits;
