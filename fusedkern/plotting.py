@@ -787,3 +787,63 @@ def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: flo
     add_caption(fig, caption)
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a chunk's time goes (scripts/probe_rows.py)
+
+_CHUNK_COST_PARTS = (  # (probe label, bar label); the dW parts are the surcharge over writing dW once
+    ("gemm_logits", "logits GEMM"),
+    ("gemm_dx", "dX GEMM"),
+    ("gemm_dw_write", "dW GEMM (write)"),
+    ("dw_accumulate", "dW accumulate (β = 1) surcharge"),
+    ("row_kernel", "row kernel (lse, loss, ∂L/∂z in place)"),
+)
+
+
+def chunk_cost_table(probe: pd.DataFrame) -> pd.DataFrame:
+    """Per chunk size C and accumulation: ms of each part of a chunk, from the JSON lines of
+    `scripts/probe_rows.py` (each GEMM and the row kernel timed alone). The accumulate surcharge is
+    (accumulating GEMM − writing GEMM); the row kernel is the shipped layout's net time."""
+    rows = []
+    for C, part in probe.groupby("C"):
+        by = {r.what: r for r in part.itertuples(index=False)}
+        shipped = next(r for w, r in by.items() if w.startswith("ce_rows_shipped"))
+        for accumulation, gemm in (("bf16 (lean)", "gemm_dw_accum_bf16"), ("fp32", "gemm_dw_accum_fp32")):
+            ms = {"gemm_logits": by["gemm_logits"].ms_p50, "gemm_dx": by["gemm_dx"].ms_p50,
+                  "gemm_dw_write": by["gemm_dw_write"].ms_p50,
+                  "dw_accumulate": by[gemm].ms_p50 - by["gemm_dw_write"].ms_p50,
+                  "row_kernel": shipped.ms_p50_net}
+            total = sum(ms.values())
+            three = ms["gemm_logits"] + ms["gemm_dx"] + ms["gemm_dw_write"]
+            rows.append(dict(chunk_tokens=int(C), accumulation=accumulation, **{k: round(v, 4) for k, v in ms.items()},
+                             total_ms=round(total, 4), over_three_gemms=round(total / three, 4)))
+    return pd.DataFrame(rows)
+
+
+def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
+    """Stacked horizontal bars: one per (chunk size, accumulation), parts of `chunk_cost_table`, each
+    normalized to that chunk's three GEMMs (= 1) so that chunk sizes compare."""
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.75 * len(costs)), layout="constrained")
+    colors = plt.get_cmap("tab10").colors
+    labels = []
+    for i, r in enumerate(costs.itertuples(index=False)):
+        three = r.gemm_logits + r.gemm_dx + r.gemm_dw_write
+        left = 0.0
+        for j, (key, name) in enumerate(_CHUNK_COST_PARTS):
+            width = getattr(r, key) / three
+            ax.barh(i, width, left=left, color=colors[j], label=name if i == 0 else None, edgecolor="white")
+            left += width
+        ax.text(left + 0.01, i, f"{r.over_three_gemms:.3f}× = 1 + {100 * r.dw_accumulate / three:.1f} % dW accumulate"
+                f" + {100 * r.row_kernel / three:.1f} % row kernel  ({r.total_ms:.2f} ms)", va="center", fontsize=9)
+        labels.append(f"C = {r.chunk_tokens}, dW {r.accumulation}")
+    ax.set_yticks(range(len(costs)), labels)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xlim(0, 1.95)
+    ax.set_xticks([0, 0.25, 0.5, 0.75, 1.0, 1.25])
+    ax.set_xlabel("time per chunk ÷ that chunk's three GEMMs (each part timed alone)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
+    ax.set_title("Where a chunk's time goes besides the three GEMMs")
+    add_caption(fig, caption)
+    return fig

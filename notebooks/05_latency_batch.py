@@ -25,7 +25,8 @@ quick = False  # only the full-mode figure
 data_dir = "../data"
 figures_dir = "../figures"
 gpu = "h200"  # which data/measured/<gpu>/ to read
-sweep = "simpo"  # data/measured/<gpu>/<sweep>.csv
+sweeps = ["simpo", "simpo_8_16"]  # data/measured/<gpu>/<sweep>.csv: runs of this sweep from different device
+# calls, merged so that each batch size comes from one run (`plotting.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 seq = 1024  # tokens per row (the sidecar's value wins when present)
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
@@ -39,7 +40,7 @@ reference_names = {  # anchor provider -> our provider name, for the cross-check
 from pathlib import Path
 
 data_dir, figures_dir = Path(data_dir), Path(figures_dir)
-csv_path = data_dir / "measured" / gpu / f"{sweep}.csv"
+csv_paths = [data_dir / "measured" / gpu / f"{name}.csv" for name in sweeps]
 anchors_csv = data_dir / "reference" / "h200_anchors_2026-12-02.csv"
 if quick:
     modes = modes[:2]
@@ -54,11 +55,19 @@ from fusedkern import plotting
 plotting.use_style()
 pd.set_option("display.precision", 2)
 
-df = plotting.load_measured(csv_path)
+df = plotting.load_measured_runs(csv_paths)
 have = df is not None
 if have:
     meta = df.attrs["meta"]
-    caption = plotting.provenance(meta, f"data/measured/{gpu}/{csv_path.name}")
+    # one provenance line per run, naming the batch sizes it contributes
+    for name, run_meta in meta["sources"].items():
+        batches = ", ".join(str(int(b)) for b in sorted(df.loc[df.source == name, "x"].unique()))
+        if batches:
+            print(plotting.provenance(run_meta, f"data/measured/{gpu}/{name} (batch {batches})"))
+    caption = "; ".join(f"{name}: commit {str(m.get('git_commit', '?'))[:7]}, {str(m.get('date_utc', '?'))[:10]}"
+                        for name, m in meta["sources"].items() if (df.source == name).any())
+    caption = plotting.provenance({k: v for k, v in meta.items() if k not in ("git_commit", "date_utc")},
+                                  f"data/measured/{gpu}/ — {caption}")
     seq = int(meta.get("seq", seq))
     shape = f"H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')}"
     x_label = f"batch (rows of {seq} tokens; {shape})"
@@ -143,7 +152,7 @@ if have:
 
 # %%
 if have:
-    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), sweep, reference_names)
+    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), "simpo", reference_names)
     if gpu != "h200" or both.empty:
         print("no comparable reference anchors for this data")
     else:

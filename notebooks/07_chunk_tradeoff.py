@@ -11,7 +11,8 @@
 # bf16 storage (idle until the accumulator is cast into it), so in that mode memory stays at the
 # accumulator up to C = 4096, and the default plan takes C = 4096 (or one chunk of all tokens when
 # they fit the accumulator's allowance; `fusedkern/chunk_plan.py`). Data: `chunk_study.csv` (full mode, same device call as `ce.csv`, whose
-# floor and default-chunk rows it is divided by) and `accuracy.csv`.
+# floor and default-chunk rows it is divided by), `chunk_study_32k.csv` (the lean cells at 32768
+# tokens that the first call's time cap cut, with their own floor) and `accuracy.csv`.
 
 # %% tags=["parameters"]
 quick = False
@@ -51,7 +52,18 @@ if have:
                                fp32_accum=not provider.endswith("_lean")).chunk_tokens
 
     table = plotting.chunk_tradeoff_table(timing, accuracy, default_chunk=default_chunk, floor=ce)
-    caption = plotting.provenance(study.attrs["meta"], f"data/measured/{gpu}/chunk_study.csv + ce.csv + accuracy.csv")
+    table["source"] = "chunk_study.csv + ce.csv"
+    sources = "chunk_study.csv + ce.csv + accuracy.csv"
+    # the lean cells at 32768 tokens that chunk_study.csv's time cap cut, measured by a later device
+    # call with its own floor (each ratio is to the floor of its own run); cells of both stay the first's
+    late = plotting.load_measured(measured / "chunk_study_32k.csv")
+    if late is not None:
+        extra = plotting.chunk_tradeoff_table(late, accuracy, default_chunk=default_chunk, floor=late)
+        extra["source"] = "chunk_study_32k.csv"
+        table = (pd.concat([table, extra]).drop_duplicates(["accumulation", "chunk_tokens", "tokens"], keep="first")
+                 .sort_values(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True))
+        sources += f" + chunk_study_32k.csv (commit {str(late.attrs['meta'].get('git_commit', '?'))[:7]})"
+    caption = plotting.provenance(study.attrs["meta"], f"data/measured/{gpu}/{sources}")
     print(caption)
     display(table.round({"ms_p50": 2, "ratio": 3, "peak_extra_mib": 1}))
 
@@ -92,3 +104,29 @@ if have:
             pairs = ", ".join(f"C = {int(c)}: {e:.2e}" for c, e in zip(part.chunk_tokens, part.err_dw))
             print(f"dW relative error at {error_tokens} tokens, {accumulation}: {pairs}"
                   + (f" (PyTorch bf16: {torch_err:.2e})" if torch_err else ""))
+
+# %% [markdown]
+# ## Where a chunk's time goes
+#
+# `scripts/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
+# chunk's size, the dW GEMM accumulating (β = 1) into a bf16 or an fp32 dW instead of writing it,
+# and the row kernel. Adding the pieces predicts the sweep's ratios well — lean (C = 1024, bf16)
+# 1.10× against 1.10–1.14× measured; default beyond 9216 tokens (C = 4096, fp32) 1.07× against
+# 1.07× — so these two surcharges *are* the remaining gap to the floor. The row kernel streams the
+# chunk three times (read for the statistics, read + write for the gradient) at ~3.5 TB/s, close to
+# what a device-to-device copy reaches (~3.8–4.1 TB/s in the same probe), so no layout of it can win
+# much: the probe's alternatives (other row splits, one program per row with the second pass in
+# reverse for L2 hits, row groups sized for L2) were within ±10 % of it or slower. The remaining
+# ways down are a GEMM whose epilogue computes the row statistics (one fewer pass) and bigger chunks
+# (fewer accumulations), which the lean mode's 256 MiB forbids.
+
+# %%
+probe_path = measured / "probe_rows.jsonl"
+if probe_path.exists():
+    costs = plotting.chunk_cost_table(pd.read_json(probe_path, lines=True))
+    display(costs)
+    fig = plotting.chunk_cost_figure(costs, caption=f"data/measured/{gpu}/probe_rows.jsonl (scripts/probe_rows.py, "
+                                     "H200, bf16, H = 4096, V = 128256; each part timed alone, medians of 15)")
+    display(plotting.save_figure(fig, figures_dir / "07_chunk_cost"))
+else:
+    print(f"Not measured yet: {probe_path.as_posix()} (run scripts/probe_rows.py on a GPU)")
