@@ -85,8 +85,8 @@ breakdown.set_index(["provider", "term"])[["formula", "mib"]]
 # fusedkern's default chunked path also keeps an fp32 V×H accumulator (2 GiB at this vocabulary)
 # so that dW loses no precision over many chunks; since its chunk buffer is freed before the
 # accumulator is cast into dW, the accumulator alone sets its peak. The lean variant drops the
-# accumulator and sums in bf16, as Liger does. The fused kernel keeps per-token statistics and a
-# fixed 16 MiB fp32 workspace for its gradient accumulators.
+# accumulator and sums in bf16, as Liger does. The fused kernel keeps per-token statistics and an
+# fp32 workspace for its gradient accumulators sized so that the two together stay within 16 MiB.
 
 # %%
 model_ce = model_frame(ce_providers, model_tokens, op="ce")
@@ -218,6 +218,7 @@ plotting.save_figure(fig, figures_dir / "03_memory")
 # chunk of every token while T·V·2 fits it (1002 MiB at 4096 tokens), then on the fp32 accumulator
 # with a 4096-token buffer inside dW's own storage (2004 MiB from 9280 tokens on). At 32768 tokens
 # the model puts the bf16 baseline at 22 GiB extra and the fp32 upcast at 46 GiB, fusedkern's
-# default at 2 GiB, its lean path at 250 MiB and the fused one at 17 MiB (measured: 33 MiB — the
-# backward kept its dX workspace alive while the dW pass allocated its own; fixed in the code after
-# the last H200 run, not yet re-measured). Which to choose is a latency question: notebooks 04 and 05.
+# default at 2 GiB, its lean path at 250 MiB and the fused one at ≤ 16 MiB (`ce.csv` measured it at
+# 33 MiB: the backward kept its dX workspace alive while the dW pass allocated its own; the newer
+# runs above, after that fix and the budget covering the O(T + V) vectors too, measure 13–15 MiB).
+# Which to choose is a latency question: notebooks 04 and 05.
