@@ -210,9 +210,17 @@ def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accu
         need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * x2d.element_size()
         if plan.fp32_accumulator:
             need += vocab * hidden * 4
-        if torch.cuda.mem_get_info(x2d.device)[0] < need:
+        if not _cached_bytes_cover(need, x2d.device) and torch.cuda.mem_get_info(x2d.device)[0] < need:
             return "fused"
     return "chunked"
+
+
+def _cached_bytes_cover(need: int, device: torch.device) -> bool:
+    """Whether PyTorch's caching allocator already holds `need` free bytes (reserved − allocated: no
+    driver call). In a training loop the previous step's buffers are there, so 'auto' asks the
+    driver (`cudaMemGetInfo`, which can synchronize and cost far more than the few µs of this
+    check) only on the first steps."""
+    return need <= torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @torch.compiler.disable  # a graph break: the launcher syncs once (target range check) and runs Triton
