@@ -276,6 +276,10 @@ def test_gpu_extra_memory_within_budget(impl, budget_mib):
     T, H, V = 4096, 4096, 128256
     x, w, y, _, _ = make_inputs(T, H, V, torch.bfloat16, device="cuda", seed=4)
     x.requires_grad_(); w.requires_grad_()
+    # a first call autotunes the Triton kernels, whose benchmarking allocates scratch (an L2-flush
+    # buffer, restore copies of in-place arguments): the benchmark measures after warm-up too
+    fusedkern.linear_cross_entropy(x, w, y, impl=impl, weight_grad_accum="weight_dtype").backward()
+    x.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
