@@ -90,6 +90,7 @@ PROVIDER_ORDER = (
     "torch_linear_cross_entropy",
     "cublas_1gemm",
     "cublas_3gemm",
+    "cublas_3gemm_real_grad",
 )
 
 _STYLES: dict[str, dict] = {
@@ -107,6 +108,7 @@ _STYLES: dict[str, dict] = {
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),
+    "cublas_3gemm_real_grad": dict(color="#555555", marker="", linestyle="-.", label="3 cuBLAS GEMMs on the true ∂L/∂z"),
     "torch_linear_cross_entropy": dict(color="#ff7f0e", marker="X", label="torch F.linear_cross_entropy"),
 }
 _FALLBACK_COLORS = ("#17becf", "#e377c2", "#ff7f0e", "#c5b0d5", "#98df8a", "#c49c94")

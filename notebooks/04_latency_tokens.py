@@ -188,3 +188,32 @@ for name in ("fused_mem", "fused_budget"):
                               "ms_p50": full_run["ms_p50"].loc["fusedkern_fused"],
                               "peak_extra_mib": full_run["peak_extra_mib"].loc["fusedkern_fused"]}).T
     display(fused_row.round(2))
+
+# %% [markdown]
+# ## Two caveats from a kernel-time profile
+#
+# `scripts/profile_ce.py` (`profile_ce.csv`) sums torch.profiler's kernel times per forward+backward
+# by category, next to the wall time of a separate, unprofiled loop of the same steps. Two findings
+# qualify every ratio above:
+#
+# 1. **The floor's data.** The three-GEMM floor multiplies a random G (the reference anchors'
+#    convention; the profile's floor used the logits themselves). On the H200 a GEMM's time depends
+#    on its operands' values (power), and the chunked path's GEMMs — the same shapes, on the true
+#    ∂L/∂z, mostly tiny values — took 5 % less kernel time than the floor's at 4096 tokens (17.8 vs
+#    18.7 ms; SimPO, whose prompt rows are all zero, 10 % less). A floor on the true gradient is
+#    therefore stricter by about that much; `python -m fusedkern.bench` now also times it
+#    (`cublas_3gemm_real_grad`), not yet on the H200.
+# 2. **Time outside kernels.** The wall time exceeds the kernel time by 1.4–2.8 ms a step (7 % at
+#    4096 tokens) for fusedkern, 0.1 ms for the floor — a gap that two separate loops can distort
+#    (the floor's profiled GEMMs ran *slower* than its unprofiled wall time at 16384 tokens), but
+#    large. Its likely sources are host-side: the target range check's device→host sync, `impl="auto"`'s
+#    `cudaMemGetInfo` (now skipped when PyTorch's cache already holds the memory), the upstream
+#    gradient check's sync in backward. `scripts/probe_host.py` measures each in the benchmark's own
+#    loop; it did not get device time yet.
+
+# %%
+profile_path = data_dir / "measured" / gpu / "profile_ce.csv"
+if profile_path.exists():
+    profile_table = pd.read_csv(profile_path).pivot_table(index="case", columns="category", values="ms_per_iter",
+                                                          sort=False)
+    display(profile_table[["gemm", "row_kernel", "elementwise", "gpu_idle", "wall"]].round(2))

@@ -86,7 +86,7 @@ run() {
 {
     study="fusedkern_chunked_c512 fusedkern_chunked_c2048 fusedkern_chunked_c4096 fusedkern_chunked_c8192"
     study="$study fusedkern_chunked_lean_c512 fusedkern_chunked_lean_c2048 fusedkern_chunked_lean_c4096 fusedkern_chunked_lean_c8192"
-    main_ce="cublas_1gemm cublas_3gemm huggingface_bf16 torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean"
+    main_ce="cublas_1gemm cublas_3gemm cublas_3gemm_real_grad huggingface_bf16 torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean"
     main_ce="$main_ce fusedkern_fused liger cut_cross_entropy torch_linear_cross_entropy"
     if [ "$parts" != simpo ]; then
         run ce 230 "$site085" ce --tokens $ce_tokens $timing --providers $main_ce --out "$outdir/ce.csv"

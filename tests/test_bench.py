@@ -363,3 +363,16 @@ def test_format_table_accuracy():
              "err_dx": 2e-3, "err_dw": 3e-3}]
     text = bench.format_table(rows)
     assert "relative errors" in text and "1.00e-03" in text and "3.00e-03" in text
+
+
+@pytest.mark.parametrize("op", ["ce", "simpo"])
+def test_real_grad_floor_multiplies_the_true_logits_gradient(op):
+    # the stricter floor's G is ∂(mean CE)/∂z of the workload (ignored tokens: zero rows)
+    if op == "ce":
+        inputs = bench.make_ce_inputs(7, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
+    else:
+        inputs = bench.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
+    z = (inputs.x2d() @ inputs.w.detach().T).requires_grad_()
+    torch.nn.functional.cross_entropy(z, inputs.target.reshape(-1), ignore_index=bench.IGNORE_INDEX).backward()
+    grad = bench._mean_ce_logits_grad(inputs, chunk_rows=3)  # several chunks, a ragged last one
+    torch.testing.assert_close(grad, z.grad, rtol=1e-5, atol=1e-7)
