@@ -5,8 +5,10 @@ and category) and prints it.
     python scripts/profile_ce.py
 
 Categories: `gemm` (cuBLAS/CUTLASS kernels), `row_kernel` (fusedkern's Triton row statistics and
-gradient), `elementwise` (every other kernel: fills, casts, rescales, reductions), and `gpu_idle` =
-wall − the sum of all kernels (launch gaps and host syncs), all in ms per forward+backward.
+gradient), `elementwise` (every other kernel: fills, casts, rescales, reductions), `gpu_idle` =
+wall (a separate, unprofiled loop) − the sum of all kernels, and, from the profiled run alone,
+`timeline_gaps` = time between its first kernel's start and last kernel's end not covered by any
+kernel (launch gaps and host syncs) out of `timeline_span`; all in ms per forward+backward.
 """
 import csv
 import os
@@ -54,6 +56,22 @@ def run_case(label: str, fn) -> list[dict]:
     rows = [dict(case=label, category=c, ms_per_iter=round(ms, 4)) for c, ms in sorted(per_cat.items())]
     rows.append(dict(case=label, category="gpu_idle", ms_per_iter=round(max(wall_ms - busy, 0.0), 4)))
     rows.append(dict(case=label, category="wall", ms_per_iter=round(wall_ms, 4)))
+    # the same quantity from the profiled run alone (no second loop, no clock drift between them):
+    # the kernels' timeline from the first start to the last end, minus the time covered by a kernel
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    covered, reach = 0.0, None
+    for begin, end in intervals:
+        if reach is None or begin >= reach:
+            covered += end - begin
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    if intervals:
+        span_us = max(end for _, end in intervals) - intervals[0][0]
+        rows.append(dict(case=label, category="timeline_gaps", ms_per_iter=round((span_us - covered) / 1e3 / ITERS, 4)))
+        rows.append(dict(case=label, category="timeline_span", ms_per_iter=round(span_us / 1e3 / ITERS, 4)))
     for r in rows:
         print(f"{r['case']:<28} {r['category']:<12} {r['ms_per_iter']:9.3f} ms", flush=True)
     return rows
