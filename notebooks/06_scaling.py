@@ -106,7 +106,8 @@ mem.round(0)
 
 # %%
 ce = plotting.load_measured(measured_dir / "ce.csv")
-simpo = plotting.load_measured(measured_dir / "simpo.csv")
+# SimPO: two device calls, each batch size from one of them (notebook 05)
+simpo = plotting.load_measured_runs([measured_dir / "simpo.csv", measured_dir / "simpo_8_16.csv"])
 anchors = pd.read_csv(anchors_csv)
 anchors["provider"] = anchors.provider.replace(anchor_names)
 
