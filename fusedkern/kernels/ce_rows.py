@@ -7,8 +7,13 @@ once for a partial online max / sum-exp (and the label-smoothing sum). Kernel 2
 (`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a gradient is wanted,
 streams its slice again and overwrites it *in place* with ∂L/∂z, so the same buffer feeds the dX and
 dW GEMMs. Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
-GEMMs at V = 128256) in exchange for cuBLAS-speed GEMMs and a buffer that does not grow with the
-number of tokens. Math: docs/design.md.
+GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `scripts/probe_rows.py`) in exchange for
+cuBLAS-speed GEMMs and a buffer that does not grow with the number of tokens. Math: docs/design.md.
+
+Precision where one class dominates (p_y → 1, common for easy tokens): the statistics carry
+Σ exp(s − max) − 1 rather than Σ exp(s − max) ≈ 1, so log Σ = log1p(·) keeps fp32's relative
+precision in the small mass of the other classes, and the target's p_y − 1 is formed with expm1.
+Without both, 1 − p_y = 1e-5 keeps ~2 digits in fp32 (test_confident_prediction_gradient_keeps_its_digits).
 """
 
 from __future__ import annotations
@@ -38,6 +43,40 @@ def _tanh(u, USE_LIBDEVICE: tl.constexpr):
         return tl.where(u < 0, -r, r)
 
 
+@triton.jit
+def _expm1(u):
+    """exp(u) − 1 in fp32 without the cancellation of the naive form near u = 0 (where p_y → 1 makes
+    the target's p_y − 1 lose its digits): a Taylor series for |u| < 0.35 (error < 1e-9 relative),
+    exp(u) − 1 beyond (≤ ~3 ulp there). Plain tl ops, the same on the GPU and in the interpreter."""
+    series = u * (1.0 + u * (1.0 / 2.0 + u * (1.0 / 6.0 + u * (1.0 / 24.0 + u * (1.0 / 120.0 + u * (
+        1.0 / 720.0 + u * (1.0 / 5040.0 + u * (1.0 / 40320.0))))))))
+    return tl.where(tl.abs(u) < 0.35, series, tl.exp(u) - 1.0)
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) in fp32 for x ≥ 0, accurate where 1 + x rounds (Goldberg's trick: the rounding of
+    1 + x is divided back out)."""
+    u = 1.0 + x
+    rounded = tl.where(u == 1.0, 1.0, u - 1.0)  # never 0: no 0/0 in the branch that is not taken
+    return tl.where(u == 1.0, x, tl.log(u) * (x / rounded))
+
+
+@triton.jit
+def _merge_mass(m_parts, rest_parts, idx):
+    """Merge partial (max m_i, rest_i = Σ exp(s − m_i) over a part *without* its max element) into the
+    row's (m, rest): rest = Σ_i rest_i·e_i + Σ_{i ≠ i*} e_i with e_i = exp(m_i − m) and i* the first
+    part holding m. Keeping Σexp − 1 instead of Σexp is what makes log Σexp = log1p(rest) exact when
+    one class dominates (Σexp = 1.0016 in fp32 keeps 4 digits of its 0.0016; rest keeps 7). Parts
+    with m_i = −inf (empty) carry no mass."""
+    m = tl.max(m_parts, axis=0)
+    valid = m_parts != -float("inf")
+    e = tl.where(valid, tl.exp(m_parts - m), 0.0)
+    first = tl.argmax(m_parts, axis=0)
+    rest = tl.sum(rest_parts * e, axis=0) + tl.sum(tl.where(idx != first, e, 0.0), axis=0)
+    return m, rest
+
+
 _CONFIGS = [
     triton.Config({"BLOCK_V": block}, num_warps=warps, num_stages=stages)
     for block, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)) for stages in (1, 3)
@@ -58,7 +97,7 @@ def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constex
 def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane, ws_lane, MASKED: tl.constexpr,
                  HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  USE_LIBDEVICE: tl.constexpr):
-    """One BLOCK_V step of the per-lane online (max m, Σ exp(s − m), Σ w·s). MASKED: the slice's tail.
+    """One BLOCK_V step of the per-lane online (max m, rest = Σ exp(s − m) − 1, Σ w·s). MASKED: the slice's tail.
     Full blocks skip every mask and the label-smoothing sum is compiled in only when ε > 0: the H200
     measured the earlier form of this loop at 1.25–2.15 TB/s, well below its memory bandwidth, so the
     instructions per element are what it costs."""
@@ -68,11 +107,12 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
     else:
         z = tl.load(row_ptr + cols)
     s = _softcapped(z.to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)  # 0 on masked-out lanes
-    # One exp per element: with u = exp(−|s − m|), a new max gives d·u + 1 and m = s, otherwise
-    # d + u. A valid s is finite, so u is exp(−inf) = 0 at the first column, never exp(NaN).
+    # One exp per element: with u = exp(−|s − m|), a new max gives rest' = (rest + 1)·u and m = s,
+    # otherwise rest + u (rest = Σ exp(s − m) without the max's own 1, see `_merge_mass`). A valid s
+    # is finite, so u is exp(−inf) = 0 at the first column, never exp(NaN).
     u = tl.exp(-tl.abs(s - m_lane))
     is_new_max = s > m_lane
-    d_new = tl.where(is_new_max, d_lane * u + 1.0, d_lane + u)
+    d_new = tl.where(is_new_max, (d_lane + 1.0) * u, d_lane + u)
     m_new = tl.maximum(m_lane, s)
     if MASKED:  # masked-out lanes keep (m, d)
         d_new = tl.where(mask, d_new, d_lane)
@@ -91,7 +131,7 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
 def _row_stats_kernel(
     # pointers
     partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
-    partial_sumexp_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max) over the slice
+    partial_sumexp_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max) − 1 over the slice (0 if empty)
     partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (label smoothing; else 0)
     logits_ptr,  # (C, V) input dtype, read only
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
@@ -128,11 +168,10 @@ def _row_stats_kernel(
         m_lane, d_lane, ws_lane = _stats_block(row_ptr, full_end + offs, col1, class_weight_ptr, softcap, m_lane,
                                                d_lane, ws_lane, True, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
                                                USE_LIBDEVICE)
-    m = tl.max(m_lane, axis=0)
-    d = tl.sum(tl.where(m_lane != -float("inf"), d_lane * tl.exp(m_lane - m), 0.0), axis=0)
+    m, d = _merge_mass(m_lane, d_lane, offs)
     ws = tl.sum(ws_lane, axis=0)
     out = row * partial_stride + split
-    tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·BLOCK_V): merged as 0 mass
+    tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·span): merged as 0 mass
     tl.store(partial_sumexp_ptr + out, d)
     tl.store(partial_wsum_ptr + out, ws)
     if FIND_TARGET:
@@ -180,10 +219,9 @@ def _row_finish_kernel(
     # 1. lse from the row's partials (every program of the row merges them: SPLIT loads, no sync).
     if COMPUTE_STATS:
         parts = row * SPLIT + tl.arange(0, SPLIT)  # (SPLIT,)
-        pm = tl.load(partial_max_ptr + parts)
-        m = tl.max(pm, axis=0)
-        d = tl.sum(tl.where(pm == -float("inf"), 0.0, tl.load(partial_sumexp_ptr + parts) * tl.exp(pm - m)), axis=0)
-        log_d = tl.log(d)
+        m, rest = _merge_mass(tl.load(partial_max_ptr + parts), tl.load(partial_sumexp_ptr + parts),
+                              tl.arange(0, SPLIT))
+        log_d = _log1p(rest)
     else:
         m = tl.load(row_max_ptr + row)
         log_d = tl.load(log_sumexp_ptr + row)
@@ -221,8 +259,9 @@ def _row_finish_kernel(
         else:
             g = tl.load(grad_ptr)
         g = tl.where(is_valid, g, 0.0)
-        coef_p = g * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V + 2.0 * z_loss * lse)
         coef_y = g * (1.0 - label_smoothing) * w_y
+        coef_extra = g * (label_smoothing * w_sum / V + 2.0 * z_loss * lse)  # coef_p − coef_y
+        coef_p = coef_y + coef_extra
         coef_w = g * label_smoothing / V
         offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         col0 = split * span
@@ -236,8 +275,11 @@ def _row_finish_kernel(
                 s = softcap * t
             else:
                 s = z
-            grad = coef_p * tl.exp((s - m) - log_d)
-            grad -= tl.where(cols == target, coef_y, 0.0)
+            log_p = (s - m) - log_d
+            p = tl.exp(log_p)
+            # at the target, coef_p·p − coef_y = coef_y·(p − 1) + coef_extra·p with p − 1 = expm1(log p):
+            # exact where p_y → 1 (a confident prediction), where p − 1 in fp32 keeps few digits
+            grad = tl.where(cols == target, coef_y * _expm1(log_p) + coef_extra * p, coef_p * p)
             if HAS_WEIGHT:
                 grad -= coef_w * tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
             else:
