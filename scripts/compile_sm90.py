@@ -1,0 +1,70 @@
+"""Compile the row kernels for the H200 (sm_90) on a machine without a GPU.
+
+The CPU test suite runs the kernels through Triton's interpreter, which never lowers them: an op the
+GPU backend rejects, or a config that spills past the register file, would pass CI and fail on the
+first GPU call. This lowers `ce_rows`' two kernels through Triton's NVIDIA backend down to a cubin
+(ptxas ships with Triton) for the smallest and largest autotune block, with every option flag off
+and on. Prints one line per kernel; exits non-zero on the first failure.
+
+    TRITON_INTERPRET=0 python scripts/compile_sm90.py      (tests/test_compile_sm90.py runs it)
+"""
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # before fusedkern imports: real JIT functions, GPU configs
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fusedkern.kernels import ce_rows  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+
+STATS_SIGNATURE = {
+    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "logits_ptr": "*bf16",
+    "class_weight_ptr": "*fp32", "target_ptr": "*i64", "target_logit_ptr": "*fp32", "V": "i32", "stride_row": "i64",
+    "span": "i32", "partial_stride": "i32", "col_base": "i32", "softcap": "fp32",
+}
+FINISH_SIGNATURE = {
+    "logits_ptr": "*bf16", "loss_ptr": "*fp32", "row_max_ptr": "*fp32", "log_sumexp_ptr": "*fp32",
+    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "target_ptr": "*i64",
+    "target_logit_ptr": "*fp32", "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32",
+    "V": "i32", "stride_row": "i64", "span": "i32", "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32",
+    "softcap": "fp32",
+}
+
+
+def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config) -> None:
+    constexprs = {**constexprs, **config.kwargs, "USE_LIBDEVICE": True}
+    full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(fn=kernel.fn, signature=full_signature, constexprs=constexprs)
+    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def main() -> int:
+    configs = ce_rows._CONFIGS
+    ends = [min(configs, key=lambda c: c.kwargs["BLOCK_V"]), max(configs, key=lambda c: (c.kwargs["BLOCK_V"], c.num_warps))]
+    cases = []
+    for on in (False, True):
+        cases.append(("stats", ce_rows._row_stats_kernel, STATS_SIGNATURE,
+                      dict(SPLIT=8, HAS_WEIGHT=on, HAS_SMOOTHING=on, HAS_SOFTCAP=on, FIND_TARGET=on)))
+    for split, compute_stats, write_grad, per_token, given in ((8, True, True, False, False), (1, False, True, True, False),
+                                                               (16, True, False, False, True)):
+        for on in (False, True):
+            cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
+                          dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
+                               PER_TOKEN_GRAD=per_token, TARGET_LOGIT_GIVEN=given)))
+    for name, kernel, signature, flags in cases:
+        for config in ends:
+            try:
+                compile_one(kernel, signature, flags, config)
+            except Exception as error:  # noqa: BLE001  (report which variant, then fail)
+                print(f"FAILED {name} {flags} {config}: {type(error).__name__}: {error}", flush=True)
+                return 1
+            print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
