@@ -341,3 +341,42 @@ if acc is not None:
     axes[-1].set_xticks(range(len(providers)), [plotting.label_for(p) for p in providers], rotation=35, ha="right")
     plotting.add_caption(fig, plotting.provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
     display(plotting.save_figure(fig, figures_dir / "02_h200_accuracy"))
+
+# %% [markdown]
+# ## Confident predictions: does 1 − p_y survive?
+#
+# For an easy token the target's probability is p_y = 1 − δ with δ tiny, and its gradient is
+# p_y − 1 = −δ. Computed as written — `softmax(z)[y] − 1`, or exp(z_y − lse) − 1 — δ keeps only the
+# digits that survive rounding 1 − δ to the dtype: about log10(δ/ε) of them (ε = 6e-8 in fp32),
+# none once δ < ε, where the target's gradient becomes exactly 0. The chunked row kernel carries the
+# softmax mass beyond the max element (Σexp − 1) and forms p_y − 1 with expm1 (`ce_rows.py`), so δ
+# keeps fp32's full precision at any size. The fused strategy still forms p_y − 1 directly, like
+# PyTorch (not yet converted). Below: one token, a target logit `margin` above 16 others
+# spread over [−1, 0], fp32; the relative error of the target row's dW element against float64.
+# (In bf16 the logits themselves are rounded, but G = ∂L/∂z is formed in fp32 before its bf16
+# rounding, which keeps δ's leading digits where a bf16 softmax returns 0 for δ < 4e-3.)
+
+# %%
+def confident_case(margin: float, vocab: int = 17) -> dict:
+    x = torch.ones(1, 1, dtype=torch.float32)
+    w = torch.linspace(-1.0, 0.0, vocab).reshape(vocab, 1)
+    w[vocab - 3] = margin
+    y = torch.tensor([vocab - 3])
+    w64 = w.double().requires_grad_()
+    reference.linear_cross_entropy_fp64(x.double(), w64, y, reduction="sum").backward()
+    truth = w64.grad[vocab - 3, 0].item()
+    row = {"margin": margin, "1 − p_y": -truth}
+    for name, run in (("fusedkern chunked", lambda leaf: fusedkern.linear_cross_entropy(x, leaf, y, reduction="sum",
+                                                                                          impl="chunked")),
+                      ("fusedkern fused", lambda leaf: fusedkern.linear_cross_entropy(x, leaf, y, reduction="sum",
+                                                                                        impl="fused")),
+                      ("torch fp32", lambda leaf: torch.nn.functional.cross_entropy(x @ leaf.T, y, reduction="sum"))):
+        leaf = w.clone().requires_grad_()
+        run(leaf).backward()
+        row[name] = abs(leaf.grad[vocab - 3, 0].item() - truth) / abs(truth)
+    return row
+
+
+confident = pd.DataFrame([confident_case(m) for m in (2.0, 6.0, 10.0, 14.0, 18.0, 22.0)]).set_index("margin")
+with pd.option_context("display.float_format", "{:.1e}".format):
+    display(confident)
