@@ -344,8 +344,9 @@ def _mean_ce_logits_grad(inp: Inputs, chunk_rows: int = 1024) -> torch.Tensor:
 def _cublas_3gemm_real_grad(inp: Inputs) -> dict[str, Step]:
     """The three GEMMs of `_cublas_3gemm` with the workload's true ∂L/∂z as G (for SimPO, the mean
     cross-entropy's: the same softmax − one-hot structure, other per-row scales). On the H200 a GEMM's
-    time depends on its operands' values (power): a profile measured the chunked path's gradient GEMMs
-    ~5 % faster than the random-G floor's, so this floor is the stricter one."""
+    time depends on its operands' values (power): a profile measured the chunked path's GEMMs 5 % faster
+    than the same shapes on the logits (data/measured/h200/profile_ce.csv), so this floor is expected
+    to be the stricter one."""
     return _three_gemm_steps(inp.x2d(), inp.w.detach(), _mean_ce_logits_grad(inp))
 
 

@@ -57,8 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fusedkern.chunk_plan import (FUSED_EXTRA_BUDGET_BYTES, GRAD_CHUNK_BUDGET_BYTES, chunk_rows, fused_accumulator_budget,
-                                  grad_chunk_plan)
+from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows, fused_accumulator_budget, grad_chunk_plan
 
 __all__ = [
     "MIB",

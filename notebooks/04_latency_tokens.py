@@ -200,9 +200,9 @@ for name in ("fused_mem", "fused_budget"):
 #    convention; the profile's floor used the logits themselves). On the H200 a GEMM's time depends
 #    on its operands' values (power), and the chunked path's GEMMs — the same shapes, on the true
 #    ∂L/∂z, mostly tiny values — took 5 % less kernel time than the floor's at 4096 tokens (17.8 vs
-#    18.7 ms; SimPO, whose prompt rows are all zero, 10 % less). A floor on the true gradient is
-#    therefore stricter by about that much; `python -m fusedkern.bench` now also times it
-#    (`cublas_3gemm_real_grad`), not yet on the H200.
+#    18.7 ms for the profile's floor, which multiplied the logits; SimPO, whose prompt rows are all
+#    zero, 16.9 ms). A floor on the true gradient may therefore be faster than the random-G floor;
+#    `python -m fusedkern.bench` now also times it (`cublas_3gemm_real_grad`), not yet on the H200.
 # 2. **Time outside kernels.** The wall time exceeds the kernel time by 1.4–2.8 ms a step (7 % at
 #    4096 tokens) for fusedkern, 0.1 ms for the floor — a gap that two separate loops can distort
 #    (the floor's profiled GEMMs ran *slower* than its unprofiled wall time at 16384 tokens), but

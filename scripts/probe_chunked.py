@@ -1,38 +1,27 @@
 """Probe on the H200: where the chunked strategy's time goes (GEMM chunking, fp32 dW accumulation,
 the row kernel), before tuning. Prints a table; writes JSON lines to $OUT/probe.jsonl."""
-import json, os, sys, time
+import sys
+import os
 import torch
 import fusedkern
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows
 from fusedkern.kernels.ce_rows import ce_rows
 
+from _probe_common import ms_quantiles, recorder
+
 H, V = 4096, 128256
 dev = "cuda"
-out = open(os.path.join(os.environ.get("OUT", "/tmp"), "probe.jsonl"), "a")
+rec = recorder("probe.jsonl")
 
 
-def bench(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2], ts[0], ts[-1]
+def bench(fn):
+    return ms_quantiles(fn, reps=10)  # (p50, p20, p80)
 
 
 def peak(fn, base_extra=0):
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); m0 = torch.cuda.memory_allocated()
     fn(); torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - m0 - base_extra) / 2**20
-
-
-def rec(**kw):
-    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
-    out.write(json.dumps(kw) + "\n"); out.flush()
 
 
 sizes = [int(s) for s in sys.argv[1:]] or [4096, 8192, 16384, 32768]
@@ -90,7 +79,7 @@ for T in sizes:
         ms = bench(full)
         x.grad = None; w.grad = None
         pk = peak(full, base_extra=x.numel() * 2 + w.numel() * 2)
-        rec(T=T, what=f"fusedkern_full_{accum}", ms=ms[0], lo=ms[1], hi=ms[2], peak_extra_mib=pk)
+        rec(T=T, what=f"fusedkern_full_{accum}", ms=ms[0], p20=ms[1], p80=ms[2], peak_extra_mib=pk)
     x.grad = None; w.grad = None
     def lossonly():
         with torch.no_grad():

@@ -14,7 +14,6 @@ Writes $OUT/probe_host.jsonl and $OUT/trace_*.json.gz.
     python scripts/probe_host.py
 """
 import gzip
-import json
 import os
 import shutil
 
@@ -26,8 +25,11 @@ from fusedkern import _validation
 from fusedkern import linear_cross_entropy as lce_module
 from fusedkern.bench import make_ce_inputs
 
+from _probe_common import recorder
+
 H, V, T = 4096, 128256, 4096
 OUT = os.environ.get("OUT", "/tmp")
+record = recorder("probe_host.jsonl")
 
 
 def bench_loop(fn, reps=20, warmup=3):
@@ -40,12 +42,6 @@ def bench_loop(fn, reps=20, warmup=3):
     torch.cuda.synchronize()
     times = sorted(b.elapsed_time(e) for b, e in events)
     return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
-
-
-def record(**kw):
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
-    with open(os.path.join(OUT, "probe_host.jsonl"), "a") as f:
-        f.write(json.dumps(kw) + "\n")
 
 
 def main():

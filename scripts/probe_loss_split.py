@@ -7,8 +7,6 @@ Prints one line per case; JSON lines to $OUT/probe_loss_split.jsonl.
 
     python scripts/probe_loss_split.py
 """
-import json
-import os
 
 import torch
 
@@ -16,20 +14,9 @@ import fusedkern  # noqa: F401
 from fusedkern.chunked import LossOptions, chunked_loss
 from fusedkern.kernels import ce_rows as rows_mod
 
+from _probe_common import ms_quantiles, recorder
+
 H, V, T = 4096, 128256, 32768
-
-
-def ms_p50(fn, warmup=3, reps=11):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -37,21 +24,20 @@ def main():
     w = (torch.randn(V, H, device="cuda") * (2.0 / H**0.5)).to(torch.bfloat16)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, V, (T,), device="cuda")
-    gemm = ms_p50(lambda: torch.mm(x, w.t()))
+    gemm = ms_quantiles(lambda: torch.mm(x, w.t()), reps=11)[0]
     shipped = rows_mod._split_for
     results = [dict(case="cublas_1gemm", ms_p50=gemm)]
     reference = chunked_loss(x, w, None, y, None, LossOptions())[0]
     for split in (None, 1, 2, 4, 8):
         rows_mod._split_for = shipped if split is None else (lambda c, v, s=split: s)
         loss = chunked_loss(x, w, None, y, None, LossOptions())[0]
-        ms = ms_p50(lambda: chunked_loss(x, w, None, y, None, LossOptions()))
+        ms = ms_quantiles(lambda: chunked_loss(x, w, None, y, None, LossOptions()), reps=11)[0]
         results.append(dict(case=f"loss_only_tiles_split_{split or 'shipped'}", ms_p50=ms, ratio=ms / gemm,
                             max_abs_loss_diff=(loss - reference).abs().max().item()))
     rows_mod._split_for = shipped
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_loss_split.jsonl"), "a") as out:
-        for r in results:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
-            out.write(json.dumps(r) + "\n")
+    record = recorder("probe_loss_split.jsonl")
+    for r in results:
+        record(**r)
 
 
 if __name__ == "__main__":

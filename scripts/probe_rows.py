@@ -14,8 +14,6 @@ Per chunk of C tokens (C = 1024: lean mode, C = 4096: default mode's buffer insi
      most recently read blocks are the likeliest still in L2) — the layout of Liger-Kernel's row
      kernel; plain cross-entropy only (no options), enough to time it.
 """
-import json
-import os
 
 import torch
 import triton
@@ -25,26 +23,10 @@ import fusedkern  # noqa: F401
 from fusedkern.kernels import ce_rows as rows_mod
 from fusedkern.kernels.ce_rows import ce_rows
 
+from _probe_common import ms_quantiles, recorder
+
 H, V = 4096, 128256
-
-
-def ms_p50(fn, warmup=3, reps=15):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
-
-
-def record(**kw):
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_rows.jsonl"), "a") as out:
-        out.write(json.dumps(kw) + "\n")
+record = recorder("probe_rows.jsonl")
 
 
 @triton.jit
@@ -105,7 +87,7 @@ def main():
             ("gemm_dw_accum_bf16", lambda: dw.addmm_(z.t(), x)),
             ("gemm_dw_accum_fp32", lambda: torch.ops.aten.addmm.dtype_out(acc, z.t(), x, torch.float32, out=acc)),
         ]:
-            p50, p20, p80 = ms_p50(fn)
+            p50, p20, p80 = ms_quantiles(fn)
             record(C=C, what=name, ms_p50=p50, ms_p20=p20, ms_p80=p80, tflops=2 * C * V * H / p50 / 1e9)
         del acc, dw
         y = torch.randint(0, V, (C,), device="cuda")
@@ -117,11 +99,11 @@ def main():
         def refresh():  # the kernels overwrite z; restoring it costs a copy, so time restore-only too
             z.copy_(base)
 
-        copy_ms = ms_p50(refresh)[0]
+        copy_ms = ms_quantiles(refresh)[0]
         record(C=C, what="restore_copy", ms_p50=copy_ms, GBps=2 * chunk_bytes / copy_ms / 1e6)
 
         def timed(name, fn, passes=3):
-            p50, p20, p80 = ms_p50(lambda: (refresh(), fn()))
+            p50, p20, p80 = ms_quantiles(lambda: (refresh(), fn()))
             net = p50 - copy_ms
             record(C=C, what=name, ms_p50_net=net, ms_p20=p20 - copy_ms, ms_p80=p80 - copy_ms,
                    GBps_at_3_passes=passes * chunk_bytes / net / 1e6)

@@ -79,16 +79,13 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting
-from fusedkern.chunk_plan import FUSED_EXTRA_BUDGET_BYTES, fused_accumulator_budget
+from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default, less the O(T + V) vectors
 from fusedkern.kernels.ce_rows import _tanh  # tanh in fp32: libdevice on the GPU, exact forms in the interpreter
 
-#: default extra-memory budget of a forward+backward (bytes): the fp32 accumulators get what the
-#: O(T + V) vectors leave (`chunk_plan.fused_accumulator_budget`)
-DEFAULT_WORKSPACE_BYTES = FUSED_EXTRA_BUDGET_BYTES
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
 _V_GRANULE = 256
 
-__all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes", "DEFAULT_WORKSPACE_BYTES"]
+__all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes"]
 
 
 # ----------------------------------------------------------------------------------------------
