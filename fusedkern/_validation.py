@@ -63,12 +63,43 @@ def check_shape(name: str, value: torch.Tensor, expected: Sequence[int], what: s
         raise ValueError(f"{name} must have shape {tuple(expected)} ({what}), got {tuple(value.shape)}")
 
 
+class TargetRangeCheck:
+    """The outcome of `check_target`'s range check, read when the caller has queued its kernels.
+
+    Whether any target lies outside [0, V) is known only on the device. Reading it at once (a
+    device→host sync) would block the host until the GPU has run everything queued so far, then
+    leave the GPU idle while Python prepares the launches that follow — ~1 ms per call on the H200
+    (`scripts/probe_host.py`). Instead the flag is copied into pinned host memory behind an event;
+    the caller queues its work, whose kernels read an out-of-range target as column 0 and never
+    outside a row, then calls `raise_if_failed()`: by then the event has usually passed while the
+    GPU still has that work to run. A bad target still raises before anything is returned."""
+
+    def __init__(self, target: torch.Tensor, bad: torch.Tensor, num_classes: int, ignore_index: int, name: str):
+        self._target, self._bad = target, bad
+        self._message = f"{name} values must be in [0, {num_classes}) or equal ignore_index={ignore_index}"
+        any_bad = bad.any()
+        if target.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(any_bad, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flag, self._event = any_bad, None
+
+    def raise_if_failed(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # waits for the check only, not for the work queued after it
+        if bool(self._flag):
+            first = self._target[self._bad].flatten()[0].item()
+            raise ValueError(f"{self._message}; found {first}")
+
+
 def check_target(target: torch.Tensor, expected_shape: Sequence[int], num_classes: int, ignore_index: int,
-                 name: str = "target") -> None:
+                 name: str = "target") -> TargetRangeCheck:
     """Integer class indices of the input's leading shape, each in [0, V) or equal to ignore_index.
 
-    The range check costs one device→host sync (a reduction over T integers); an out-of-range index
-    would otherwise read outside the logits row inside the kernel.
+    Type, dtype and shape are checked at once; the range check is returned pending (see
+    `TargetRangeCheck`): call `raise_if_failed()` before returning anything computed from `target`.
     """
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(target).__name__}")
@@ -76,9 +107,7 @@ def check_target(target: torch.Tensor, expected_shape: Sequence[int], num_classe
         raise TypeError(f"{name} must hold class indices with dtype int64 or int32, got {target.dtype}")
     check_shape(name, target, expected_shape, "the leading dimensions of input")
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
-    if bool(bad.any()):
-        first = target[bad].flatten()[0].item()
-        raise ValueError(f"{name} values must be in [0, {num_classes}) or equal ignore_index={ignore_index}; found {first}")
+    return TargetRangeCheck(target, bad, num_classes, ignore_index, name)
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:

@@ -20,6 +20,7 @@ from fusedkern.chunked import (
     lse_of,
     plan_for_grads,
 )
+from fusedkern.kernels.scale import scale_unless_one_
 
 IMPLS = ("auto", "chunked", "fused")
 REDUCTIONS = ("mean", "sum", "none")
@@ -30,27 +31,18 @@ WEIGHT_GRAD_ACCUMS = ("fp32", "weight_dtype")
 # helpers shared by the autograd Functions
 
 
-def _is_exactly_one(t: torch.Tensor) -> bool:
-    """Whether an upstream gradient is the scalar 1 (what `loss.backward()` passes), so rescaling a
-    1 GiB dW can be skipped. One device→host sync; never during CUDA-graph capture."""
-    if t.numel() != 1 or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    return bool(t == 1)
-
-
-def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype, skip: bool,
+def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype,
               out: torch.Tensor | None = None):
-    """grad · scale in `out_dtype`: in place when the dtype already matches (the buffer is ours), else
-    into `out` (storage of that dtype we own) or a new tensor."""
+    """grad · scale in `out_dtype`, with no device→host sync: in place when the dtype already matches
+    (the buffer is ours; skipped on the device when scale == 1, as after `loss.backward()`), else
+    into `out` (storage of that dtype we own) or a new tensor, in one pass (read, scale, cast, write)."""
     if grad is None:
         return None
     if grad.dtype == out_dtype:
-        return grad if skip else grad.mul_(scale)
+        return scale_unless_one_(grad, scale)
     if out is None:
         out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
-    if skip:
-        return out.copy_(grad)
-    return torch.mul(grad, scale, out=out)  # one pass: fp32 read, scale, cast, write
+    return torch.mul(grad, scale, out=out)
 
 
 def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db,
@@ -71,11 +63,10 @@ def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
     ctx.used = True
     dx, dw, db, dw_out = ctx.saved_tensors
     x_shape, x_dtype, w_dtype, b_dtype = ctx.grad_meta
-    skip = _is_exactly_one(grad_loss)
     scale = grad_loss.float()
-    dx = _rescaled(dx, scale, x_dtype, skip)
-    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, skip, out=dw_out),
-            _rescaled(db, scale, b_dtype, skip) if db is not None else None)
+    dx = _rescaled(dx, scale, x_dtype)
+    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, out=dw_out),
+            _rescaled(db, scale, b_dtype) if db is not None else None)
 
 
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
@@ -87,7 +78,9 @@ def _denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ignore
     valid = target != ignore_index
     if class_weight is None:
         return valid.sum(dtype=torch.float32)
-    return (class_weight[torch.where(valid, target, 0)] * valid).sum(dtype=torch.float32)
+    # clamped: the target range check is read later (`TargetRangeCheck`), so no index may be out of range here
+    safe_target = torch.where(valid, target, 0).clamp_(0, class_weight.shape[0] - 1)
+    return (class_weight[safe_target] * valid).sum(dtype=torch.float32)
 
 
 def _fused_ops():
@@ -170,7 +163,9 @@ class _PerTokenLoss(torch.autograd.Function):
 
 def _validate(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
-              weight_grad_accum="fp32", chunk_tokens=None) -> None:
+              weight_grad_accum="fp32", chunk_tokens=None) -> V_.TargetRangeCheck:
+    """Every argument check; the target range check comes back pending: call its `raise_if_failed()`
+    after queuing the kernels and before returning (see `TargetRangeCheck`)."""
     V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
     V_.check_tensor("linear_weight", linear_weight, ndim=2, dtypes=V_.FLOAT_DTYPES)
     V_.check_kernel_device("input", input)
@@ -187,7 +182,7 @@ def _validate(input, linear_weight, target, linear_bias, *, weight=None, reducti
         V_.check_tensor("weight", weight, ndim=1, dtypes=V_.FLOAT_DTYPES)
         V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
     V_.check_int("ignore_index", ignore_index)
-    V_.check_target(target, input.shape[:-1], vocab, ignore_index)
+    target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
     V_.check_choice("reduction", reduction, REDUCTIONS)
     V_.check_choice("impl", impl, IMPLS)
     V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
@@ -197,6 +192,7 @@ def _validate(input, linear_weight, target, linear_bias, *, weight=None, reducti
         V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
     if chunk_tokens is not None and (V_.check_int("chunk_tokens", chunk_tokens) <= 0):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+    return target_range
 
 
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str) -> str:
@@ -223,7 +219,7 @@ def _cached_bytes_cover(need: int, device: torch.device) -> bool:
     return need <= torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-@torch.compiler.disable  # a graph break: the launcher syncs once (target range check) and runs Triton
+@torch.compiler.disable  # a graph break: the launcher reads the target range check on the host and runs Triton
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
@@ -256,9 +252,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
         `return_lse`. All targets ignored with "mean" gives NaN and zero gradients, like torch.
     """
-    _validate(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
-              ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-              impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    target_range = _validate(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
+                            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                            impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     lead_shape = input.shape[:-1]
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
@@ -291,6 +287,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         else:
             loss = loss_tok.sum() / _denominator(y, class_weight, ignore_index)
     lse = lse.reshape(lead_shape)
+    target_range.raise_if_failed()
     return (loss, lse) if return_lse else loss
 
 

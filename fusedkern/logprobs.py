@@ -25,8 +25,8 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
     Differentiable with respect to input, linear_weight and linear_bias; the backward recomputes the
     logits chunk by chunk (or tile by tile with impl="fused") from the saved log-sum-exp.
     """
-    _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap,
-              impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap,
+                             impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -44,4 +44,5 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
                                                    softcap=opts.softcap)
     else:
         nll_tok, _ = chunked_loss(x2d, linear_weight, linear_bias, y, None, opts, chunk_tokens)
+    target_range.raise_if_failed()
     return (-nll_tok).reshape(input.shape[:-1])

@@ -89,8 +89,8 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     wants_grad = torch.is_grad_enabled() and (
         input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
     if wants_grad and impl != "fused":
-        _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
-                  weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)
         if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
@@ -102,6 +102,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
             loss, logps = ChunkedSimPO.apply(input, linear_weight, linear_bias, target, opts, hp,
                                              weight_grad_accum, plan, loss_fn)
             _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
+            target_range.raise_if_failed()
             return loss, metrics
     logps = linear_logprobs(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                             impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)

@@ -3,12 +3,12 @@
 `scripts/profile_ce.py` found 1.4–2.8 ms per step not covered by kernels (7 % at 4096 tokens), but
 from two loops that may run at different clocks. Here, in one process:
   1. the benchmark's own loop (CUDA events per rep, no sync between reps) for the default and lean
-     modes at 4096 tokens, as shipped, with impl="auto"'s driver memory query on every call (as
-     before `_cached_bytes_cover`), and with each sync switched off in turn: the target range check
-     (one device→host sync), the upstream-gradient check in backward (one sync) — so each one's
-     cost is measured, not guessed;
-  2. one profiled step of each as a Chrome trace (gzip) for the timeline: gaps between kernels and
-     the Python running during them.
+     modes at 4096 tokens, as shipped (no device→host sync in a step: the target range check is read
+     after the launches, the rescale by ∂L/∂loss is skipped on the device), and with each old sync put
+     back in turn — the range check read at once, the `grad == 1` test in backward, both (the code
+     before), and impl="auto"'s driver memory query on every call — so each one's cost is measured;
+  2. one profiled step of the shipped default as a Chrome trace (gzip): gaps between kernels and the
+     Python running during them.
 Writes $OUT/probe_host.jsonl and $OUT/trace_*.json.gz.
 
     python scripts/probe_host.py
@@ -61,28 +61,38 @@ def main():
             fusedkern.linear_cross_entropy(xl, wl, y, **options).backward()
         return run
 
-    shipped = dict(check_target=_validation.check_target, is_one=lce_module._is_exactly_one)
-    shipped["cache_covers"] = lce_module._cached_bytes_cover
+    def target_check_at_once(*args, **kwargs):  # the code before: sync right at validation
+        check = shipped["check_target"](*args, **kwargs)
+        check.raise_if_failed()
+        return check
+
+    def scale_after_sync(t, scale):  # the code before: `bool(grad == 1)` on the host, then maybe mul_
+        return t if bool(scale.reshape(()) == 1) else t.mul_(scale)
+
+    shipped = dict(check_target=_validation.check_target, scale=lce_module.scale_unless_one_,
+                   cache_covers=lce_module._cached_bytes_cover)
     variants = {
         "shipped": {},
+        "sync_target_check": {"check_target": target_check_at_once},
+        "sync_grad_check": {"scale": scale_after_sync},
+        "both_syncs": {"check_target": target_check_at_once, "scale": scale_after_sync},
         # before 'auto' looked at the caching allocator first: cudaMemGetInfo on every call
         "mem_query_every_call": {"cache_covers": lambda need, device: False},
-        "no_target_check": {"check_target": lambda *a, **k: None},
-        "no_grad_check": {"is_one": lambda t: True},  # skips the rescale without a sync (grad is 1 here)
     }
+
+    def install(patch):
+        _validation.check_target = lce_module.V_.check_target = patch.get("check_target", shipped["check_target"])
+        lce_module.scale_unless_one_ = patch.get("scale", shipped["scale"])
+        lce_module._cached_bytes_cover = patch.get("cache_covers", shipped["cache_covers"])
+
     p50, p20, p80 = bench_loop(floor)
     record(case="cublas_3gemm", ms_p50=p50, ms_p20=p20, ms_p80=p80)
     for mode, options in (("default", {}), ("lean", {"weight_grad_accum": "weight_dtype"})):
         for name, patch in variants.items():
-            _validation.check_target = patch.get("check_target", shipped["check_target"])
-            lce_module.V_.check_target = _validation.check_target
-            lce_module._is_exactly_one = patch.get("is_one", shipped["is_one"])
-            lce_module._cached_bytes_cover = patch.get("cache_covers", shipped["cache_covers"])
+            install(patch)
             p50b, p20b, p80b = bench_loop(step(**options))
             record(case=f"{mode}_{name}", ms_p50=p50b, ms_p20=p20b, ms_p80=p80b, ratio=p50b / p50)
-        _validation.check_target = lce_module.V_.check_target = shipped["check_target"]
-        lce_module._is_exactly_one = shipped["is_one"]
-        lce_module._cached_bytes_cover = shipped["cache_covers"]
+        install({})
         p50, p20, p80 = bench_loop(floor)  # the floor again: drift between the start and the end
         record(case="cublas_3gemm_again", ms_p50=p50, ms_p20=p20, ms_p80=p80)
         if mode != "default":

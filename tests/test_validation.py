@@ -105,3 +105,51 @@ def test_linear_logprobs_rejects_bad_target():
     with pytest.raises(ValueError, match="target values"):
         fusedkern.linear_logprobs(torch.randn(T, H, device=DEVICE), torch.randn(V, H, device=DEVICE),
                                   torch.full((T,), V + 3, device=DEVICE))
+
+
+# The range check is read after the kernels are queued (`TargetRangeCheck`), so every path must run
+# with an out-of-range target without reading outside a row, then raise.
+BAD_TARGET_PATHS = [
+    dict(impl="chunked", grad=False),
+    dict(impl="chunked", grad=True),
+    dict(impl="chunked", grad=True, reduction="none"),
+    dict(impl="chunked", grad=True, weight=True, label_smoothing=0.1),
+    dict(impl="chunked", grad=True, weight_grad_accum="weight_dtype", reduction="sum"),
+    dict(impl="fused", grad=False, weight=True),
+    dict(impl="fused", grad=True, label_smoothing=0.1, weight=True),
+]
+
+
+@pytest.mark.parametrize("path", BAD_TARGET_PATHS, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("bad_value", [V, V + 10**6, -1])
+def test_out_of_range_target_raises_on_every_path(path, bad_value):
+    path = dict(path)
+    grad, with_weight = path.pop("grad"), path.pop("weight", False)
+    args = good()
+    args["target"][1] = bad_value  # one bad token among valid ones
+    x, w = args["input"].requires_grad_(grad), args["linear_weight"].requires_grad_(grad)
+    if with_weight:
+        path["weight"] = torch.rand(V, device=DEVICE)
+    with pytest.raises(ValueError, match=f"found {bad_value}"):
+        fusedkern.linear_cross_entropy(x, w, args["target"], **path)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_linear_simpo_loss_rejects_out_of_range_target(impl):
+    args = simpo_args()
+    args["target"][2, 1] = V + 7
+    with pytest.raises(ValueError, match=f"found {V + 7}"):
+        fusedkern.linear_simpo_loss(args["input"].requires_grad_(), args["linear_weight"], args["target"], impl=impl)
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_target_raises_through_the_pinned_flag():
+    x = torch.randn(64, H, device="cuda", requires_grad=True)
+    w = torch.randn(V, H, device="cuda", requires_grad=True)
+    target = torch.randint(0, V, (64,), device="cuda")
+    target[40] = V
+    with pytest.raises(ValueError, match=f"found {V}"):
+        fusedkern.linear_cross_entropy(x, w, target)
+    target[40] = 0  # the same call with good targets still works: the CUDA context is intact
+    fusedkern.linear_cross_entropy(x, w, target).backward()
+    assert torch.isfinite(w.grad).all()

@@ -214,7 +214,8 @@ def _row_finish_kernel(
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
-    safe_target = tl.where(is_valid, target, 0)
+    # out-of-range targets read column 0: the host raises on them after the launch (TargetRangeCheck)
+    safe_target = tl.where(is_valid & (target >= 0) & (target < V), target, 0)
 
     # 1. lse from the row's partials (every program of the row merges them: SPLIT loads, no sync).
     if COMPUTE_STATS:
