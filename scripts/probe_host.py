@@ -14,6 +14,7 @@ Writes $OUT/probe_host.jsonl and $OUT/trace_*.json.gz.
     python scripts/probe_host.py
 """
 import gzip
+import importlib
 import os
 import shutil
 
@@ -22,10 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import fusedkern
 from fusedkern import _validation
-from fusedkern import linear_cross_entropy as lce_module
 from fusedkern.bench import make_ce_inputs
 
 from _probe_common import recorder
+
+# the module, not the function that `fusedkern` re-exports under the same name
+lce_module = importlib.import_module("fusedkern.linear_cross_entropy")
 
 H, V, T = 4096, 128256, 4096
 OUT = os.environ.get("OUT", "/tmp")
