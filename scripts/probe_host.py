@@ -25,7 +25,7 @@ import fusedkern
 from fusedkern import _validation
 from fusedkern.bench import make_ce_inputs
 
-from _probe_common import recorder
+from _probe_common import ms_quantiles_back_to_back, recorder
 
 # the module, not the function that `fusedkern` re-exports under the same name
 lce_module = importlib.import_module("fusedkern.linear_cross_entropy")
@@ -33,18 +33,6 @@ lce_module = importlib.import_module("fusedkern.linear_cross_entropy")
 H, V, T = 4096, 128256, 4096
 OUT = os.environ.get("OUT", "/tmp")
 record = recorder("probe_host.jsonl")
-
-
-def bench_loop(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for begin, end in events:
-        begin.record(); fn(); end.record()
-    torch.cuda.synchronize()
-    times = sorted(b.elapsed_time(e) for b, e in events)
-    return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
 
 
 def main():
@@ -88,15 +76,15 @@ def main():
         lce_module.scale_unless_one_ = patch.get("scale", shipped["scale"])
         lce_module._cached_bytes_cover = patch.get("cache_covers", shipped["cache_covers"])
 
-    p50, p20, p80 = bench_loop(floor)
+    p50, p20, p80 = ms_quantiles_back_to_back(floor)
     record(case="cublas_3gemm", ms_p50=p50, ms_p20=p20, ms_p80=p80)
     for mode, options in (("default", {}), ("lean", {"weight_grad_accum": "weight_dtype"})):
         for name, patch in variants.items():
             install(patch)
-            p50b, p20b, p80b = bench_loop(step(**options))
+            p50b, p20b, p80b = ms_quantiles_back_to_back(step(**options))
             record(case=f"{mode}_{name}", ms_p50=p50b, ms_p20=p20b, ms_p80=p80b, ratio=p50b / p50)
         install({})
-        p50, p20, p80 = bench_loop(floor)  # the floor again: drift between the start and the end
+        p50, p20, p80 = ms_quantiles_back_to_back(floor)  # the floor again: drift between the start and the end
         record(case="cublas_3gemm_again", ms_p50=p50, ms_p20=p20, ms_p80=p80)
         if mode != "default":
             continue
