@@ -574,30 +574,50 @@ def load_measured(path: str | Path) -> pd.DataFrame | None:
 
 def load_measured_runs(paths: Sequence[str | Path]) -> pd.DataFrame | None:
     """Several result CSVs of one sweep, measured in different device calls, as one table in which
-    every x value comes from a single run: for each x, the rows of the *last* file that measured the
-    three-GEMM floor there, "last" by the sidecars' measurement date (a later, complete run replaces
-    an earlier one cut short; a fresh `run_all.py --measure` run replaces both). Ratios to the
-    floor therefore never mix two runs. Adds a `source` column (the file name per row);
-    `attrs["meta"]` is the newest file's sidecar with `sources` = {file: its metadata}."""
+    every (x, mode) comes from a single run: the rows of the *last* file that measured that mode's
+    GEMM floor (`floor_provider`) at that x, "last" by the sidecars' measurement date. A later run of
+    some modes (say full and loss_only with the final code) replaces those modes and keeps the
+    others from the earlier run; a run cut short replaces only what it measured. Ratios to the floor
+    therefore never mix two runs. Adds a `source` column (the file name per row); `attrs["meta"]` is
+    the newest file's sidecar with `sources` = {file: its metadata}."""
     frames = [(Path(p), load_measured(p)) for p in paths]
     frames = [(p, df) for p, df in frames if df is not None]
     if not frames:
         return None
     frames.sort(key=lambda item: str(item[1].attrs.get("meta", {}).get("date_utc", "")))
-    chosen: dict = {}
+    chosen: dict = {}  # (x, mode) -> file name
     for path, df in frames:
-        floor_xs = df.loc[df.provider == "cublas_3gemm", "x"].unique()
-        for x in floor_xs:
-            chosen[x] = path.name
+        for mode in df["mode"].unique():
+            floor_rows = (df["mode"] == mode) & (df.provider == floor_provider(mode))
+            for x in df.loc[floor_rows, "x"].unique():
+                chosen[(x, mode)] = path.name
     parts = []
     for path, df in frames:
-        keep = df[df.x.map(lambda x, name=path.name: chosen.get(x) == name)].copy()
+        keep = df[[chosen.get((x, mode)) == path.name for x, mode in zip(df.x, df["mode"])]].copy()
         keep["source"] = path.name
         parts.append(keep)
     merged = pd.concat(parts, ignore_index=True)
     merged.attrs["meta"] = dict(frames[-1][1].attrs.get("meta", {}))
     merged.attrs["meta"]["sources"] = {p.name: df.attrs.get("meta", {}) for p, df in frames}
     return merged
+
+
+def runs_provenance(df: pd.DataFrame, where: str) -> tuple[list[str], str]:
+    """For a `load_measured_runs` table: one provenance line per run that contributes rows, naming
+    its modes and x values, and a one-line figure caption naming every such run's commit and date.
+    where: the folder the files are in, as the reader should see it (e.g. "data/measured/h200")."""
+    meta = df.attrs["meta"]
+    lines, runs = [], []
+    for name, run_meta in meta["sources"].items():
+        rows = df[df.source == name]
+        if rows.empty:
+            continue
+        xs = ", ".join(str(int(x)) for x in sorted(rows.x.unique()))
+        modes = ", ".join(m for m in _FLOORS if m in set(rows["mode"]))
+        lines.append(provenance(run_meta, f"{where}/{name} ({rows.x_name.iloc[0]} {xs}; {modes})"))
+        runs.append(f"{name}: commit {str(run_meta.get('git_commit', '?'))[:7]}, {str(run_meta.get('date_utc', '?'))[:10]}")
+    shared = {k: v for k, v in meta.items() if k not in ("git_commit", "date_utc", "sources")}
+    return lines, provenance(shared, f"{where}/ — " + "; ".join(runs))
 
 
 def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50") -> pd.DataFrame:

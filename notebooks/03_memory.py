@@ -128,25 +128,27 @@ check.sort_values(["op", "provider", "x"]).set_index(["op", "provider", "x"])
 # fusedkern.bench`); their `full` rows carry the peak extra memory of forward + backward.
 
 # %%
-ce = plotting.load_measured(measured_dir / "ce.csv")
-# SimPO: two device calls, each batch size from one of them (notebook 05)
-simpo = plotting.load_measured_runs([measured_dir / "simpo.csv", measured_dir / "simpo_8_16.csv"])
+# each (size, mode) from the newest run that measured it: ce.csv (every mode), ce_final.csv (full and
+# loss_only with the final code, every provider)
+ce = plotting.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
+# SimPO: three device calls, each (batch, mode) from the newest that measured it (notebook 05)
+simpo = plotting.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
 # The fused strategy's memory was re-measured after two fixes that postdate ce.csv (the dX pass's
 # workspace was still referenced while the dW pass allocated its own: 32–33 MiB there; then the
-# 16 MiB budget made to cover the O(T + V) vectors too): the newest fused run replaces every fused
-# row of ce.csv (sizes that run did not measure are left out rather than shown stale).
-fused_runs = [plotting.load_measured(measured_dir / f"{name}.csv") for name in ("fused_mem", "fused_budget")
-              if (measured_dir / f"{name}.csv").exists()]
+# 16 MiB budget made to cover the O(T + V) vectors too): the newest fused run (ce_final.csv when
+# present) replaces every fused row (sizes that run did not measure are left out rather than shown stale).
+fused_runs = [(f"{name}.csv", plotting.load_measured(measured_dir / f"{name}.csv"))
+              for name in ("fused_mem", "fused_budget", "ce_final") if (measured_dir / f"{name}.csv").exists()]
 if ce is not None and fused_runs:
-    newest = max(fused_runs, key=lambda df: str(df.attrs["meta"].get("date_utc", "")))
-    fused_full = newest[(newest.provider == "fusedkern_fused") & (newest["mode"] == "full")]
+    newest_name, newest = max(fused_runs, key=lambda item: str(item[1].attrs["meta"].get("date_utc", "")))
+    fused_full = newest[(newest.provider == "fusedkern_fused") & (newest["mode"] == "full")].assign(source=newest_name)
     stale = ce.provider == "fusedkern_fused"
     print(f"fusedkern_fused memory at tokens {sorted(int(x) for x in fused_full.x)}: from "
-          f"{plotting.provenance(newest.attrs['meta'], 'the newest fused run')}")
+          f"{plotting.provenance(newest.attrs['meta'], newest_name)}")
     meta = ce.attrs["meta"]
     ce = pd.concat([ce[~stale], fused_full], ignore_index=True)
     ce.attrs["meta"] = meta
-
+    ce.attrs["meta"]["sources"].setdefault(newest_name, newest.attrs["meta"])
 
 def measured_full(df):
     """Full-mode peaks of the loss implementations (the GEMM floors are timing references only)."""
@@ -170,7 +172,7 @@ def model_vs_measured(df, *, op, to_tokens):
 for name, df, to_tokens in (("ce", ce, lambda x: x), ("simpo", simpo, lambda b: b * seq)):
     if df is None:
         continue
-    print(plotting.provenance(df.attrs["meta"], f"data/measured/{gpu}/{name}.csv"))
+    print("\n".join(plotting.runs_provenance(df, f"data/measured/{gpu}")[0]))
     table = model_vs_measured(df, op=name, to_tokens=to_tokens)
     display(table)
     # a gap of more than 5 % and 2 MiB means the model misses (or invents) a buffer: say which
@@ -204,8 +206,7 @@ plotting.plot_memory(ax_simpo, model_simpo, measured_full(simpo),
 ax_simpo.set_xlabel(f"batch (rows of {seq} tokens, chosen + rejected)")
 ax_simpo.set_title("SimPO: peak extra memory, forward + backward")
 
-sources = [plotting.provenance(df.attrs["meta"], f"{name}.csv") for name, df in (("ce", ce), ("simpo", simpo))
-           if df is not None]
+sources = [plotting.runs_provenance(df, f"data/measured/{gpu}")[1] for df in (ce, simpo) if df is not None]
 caption = ("Model: fusedkern/memory_model.py. Reference anchors: data/reference/h200_anchors_2026-12-02.csv "
            "(H200, torch 2.11, measured before this project). ")
 caption += ("Measured: " + " | ".join(sources)) if sources else "No measurement of this project's own yet."
@@ -220,5 +221,5 @@ plotting.save_figure(fig, figures_dir / "03_memory")
 # the model puts the bf16 baseline at 22 GiB extra and the fp32 upcast at 46 GiB, fusedkern's
 # default at 2 GiB, its lean path at 250 MiB and the fused one at ≤ 16 MiB (`ce.csv` measured it at
 # 33 MiB: the backward kept its dX workspace alive while the dW pass allocated its own; the newer
-# runs above, after that fix and the budget covering the O(T + V) vectors too, measure 13–15 MiB).
+# runs, after that fix and the budget covering the O(T + V) vectors too, measure 13–15 MiB).
 # Which to choose is a latency question: notebooks 04 and 05.

@@ -20,7 +20,8 @@ quick = False  # only the full-mode figure
 data_dir = "../data"
 figures_dir = "../figures"
 gpu = "h200"  # which data/measured/<gpu>/ to read
-sweep = "ce"  # data/measured/<gpu>/<sweep>.csv
+sweeps = ["ce", "ce_final"]  # data/measured/<gpu>/<sweep>.csv: runs from different device calls, merged so
+# that each (size, mode) comes from one run, the newest that measured it (`plotting.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
 reference_names = {  # anchor provider -> our provider name, for the cross-check against data/reference
@@ -35,7 +36,8 @@ reference_names = {  # anchor provider -> our provider name, for the cross-check
 from pathlib import Path
 
 data_dir, figures_dir = Path(data_dir), Path(figures_dir)
-csv_path = data_dir / "measured" / gpu / f"{sweep}.csv"
+measured_dir = data_dir / "measured" / gpu
+csv_paths = [measured_dir / f"{name}.csv" for name in sweeps]
 anchors_csv = data_dir / "reference" / "h200_anchors_2026-12-02.csv"
 if quick:
     modes = modes[:2]
@@ -50,11 +52,12 @@ from fusedkern import plotting
 plotting.use_style()
 pd.set_option("display.precision", 2)
 
-df = plotting.load_measured(csv_path)
+df = plotting.load_measured_runs(csv_paths)
 have = df is not None
 if have:
     meta = df.attrs["meta"]
-    caption = plotting.provenance(meta, f"data/measured/{gpu}/{csv_path.name}")
+    source_lines, caption = plotting.runs_provenance(df, f"data/measured/{gpu}")
+    print("\n".join(source_lines))
     x_label = f"tokens (H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')})"
     print(caption)
     print(f"{len(df)} rows; providers: {', '.join(plotting.sort_providers(df.provider))}")
@@ -138,7 +141,7 @@ if have:
 
 # %%
 if have:
-    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), sweep, reference_names)
+    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), "ce", reference_names)
     if gpu != "h200" or both.empty:
         print("no comparable reference anchors for this data")
     else:
@@ -155,10 +158,11 @@ if have:
 # before the lean variant at 32768 tokens.)
 
 # %%
-rerun = plotting.load_measured(data_dir / "measured" / gpu / "ce_rerun.csv") if have else None
-if rerun is not None:
+rerun = plotting.load_measured(measured_dir / "ce_rerun.csv") if have else None
+first = plotting.load_measured(measured_dir / "ce.csv") if have else None
+if rerun is not None and first is not None:
     print(plotting.provenance(rerun.attrs["meta"], f"data/measured/{gpu}/ce_rerun.csv"))
-    first_ratios, second_ratios = plotting.ratio_tables(df, ["full", "loss_only"]), plotting.ratio_tables(rerun, ["full", "loss_only"])
+    first_ratios, second_ratios = plotting.ratio_tables(first, ["full", "loss_only"]), plotting.ratio_tables(rerun, ["full", "loss_only"])
     for mode, second_ratio in second_ratios.items():
         print(f"{mode}: × {plotting.floor_provider(mode)}, second run")
         display(second_ratio.round(3))
@@ -190,30 +194,90 @@ for name in ("fused_mem", "fused_budget"):
     display(fused_row.round(2))
 
 # %% [markdown]
-# ## Two caveats from a kernel-time profile
+# ## Two caveats from a kernel-time profile, and what the next calls measured
 #
 # `scripts/profile_ce.py` (`profile_ce.csv`) sums torch.profiler's kernel times per forward+backward
-# by category, next to the wall time of a separate, unprofiled loop of the same steps. Two findings
-# qualify every ratio above:
+# by category, next to the wall time of a separate, unprofiled loop of the same steps. It raised two
+# questions about every ratio above:
 #
 # 1. **The floor's data.** The three-GEMM floor multiplies a random G (the reference anchors'
-#    convention; the profile's floor used the logits themselves). On the H200 a GEMM's time depends
-#    on its operands' values (power), and the chunked path's GEMMs — the same shapes, on the true
-#    ∂L/∂z, mostly tiny values — took 5 % less kernel time than the floor's at 4096 tokens (17.8 vs
-#    18.7 ms for the profile's floor, which multiplied the logits; SimPO, whose prompt rows are all
-#    zero, 16.9 ms). A floor on the true gradient may therefore be faster than the random-G floor;
-#    `python -m fusedkern.bench` now also times it (`cublas_3gemm_real_grad`), not yet on the H200.
-# 2. **Time outside kernels.** The wall time exceeds the kernel time by 1.4–2.8 ms a step (7 % at
-#    4096 tokens) for fusedkern, 0.1 ms for the floor — a gap that two separate loops can distort
-#    (the floor's profiled GEMMs ran *slower* than its unprofiled wall time at 16384 tokens), but
-#    large. Its likely sources are host-side: the target range check's device→host sync, `impl="auto"`'s
-#    `cudaMemGetInfo` (now skipped when PyTorch's cache already holds the memory), the upstream
-#    gradient check's sync in backward. `scripts/probe_host.py` measures each in the benchmark's own
-#    loop; it did not get device time yet.
+#    convention). On the H200 a GEMM's time depends on its operands' values (power): the chunked
+#    path's GEMMs on the true ∂L/∂z took 5 % less kernel time than the profile's floor at 4096 tokens
+#    (17.8 vs 18.7 ms). So the benchmark also times the same three GEMMs on the true gradient
+#    (`cublas_3gemm_real_grad`); the tables below divide by both.
+# 2. **Time outside kernels.** The wall time exceeded the kernel time by 1.4–2.8 ms a step (7 % at
+#    4096 tokens) for fusedkern, 0.1 ms for the floor. The suspects were host-side waits: the target
+#    range check's device→host sync before the first GEMM, and the `grad == 1` test in backward (a
+#    sync after the last). Both are gone — the range check is read after the launches
+#    (`_validation.TargetRangeCheck`), the rescale by ∂L/∂loss is skipped on the device
+#    (`kernels/scale.py`) — and `scripts/probe_host.py` measured each one put back, in the
+#    benchmark's own loop (`probe_host.jsonl`, below).
 
 # %%
-profile_path = data_dir / "measured" / gpu / "profile_ce.csv"
+profile_path = measured_dir / "profile_ce.csv"
 if profile_path.exists():
     profile_table = pd.read_csv(profile_path).pivot_table(index="case", columns="category", values="ms_per_iter",
                                                           sort=False)
+    print("kernel time per step by category, before the syncs were removed (profile_ce.csv):")
     display(profile_table[["gemm", "row_kernel", "elementwise", "gpu_idle", "wall"]].round(2))
+
+# %%
+final = plotting.load_measured(measured_dir / "ce_final.csv") if have else None
+if final is not None:
+    full_final = plotting.pivot(final, "full")
+    if "cublas_3gemm_real_grad" in full_final.index:
+        print(plotting.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv"))
+        both_floors = pd.concat({floor: full_final / full_final.loc[floor]
+                                 for floor in ("cublas_3gemm", "cublas_3gemm_real_grad")}, axis=1)
+        print("forward + backward, × each floor (same run): random G | the true ∂L/∂z")
+        display(both_floors.round(3))
+
+# %%
+import json
+
+probe_host_path = measured_dir / "probe_host.jsonl"
+if probe_host_path.exists():
+    host = pd.DataFrame([json.loads(line) for line in probe_host_path.read_text().splitlines()])
+    host[["mode", "variant"]] = host.case.str.split("_", n=1, expand=True)
+    host = host[host["mode"].isin(["default", "lean"])]
+    table = host.pivot_table(index="variant", columns="mode", values="ratio", sort=False)
+    table_ms = host.pivot_table(index="variant", columns="mode", values="ms_p50", sort=False)
+    extra_ms = table_ms - table_ms.loc["shipped"]
+    print("4096 tokens, × cublas_3gemm of the same process (probe_host.jsonl): as shipped, and with each "
+          "old host wait put back")
+    display(pd.concat({"× floor": table, "ms over shipped": extra_ms}, axis=1).round(3))
+
+# %% [markdown]
+# ## The lean mode against Liger-Kernel at 32768 tokens
+#
+# Both accumulate dW in bf16 over 1024-token chunks at ~251 MiB; at 32768 tokens Liger 0.8.5 was the
+# faster of the two in the final run. A longer re-run of the largest size (`ce_32k_long.csv`: 12–30
+# reps per provider) checks that it is not noise.
+
+# %%
+long_path = measured_dir / "ce_32k_long.csv"
+long_run = plotting.load_measured(long_path) if have and long_path.exists() else None
+if long_run is not None:
+    print(plotting.provenance(long_run.attrs["meta"], f"data/measured/{gpu}/ce_32k_long.csv"))
+    long_full = long_run[long_run["mode"] == "full"].set_index("provider")
+    floor_ms = long_full.loc["cublas_3gemm", "ms_p50"]
+    display(pd.DataFrame({"ms_p50": long_full.ms_p50, "ms_p20": long_full.ms_p20, "ms_p80": long_full.ms_p80,
+                          "× cublas_3gemm": long_full.ms_p50 / floor_ms, "n_reps": long_full.n_reps}).round(3))
+
+# %% [markdown]
+# ## Loss only: the tile shape
+#
+# Without a gradient the logits are formed in [C, Vs] tiles within 64 MiB (one GEMM and a
+# statistics pass each, `chunked._run_tiles`). `scripts/probe_loss_tiles.py` timed seven shapes and
+# the tile GEMMs alone, next to `cublas_1gemm` (`probe_loss_tiles.jsonl`). The prediction — squarer
+# tiles shed 1–3 % of GEMM shape loss — did not hold: no shape beats the shipped 2048 × 16384 by more
+# than the spread, the GEMMs alone run at 1.01–1.13× one GEMM and the statistics pass adds 5–8 %.
+
+# %%
+tiles_path = measured_dir / "probe_loss_tiles.jsonl"
+if tiles_path.exists():
+    tiles = pd.DataFrame([json.loads(line) for line in tiles_path.read_text().splitlines()])
+    tiles = tiles[tiles.case.str.startswith("tile_")]
+    display(pd.concat({"× cublas_1gemm": tiles.pivot_table(index="case", columns="tokens", values="ratio", sort=False),
+                       "GEMMs alone ×": tiles.pivot_table(index="case", columns="tokens", values="gemms_ratio",
+                                                          sort=False)}, axis=1).round(3))

@@ -25,8 +25,9 @@ quick = False  # only the full-mode figure
 data_dir = "../data"
 figures_dir = "../figures"
 gpu = "h200"  # which data/measured/<gpu>/ to read
-sweeps = ["simpo", "simpo_8_16"]  # data/measured/<gpu>/<sweep>.csv: runs of this sweep from different device
-# calls, merged so that each batch size comes from one run (`plotting.load_measured_runs`)
+sweeps = ["simpo", "simpo_8_16", "simpo_final"]  # data/measured/<gpu>/<sweep>.csv: runs of this sweep from different device
+# calls, merged so that each (batch, mode) comes from one run, the newest that measured it
+# (`plotting.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 seq = 1024  # tokens per row (the sidecar's value wins when present)
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
@@ -59,15 +60,9 @@ df = plotting.load_measured_runs(csv_paths)
 have = df is not None
 if have:
     meta = df.attrs["meta"]
-    # one provenance line per run, naming the batch sizes it contributes
-    for name, run_meta in meta["sources"].items():
-        batches = ", ".join(str(int(b)) for b in sorted(df.loc[df.source == name, "x"].unique()))
-        if batches:
-            print(plotting.provenance(run_meta, f"data/measured/{gpu}/{name} (batch {batches})"))
-    caption = "; ".join(f"{name}: commit {str(m.get('git_commit', '?'))[:7]}, {str(m.get('date_utc', '?'))[:10]}"
-                        for name, m in meta["sources"].items() if (df.source == name).any())
-    caption = plotting.provenance({k: v for k, v in meta.items() if k not in ("git_commit", "date_utc")},
-                                  f"data/measured/{gpu}/ — {caption}")
+    # one provenance line per run, naming the batch sizes and modes it contributes
+    source_lines, caption = plotting.runs_provenance(df, f"data/measured/{gpu}")
+    print("\n".join(source_lines))
     seq = int(meta.get("seq", seq))
     shape = f"H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')}"
     x_label = f"batch (rows of {seq} tokens; {shape})"

@@ -105,9 +105,11 @@ mem.round(0)
 # compute floor (reading the 1 GB weight takes well under a millisecond).
 
 # %%
-ce = plotting.load_measured(measured_dir / "ce.csv")
-# SimPO: two device calls, each batch size from one of them (notebook 05)
-simpo = plotting.load_measured_runs([measured_dir / "simpo.csv", measured_dir / "simpo_8_16.csv"])
+# each (size, mode) from the newest run that measured it: ce.csv (every mode), ce_final.csv (full and
+# loss_only with the final code, every provider)
+ce = plotting.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
+# SimPO: three device calls, each (batch, mode) from the newest that measured it (notebook 05)
+simpo = plotting.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
 anchors = pd.read_csv(anchors_csv)
 anchors["provider"] = anchors.provider.replace(anchor_names)
 
@@ -129,7 +131,7 @@ reference = anchors_as_results(anchors)
 ANCHOR_CAPTION = ("H200 reference anchors: data/reference/h200_anchors_2026-12-02.csv (torch 2.11, triton 3.6, "
                   "measured before this project; not our run).")
 if ce is not None:
-    ours_ce, ce_source = ce, plotting.provenance(ce.attrs["meta"], f"data/measured/{gpu}/ce.csv")
+    ours_ce, ce_source = ce, plotting.runs_provenance(ce, f"data/measured/{gpu}")[1]
 else:
     ours_ce, ce_source = None, None
     print("Until our measurements exist, the H200 panels below draw the reference anchors instead, labelled so.")
@@ -225,7 +227,7 @@ plotting.label_line_ends(ax_c, memory.assign(peak_extra_mib=memory.peak_extra_mi
                          value="peak_extra_mib", fmt=lambda v: f"{v:,.0f} MiB" if v >= 100 else f"{v:.1f} MiB")
 
 caption = ("Cross-entropy, H = 4096, V = 128256, bf16. (a) " + SEED_CAPTION + " (b, c) "
-           + (ce_source or ANCHOR_CAPTION) + " Peak extra = peak allocation above inputs and gradients.")
+           + (ce_source or ANCHOR_CAPTION).rstrip(".") + ". Peak extra = peak allocation above inputs and gradients.")
 plotting.add_caption(fig, caption, width=190)
 display(plotting.save_figure(fig, figures_dir / "headline"))
 

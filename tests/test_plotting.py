@@ -181,3 +181,33 @@ def test_chunk_tradeoff_table_keeps_the_default_row_where_it_meets_a_study_point
     assert list(fp32["chunk_tokens"]) == [512, 4096] and list(fp32["default"]) == [False, True]
     assert fp32[fp32["default"]]["ratio"].iloc[0] == pytest.approx(160.0 / 150.0)
     assert table[table["accumulation"] != "fp32"]["chunk_tokens"].tolist() == [1024]
+
+
+def test_measured_runs_merge_per_size_and_mode(tmp_path):
+    from fusedkern.results import write_results
+
+    def rows(provider_ms: dict, modes, xs):
+        return [dict(op="ce", provider=p, x_name="tokens", x=x, mode=m, ms_p20=ms, ms_p50=ms, ms_p80=ms,
+                     peak_extra_mib=1.0, n_reps=5, loss=float("nan"), note="")
+                for p, ms in provider_ms.items() for m in modes for x in xs]
+
+    meta = dict(sweep="ce", hidden=8, vocab=16, dtype="bfloat16")
+    # older run: every mode at 1 and 2; newer run: full only, at 2 and 3 (a different floor value)
+    write_results(rows({"cublas_3gemm": 10.0, "cublas_1gemm": 4.0, "fusedkern_chunked": 11.0},
+                       ["full", "loss_only"], [1, 2]), tmp_path / "old.csv",
+                  meta=meta, environment={"date_utc": "2026-12-01T00:00:00+00:00"})
+    write_results(rows({"cublas_3gemm": 20.0, "fusedkern_chunked": 21.0}, ["full"], [2, 3]), tmp_path / "new.csv",
+                  meta=meta, environment={"date_utc": "2026-12-03T00:00:00+00:00"})
+    merged = plotting.load_measured_runs([tmp_path / "new.csv", tmp_path / "old.csv"])
+    source = {(int(r.x), r.mode, r.provider): r.source for r in merged.itertuples()}
+    assert source[(1, "full", "fusedkern_chunked")] == "old.csv"  # only the old run measured x = 1
+    assert source[(2, "full", "fusedkern_chunked")] == "new.csv"  # the newer run wins where both measured
+    assert source[(2, "full", "cublas_3gemm")] == "new.csv"  # ... with its own floor: ratios never mix runs
+    assert source[(2, "loss_only", "fusedkern_chunked")] == "old.csv"  # a mode the new run skipped stays
+    assert (3, "loss_only", "fusedkern_chunked") not in source
+    assert len(merged) == len(set(zip(merged.x, merged["mode"], merged.provider)))  # one row per point
+    assert set(merged.attrs["meta"]["sources"]) == {"old.csv", "new.csv"}
+    lines, caption = plotting.runs_provenance(merged, "data/measured/x")
+    assert any("old.csv (tokens 1, 2; loss_only, full)" in line for line in lines)
+    assert any("new.csv (tokens 2, 3; full)" in line for line in lines)
+    assert "old.csv: commit" in caption and "new.csv: commit" in caption
