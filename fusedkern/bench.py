@@ -34,6 +34,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -513,6 +514,57 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _warm_up(step: Step, inputs: Inputs, *, warmup: int, reps: int, min_reps: int, max_case_s: float) -> int:
+    """Untimed reps (at least one: it compiles and autotunes); returns the rep count that fits
+    `max_case_s` of wall time (setup included, judged from the last warm-up rep), in [min_reps, reps]."""
+    wall_s_per_rep = 0.0
+    for _ in range(max(warmup, 1)):
+        inputs.clear_grads()
+        start = time.perf_counter()
+        step.run(step.setup())
+        _sync(inputs.x.device)
+        wall_s_per_rep = time.perf_counter() - start
+    return int(min(reps, max(min_reps, max_case_s // max(wall_s_per_rep, 1e-9))))
+
+
+class _RepTimer:
+    """Times single reps of steps: CUDA events in stream order on a GPU (read after one sync at the
+    end, so reps run back to back as in training), `time.perf_counter` on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []  # (key, begin event, end event) on CUDA
+        self.times_ms: dict = {}
+
+    def run(self, key, step: Step, inputs: Inputs) -> None:
+        inputs.clear_grads()
+        state = step.setup()
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step.run(state)
+            end.record()
+            self.pending.append((key, begin, end))
+        else:
+            start = time.perf_counter()
+            step.run(state)
+            self.times_ms.setdefault(key, []).append((time.perf_counter() - start) * 1e3)
+        del state  # the backward mode's graph is already freed; drop the reference too
+
+    def results(self, device: torch.device) -> dict:
+        """{key: {"ms_p20", "ms_p50", "ms_p80", "n_reps"}}."""
+        if self.pending:
+            torch.cuda.synchronize(device)
+            for key, begin, end in self.pending:
+                self.times_ms.setdefault(key, []).append(begin.elapsed_time(end))
+            self.pending = []
+        out = {}
+        for key, times in self.times_ms.items():
+            p20, p50, p80 = np.quantile(np.asarray(times), [0.2, 0.5, 0.8])
+            out[key] = {"ms_p20": float(p20), "ms_p50": float(p50), "ms_p80": float(p80), "n_reps": len(times)}
+        return out
+
+
 def time_step(
     step: Step,
     inputs: Inputs,
@@ -530,39 +582,48 @@ def time_step(
     as fit in `max_case_s` of wall time (setup included, judged from the last warm-up rep), between
     `min_reps` and `reps`, so the 600 ms cases do not starve the budget of the 5 ms ones.
     """
-    device = inputs.x.device
-    wall_s_per_rep = 0.0
-    for _ in range(max(warmup, 1)):  # at least one: it compiles/autotunes, and sizes the rep count
-        inputs.clear_grads()
-        start = time.perf_counter()
-        step.run(step.setup())
-        _sync(device)
-        wall_s_per_rep = time.perf_counter() - start
-    n_reps = int(min(reps, max(min_reps, max_case_s // max(wall_s_per_rep, 1e-9))))
-
-    times_ms: list[float] = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_reps)]
-        for begin, end in events:
-            inputs.clear_grads()
-            state = step.setup()
-            begin.record()
-            step.run(state)
-            end.record()
-            del state  # the backward mode's graph is already freed; drop the reference too
-        torch.cuda.synchronize(device)
-        times_ms = [begin.elapsed_time(end) for begin, end in events]
-    else:
-        for _ in range(n_reps):
-            inputs.clear_grads()
-            state = step.setup()
-            start = time.perf_counter()
-            step.run(state)
-            times_ms.append((time.perf_counter() - start) * 1e3)
-            del state
+    n_reps = _warm_up(step, inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s)
+    timer = _RepTimer(inputs.x.device)
+    for _ in range(n_reps):
+        timer.run(0, step, inputs)
+    result = timer.results(inputs.x.device)[0]
     inputs.clear_grads()
-    p20, p50, p80 = np.quantile(np.asarray(times_ms), [0.2, 0.5, 0.8])
-    return {"ms_p20": float(p20), "ms_p50": float(p50), "ms_p80": float(p80), "n_reps": n_reps}
+    return result
+
+
+def time_steps_interleaved(
+    steps: Mapping[str, Step],
+    inputs: Inputs,
+    *,
+    warmup: int = 2,
+    reps: int = 20,
+    min_reps: int = 5,
+    max_case_s: float = 1.5,
+) -> dict[str, dict[str, float | int] | BaseException]:
+    """`time_step` for several steps on the same inputs, their reps interleaved: round r runs one
+    rep of every step that still needs one, starting from step r mod n. A GPU's clock drifts with
+    its temperature over seconds of sustained load (on the H200 the three-GEMM floor timed 18.85 ms
+    before and 19.77 ms after 8 s of fusedkern steps, `probe_host.jsonl`); timed one after the other,
+    the first provider of a size gets the coolest GPU. Interleaved, every step sees the same drift.
+
+    Returns {name: timing dict as `time_step`'s}, or {name: the exception} for a step that failed
+    in its warm-up (the others still run)."""
+    counts: dict[str, int] = {}
+    failures: dict[str, BaseException] = {}
+    for name, step in steps.items():
+        try:
+            counts[name] = _warm_up(step, inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s)
+        except Exception as error:  # noqa: BLE001 - reported per step by the caller
+            failures[name] = error
+            inputs.clear_grads()
+    names = list(counts)
+    timer = _RepTimer(inputs.x.device)
+    for r in range(max(counts.values(), default=0)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if r < counts[name]:
+                timer.run(name, steps[name], inputs)
+    inputs.clear_grads()
+    return {**timer.results(inputs.x.device), **failures}
 
 
 def measure_step(step: Step, inputs: Inputs, mode: str) -> tuple[float, float]:
@@ -646,6 +707,7 @@ def run_sweep(
     max_case_s: float = 1.5,
     seed: int = 0,
     progress: bool = True,
+    interleave: bool = False,
     checkpoint: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Time and measure every provider of `op` ("ce" or "simpo") at every x, in every mode.
@@ -653,8 +715,10 @@ def run_sweep(
     xs: token counts (ce) or batch rows (simpo, with `seq` tokens each). Inputs are made once per
     x and shared by all providers. Returns rows in the schema of `fusedkern.results` plus `note`
     ("" when fine, "OOM", or "error: ..."); a provider/mode that errors (other than OOM) is not
-    retried at larger x. `checkpoint(rows)` is called after each provider, so a run cut short by a
-    time limit still leaves what it finished.
+    retried at larger x. interleave: per x and mode, every provider's reps interleaved
+    (`time_steps_interleaved`: the GPU's thermal drift hits all alike) instead of one provider after
+    the other; all providers' steps then live at once. `checkpoint(rows)` is called after each
+    provider (each x when interleaving), so a run cut short by a time limit still leaves what it finished.
     """
     if op not in PROVIDERS:
         raise ValueError(f"op must be one of {sorted(PROVIDERS)}, got {op!r}")
@@ -667,6 +731,35 @@ def run_sweep(
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     failed: set[tuple[str, str]] = set()
+
+    def record(provider: Provider, x: int, mode: str, measure: Callable[[], dict]) -> None:
+        """One row: `measure()`'s fields, or NaNs and a note when it raises."""
+        label = provider.label()
+        row = {"op": op, "provider": label, "x_name": x_name, "x": x, "mode": mode, "note": ""}
+        try:
+            row.update(measure())
+        except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
+            row = _nan_row(**{k: row[k] for k in ("op", "provider", "x_name", "x", "mode")}, note=_error_note(error))
+            if row["note"] != "OOM":
+                failed.add((provider.key, mode))
+                _say("".join(traceback.format_exception(error)).rstrip())  # the GPU run is one-shot: keep it all
+        rows.append(row)
+        _say(f"{op} {x_name}={x:<6} {label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
+             f"extra {row['peak_extra_mib']:9.1f} MiB  n={row['n_reps']:<3} loss {row['loss']:.5f} {row['note']}")
+
+    def timed_then_measured(steps: dict, mode: str, inputs: Inputs, timing: dict | BaseException | None):
+        def measure() -> dict:
+            # Timing first: its warm-up absorbs compilation and autotuning, whose scratch
+            # allocations must not count as the provider's memory.
+            if isinstance(timing, BaseException):
+                raise timing
+            fields = dict(timing) if timing is not None else time_step(
+                steps[mode], inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s)
+            fields["loss"], fields["peak_extra_mib"] = measure_step(steps[mode], inputs, mode)
+            inputs.clear_grads()
+            return fields
+        return measure
+
     settle_gpu(device)
     with _progress(len(xs) * len(chosen) * len(modes), progress, f"{op} sweep") as bar:
         for x in xs:
@@ -674,41 +767,37 @@ def run_sweep(
                 inputs = make_ce_inputs(x, hidden, vocab, dtype=dtype, device=device, seed=seed)
             else:
                 inputs = make_simpo_inputs(x, seq, hidden, vocab, dtype=dtype, device=device, seed=seed)
-            for provider in chosen:
-                bar.set_postfix_str(f"{x_name}={x} {provider.key}")
-                steps = _build(provider, inputs, skipped)
-                if steps is None:
-                    bar.update(len(modes))
-                    continue
-                label = provider.label()
+            if interleave:
+                built = {p: steps for p in chosen if (steps := _build(p, inputs, skipped)) is not None}
                 for mode in modes:
-                    bar.update(1)
-                    if mode not in steps or (provider.key, mode) in failed:
-                        continue
-                    row = {"op": op, "provider": label, "x_name": x_name, "x": x, "mode": mode, "note": ""}
+                    bar.set_postfix_str(f"{x_name}={x} {mode}, interleaved")
+                    todo = {p: st for p, st in built.items() if mode in st and (p.key, mode) not in failed}
                     try:
-                        # Timing first: its warm-up absorbs compilation and autotuning, whose
-                        # scratch allocations must not count as the provider's memory.
-                        row.update(time_step(steps[mode], inputs, warmup=warmup, reps=reps, min_reps=min_reps,
-                                             max_case_s=max_case_s))
-                        row["loss"], row["peak_extra_mib"] = measure_step(steps[mode], inputs, mode)
-                    except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
-                        row = _nan_row(**{k: row[k] for k in ("op", "provider", "x_name", "x", "mode")},
-                                       note=_error_note(error))
-                        if row["note"] != "OOM":
-                            failed.add((provider.key, mode))
-                            _say(traceback.format_exc().rstrip())  # the GPU run is one-shot: keep the whole story
-                    inputs.clear_grads()
-                    rows.append(row)
-                    _say(f"{op} {x_name}={x:<6} {label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
-                         f"extra {row['peak_extra_mib']:9.1f} MiB  n={row['n_reps']:<3} loss {row['loss']:.5f} "
-                         f"{row['note']}")
-                del steps
-                _free_memory(device)
-                if checkpoint is not None:
-                    checkpoint(rows)
+                        timings = time_steps_interleaved({p.key: st[mode] for p, st in todo.items()}, inputs,
+                                                         warmup=warmup, reps=reps, min_reps=min_reps,
+                                                         max_case_s=max_case_s)
+                    except Exception as error:  # noqa: BLE001 - e.g. OOM with every step alive
+                        timings = {p.key: error for p in todo}
+                    for p, st in todo.items():
+                        record(p, x, mode, timed_then_measured(st, mode, inputs, timings[p.key]))
+                    bar.update(len(chosen))
+                del built
+            else:
+                for provider in chosen:
+                    bar.set_postfix_str(f"{x_name}={x} {provider.key}")
+                    steps = _build(provider, inputs, skipped)
+                    for mode in modes:
+                        bar.update(1)
+                        if steps is not None and mode in steps and (provider.key, mode) not in failed:
+                            record(provider, x, mode, timed_then_measured(steps, mode, inputs, None))
+                    del steps
+                    _free_memory(device)
+                    if checkpoint is not None:
+                        checkpoint(rows)
             del inputs
             _free_memory(device)
+            if checkpoint is not None:
+                checkpoint(rows)
     return rows
 
 
@@ -908,6 +997,9 @@ def _parser() -> argparse.ArgumentParser:
     timing.add_argument("--min-reps", type=int, default=5, help="fewest timed reps per case")
     timing.add_argument("--max-case-s", type=float, default=1.5,
                         help="wall-time budget per case that sets the rep count between the two")
+    timing.add_argument("--interleave", action="store_true",
+                        help="per size and mode, interleave the providers' reps (every one sees the GPU's "
+                             "thermal drift alike) instead of timing one provider after the other")
 
     registry = "; ".join(f"{op}: {', '.join(PROVIDERS[op])}" for op in PROVIDERS)
     parser = argparse.ArgumentParser(
@@ -957,8 +1049,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_accuracy(args.tokens, chunk_tokens=args.chunk_tokens, checkpoint=save, **common)
     else:
         timing = dict(modes=args.modes, warmup=args.warmup, reps=args.reps, min_reps=args.min_reps,
-                      max_case_s=args.max_case_s, checkpoint=save)
-        meta.update(warmup=args.warmup, reps=args.reps, min_reps=args.min_reps, max_case_s=args.max_case_s)
+                      max_case_s=args.max_case_s, interleave=args.interleave, checkpoint=save)
+        meta.update(warmup=args.warmup, reps=args.reps, min_reps=args.min_reps, max_case_s=args.max_case_s,
+                    interleave=args.interleave)
         if args.sweep == "ce":
             rows = run_sweep("ce", args.tokens, **common, **timing)
         else:

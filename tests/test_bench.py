@@ -173,6 +173,40 @@ def test_time_step_adapts_the_rep_count():
     assert bench.time_step(step, inputs, warmup=1, reps=7, min_reps=3, max_case_s=60.0)["n_reps"] == 7
 
 
+def test_interleaved_timing_rotates_and_keeps_each_rep_count():
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    order = []
+
+    def spy(name, fail=False):
+        def run(state):
+            if fail:
+                raise RuntimeError("warm-up failure")
+            order.append(name)
+        return bench.Step(run=run)
+
+    steps = {"a": spy("a"), "b": spy("b"), "c": spy("c"), "broken": spy("broken", fail=True)}
+    timings = bench.time_steps_interleaved(steps, inputs, warmup=1, reps=4, min_reps=4, max_case_s=60.0)
+    assert isinstance(timings["broken"], RuntimeError)  # reported, and the others still ran
+    assert [timings[k]["n_reps"] for k in "abc"] == [4, 4, 4]
+    timed = order[3:]  # after one warm-up rep each
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]  # round r starts at step r mod 3
+
+
+def test_interleaved_sweep_has_the_rows_of_the_sequential_one():
+    kwargs = dict(providers=["cublas_3gemm", "huggingface_bf16", "torch_fp32_upcast"], modes=["loss_only", "full"],
+                  **CPU_ONE_REP)
+    sequential = bench.run_sweep("ce", [8, 16], **kwargs)
+    interleaved = bench.run_sweep("ce", [8, 16], interleave=True, **kwargs)
+
+    def key(r):
+        return r["provider"], r["x"], r["mode"]
+    assert sorted(map(key, interleaved)) == sorted(map(key, sequential))
+    losses = {key(r): r["loss"] for r in sequential}
+    for row in interleaved:
+        assert row["n_reps"] >= 1 and row["ms_p50"] > 0 and row["note"] == ""
+        assert row["loss"] == pytest.approx(losses[key(row)], nan_ok=True)
+
+
 def test_backward_mode_times_only_the_backward():
     inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     forwards, backwards = [], []
