@@ -152,3 +152,30 @@ if have:
         print("no comparable reference anchors for this data")
     else:
         display(both.round(3))
+
+# %% [markdown]
+# ## Both floors, and the interleaved protocol
+#
+# `simpo_final.csv` also timed the three GEMMs on the true gradient (`cublas_3gemm_real_grad`:
+# SimPO's prompt rows are zeros, and the H200's GEMMs run faster on them). The last device call
+# re-ran six providers with their reps interleaved (`--interleave`, notebook 04's last section);
+# its 60 s cap stopped it after batch 4 (`simpo_interleaved.csv`). Interleaved, the random-G floor
+# ran 8–10 % faster than in the sequential run (8.8 / 17.2 ms against 9.6 / 19.1) and fusedkern's
+# default 4 % / 1 % faster, so its ratio rose from 1.03 / 1.00× to 1.08 / 1.10× (1.09 / 1.10× to the
+# true-gradient floor); the lean mode's from 1.25 / 1.24× to 1.32 / 1.42×, Liger's from 1.52 / 1.36×
+# to 1.46 / 1.47×. The default stays the fastest at both sizes.
+
+# %%
+final_path = data_dir / "measured" / gpu / "simpo_final.csv"
+final = plotting.load_measured(final_path) if have and final_path.exists() else None
+interleaved_path = data_dir / "measured" / gpu / "simpo_interleaved.csv"
+interleaved = plotting.load_measured(interleaved_path) if have and interleaved_path.exists() else None
+if final is not None and interleaved is not None:
+    comparison = {}
+    for name, run in (("sequential (simpo_final)", final), ("interleaved", interleaved)):
+        print(plotting.provenance(run.attrs["meta"], f"data/measured/{gpu}/{run.attrs['meta'].get('sweep')}"
+                                  f"{'_interleaved' if run is interleaved else '_final'}.csv"))
+        table = plotting.pivot(run, "full")
+        for floor in ("cublas_3gemm", "cublas_3gemm_real_grad"):
+            comparison[f"{name}, × {floor}"] = table / table.loc[floor]
+    display(pd.concat(comparison, axis=1).round(3))
