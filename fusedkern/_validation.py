@@ -80,9 +80,9 @@ class TargetRangeCheck:
         any_bad = bad.any()
         if target.is_cuda:
             self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            self._flag.copy_(any_bad, non_blocking=True)
+            self._flag.copy_(any_bad, non_blocking=True)  # queued on the target device's current stream
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(target.device))  # that stream, not the current device's
         else:
             self._flag, self._event = any_bad, None
 

@@ -7,7 +7,8 @@
 #    on first use and need more than the 150 s that the last sessions' calls gave them; the fused
 #    kernels are unchanged since they last passed, but the target range check around them is new
 #    (out-of-range targets are now read as column 0 by the kernels, then raise on the host)
-# 2. the rest of the GPU tests, whole (the last call ran them file by file)
+# 2. the rest of the GPU tests, whole (the last call ran them file by file), among them one never
+#    run yet: test_gpu_chunked_step_never_waits_for_the_gpu (PyTorch's sync debug mode around a step)
 # The tables of README.md come from ce_final.csv / simpo_final.csv (call K), which measured the
 # package code as shipped; `scripts/h200_measure.sh` re-measures everything.
 set -uo pipefail

@@ -276,6 +276,31 @@ def test_gpu_default_plan_bf16(chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
+def test_gpu_chunked_step_never_waits_for_the_gpu(accum):
+    """A forward + backward of the chunked strategy calls no synchronizing CUDA operation (PyTorch's
+    sync debug mode raises on `.item()`, `bool(tensor)`, blocking copies): the target range check is
+    read behind an event (`TargetRangeCheck`), the rescale by ∂L/∂loss is decided on the device.
+    Four chunks, so the chunk loop and the dW accumulation run too."""
+    x, w, y, _, _ = make_inputs(2048, 256, 4099, torch.bfloat16, device="cuda", seed=5)
+    x.requires_grad_(); w.requires_grad_()
+
+    def step():
+        x.grad = w.grad = None
+        fusedkern.linear_cross_entropy(x, w, y, weight_grad_accum=accum, chunk_tokens=512).backward()
+
+    step()  # autotuning and the first allocations may synchronize; a training step after them must not
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl, budget_mib", [("fused", 16), ("chunked", 256)])
 def test_gpu_extra_memory_within_budget(impl, budget_mib):
     """Peak allocation of forward+backward above the inputs and the gradients' own storage, at the
