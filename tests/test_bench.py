@@ -377,17 +377,19 @@ def test_cli_help_lists_the_providers(capsys):
         assert "--hidden" in capsys.readouterr().out
 
 
-def test_cli_writes_csv_json_and_a_table(tmp_path, capsys):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_cli_writes_csv_json_and_a_table(tmp_path, capsys, interleave):
     out = tmp_path / "ce.csv"
     argv = ["ce", "--tokens", "8", "--hidden", "16", "--vocab", "31", "--dtype", "float32", "--device", "cpu",
             "--providers", "huggingface_bf16", "cublas_3gemm", "--warmup", "1", "--reps", "2", "--min-reps", "1",
-            "--out", str(out), "--no-progress"]
+            "--out", str(out), "--no-progress"] + (["--interleave"] if interleave else [])
     assert bench.main(argv) == 0
     df = load_results(out)
     assert set(df["provider"]) == {"huggingface_bf16", "cublas_3gemm"}
     meta = df.attrs["meta"]
     assert meta["command"].startswith("python -m fusedkern.bench ce --tokens 8")
     assert (meta["hidden"], meta["vocab"], meta["dtype"]) == (16, 31, "float32")
+    assert meta["interleave"] is interleave
     table = capsys.readouterr().out
     assert "full: ms_p50 (× cublas_3gemm)" in table and "( 1.00×)" in table
 
