@@ -869,3 +869,61 @@ def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
     ax.set_title("Where a chunk's time goes besides the three GEMMs")
     add_caption(fig, caption)
     return fig
+
+
+def host_waits_figure(probe: pd.DataFrame, *, caption: str):
+    """`scripts/probe_host.py`'s JSON lines as grouped horizontal bars: per variant (the code as
+    shipped, then with each old host wait put back), the step's time over the shipped one in ms,
+    one bar per mode, each labelled with the variant's ratio to the floor of the same process."""
+    steps = probe[probe.case.str.match(r"^(default|lean)_")].copy()
+    steps[["mode", "variant"]] = steps.case.str.split("_", n=1, expand=True)
+    variants = list(dict.fromkeys(steps.variant))
+    modes = list(dict.fromkeys(steps["mode"]))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(variants)), layout="constrained")
+    colors = {"default": style_for("fusedkern_chunked")["color"], "lean": style_for("fusedkern_chunked_lean")["color"]}
+    height = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        part = steps[steps["mode"] == mode].set_index("variant")
+        shipped_ms = part.loc["shipped", "ms_p50"]
+        for i, variant in enumerate(variants):
+            extra_ms = part.loc[variant, "ms_p50"] - shipped_ms
+            y = i + (j - (len(modes) - 1) / 2) * height
+            ax.barh(y, extra_ms, height=height * 0.9, color=colors.get(mode, "0.5"),
+                    label=f"{mode} mode" if i == 0 else None)
+            ax.text(max(extra_ms, 0) + 0.03, y, f"{part.loc[variant, 'ratio']:.3f}× floor", va="center", fontsize=8)
+    ax.set_yticks(range(len(variants)), [v.replace("_", " ") for v in variants])
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xlabel("ms per forward + backward over the code as shipped (median of back-to-back reps)")
+    ax.set_title("What each host wait cost (4096 tokens; each old sync put back alone)")
+    ax.legend(loc="lower right", fontsize=8)
+    add_caption(fig, caption)
+    return fig
+
+
+def protocol_figure(sequential: pd.DataFrame, interleaved: pd.DataFrame, *, floors: Sequence[str],
+                    caption: str, mode: str = "full"):
+    """One panel per floor: each provider's ratio to that floor with the providers timed one after
+    the other (solid) and with their reps interleaved (dashed), for the providers both runs have."""
+    fig, axes = plt.subplots(1, len(floors), figsize=(6.2 * len(floors), 4.8), layout="constrained", squeeze=False)
+    seq_ms, inter_ms = pivot(sequential, mode), pivot(interleaved, mode)
+    providers = [p for p in inter_ms.index if p in seq_ms.index and not p.startswith("cublas_")]
+    for ax, floor in zip(axes[0], floors):
+        for provider in providers:
+            style = style_for(provider)
+            for table, linestyle, name in ((seq_ms, "-", "one after the other"), (inter_ms, "--", "interleaved")):
+                ratio = (table.loc[provider] / table.loc[floor]).dropna()
+                ax.plot(ratio.index, ratio.values, color=style["color"], marker=style["marker"] or "o",
+                        linestyle=linestyle, linewidth=1.6, markersize=4.5)
+        ax.axhline(1.0, color="black", lw=1.0, ls=":")
+        size_axis(ax, seq_ms.columns, label=str(seq_ms.columns.name))
+        ax.set_ylabel(f"× {label_for(floor)}")
+        ax.set_title(f"÷ {label_for(floor)}", fontsize=10)
+    handles = [plt.Line2D([], [], color=style_for(p)["color"], marker=style_for(p)["marker"] or "o", label=label_for(p))
+               for p in providers]
+    handles += [plt.Line2D([], [], color="0.3", ls="-", label="providers one after the other"),
+                plt.Line2D([], [], color="0.3", ls="--", label="reps interleaved")]
+    axes[0][-1].legend(handles=handles, fontsize=8, loc="upper right")
+    fig.suptitle("The same providers, two timing protocols: forward + backward time ÷ the floor of the same run")
+    add_caption(fig, caption)
+    return fig

@@ -246,6 +246,11 @@ if probe_host_path.exists():
     print("4096 tokens, × cublas_3gemm of the same process (probe_host.jsonl): as shipped, and with each "
           "old host wait put back")
     display(pd.concat({"× floor": table, "ms over shipped": extra_ms}, axis=1).round(3))
+    host_caption = ("scripts/probe_host.py on the H200 (data/measured/h200/probe_host.jsonl, commit 68bff9a): "
+                    "CE forward + backward, 4096 tokens, H = 4096, V = 128256, bf16, 20 reps back to back.")
+    display(plotting.save_figure(plotting.host_waits_figure(pd.DataFrame([json.loads(line) for line in
+                                 probe_host_path.read_text().splitlines()]), caption=host_caption),
+                                 figures_dir / "04_host_waits"))
 
 # %% [markdown]
 # ## The lean mode against Liger-Kernel at 32768 tokens
@@ -308,3 +313,8 @@ if interleaved is not None and final is not None:
         comparison[f"interleaved, × {floor}"] = inter_full.loc[common] / inter_full.loc[floor]
         comparison[f"sequential (ce_final), × {floor}"] = full_final.loc[common] / full_final.loc[floor]
     display(pd.concat(comparison, axis=1).round(3))
+    protocol_caption = (plotting.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv") + " | "
+                        + plotting.provenance(interleaved.attrs["meta"], f"data/measured/{gpu}/ce_interleaved.csv"))
+    fig = plotting.protocol_figure(final, interleaved, floors=["cublas_3gemm", "cublas_3gemm_real_grad"],
+                                   caption=protocol_caption)
+    display(plotting.save_figure(fig, figures_dir / "04_protocol"))

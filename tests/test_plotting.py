@@ -211,3 +211,25 @@ def test_measured_runs_merge_per_size_and_mode(tmp_path):
     assert any("old.csv (tokens 1, 2; loss_only, full)" in line for line in lines)
     assert any("new.csv (tokens 2, 3; full)" in line for line in lines)
     assert "old.csv: commit" in caption and "new.csv: commit" in caption
+
+
+def test_host_waits_and_protocol_figures_draw_what_they_are_given(tmp_path):
+    probe = pd.DataFrame([
+        dict(case="cublas_3gemm", ms_p50=10.0), dict(case="default_shipped", ms_p50=10.3, ratio=1.03),
+        dict(case="default_sync_target_check", ms_p50=10.9, ratio=1.09), dict(case="lean_shipped", ms_p50=10.7, ratio=1.07),
+        dict(case="lean_sync_target_check", ms_p50=11.8, ratio=1.18), dict(case="cublas_3gemm_again", ms_p50=10.1)])
+    fig = plotting.host_waits_figure(probe, caption="test")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["shipped", "sync target check"]
+    assert sorted(round(p.get_width(), 6) for p in ax.patches) == [0.0, 0.0, 0.6, 1.1]
+    plt.close(fig)
+
+    sequential, interleaved = _results(), _results()
+    interleaved.loc[interleaved.provider == "cublas_3gemm", "ms_p50"] *= 0.9  # a faster floor when interleaved
+    fig = plotting.protocol_figure(sequential, interleaved, floors=["cublas_3gemm"], caption="test")
+    lines = [line for line in fig.axes[0].get_lines() if line.get_linestyle() in ("-", "--")]
+    assert len(lines) == 2 * 4  # four non-floor providers, two protocols each
+    dashed = [line for line in lines if line.get_linestyle() == "--" and line.get_color() == plotting.style_for(
+        "fusedkern_chunked")["color"]]
+    assert dashed and all(abs(y - 1.1 / 0.9) < 1e-9 for y in dashed[0].get_ydata())
+    plt.close(fig)
