@@ -48,6 +48,9 @@ simpo_batch="${SIMPO_BATCH:-$simpo_batch}"
 simpo_seq="${SIMPO_SEQ:-1024}"
 accuracy_tokens="${ACCURACY_TOKENS:-$accuracy_tokens}"
 extra="${BENCH_ARGS:-}"
+# INTERLEAVE=1: the timing sweeps alternate the providers' reps (`--interleave`, so the GPU's thermal
+# drift hits all alike) instead of timing one provider after the other (notebook 04, last section)
+[ "${INTERLEAVE:-0}" = 1 ] && timing="$timing --interleave"
 
 script_start=$SECONDS
 {
