@@ -9,6 +9,7 @@ Nothing here touches the CUDA driver at import time beyond `torch.cuda.is_availa
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,3 +30,16 @@ def autotune_configs(configs: list) -> list:
 
 def expected_device_type() -> str:
     return "cpu" if interpreting() else "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (launch geometry); 4 for CPU tensors under the
+    interpreter, where geometry does not matter."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -33,8 +33,8 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -323,9 +323,20 @@ def _cublas_3gemm(inp: Inputs) -> dict[str, Step]:
     return _three_gemm_steps(x2d, w, torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device))
 
 
+def _logits_to_mean_ce_grad_(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, count: torch.Tensor,
+                             lse: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: logits [C, V] → ∂(mean cross-entropy)/∂z = (softmax − one-hot)/count on the valid rows,
+    0 on ignored ones. target [C] (any value where not valid), valid [C] bool, count 0-d, lse [C] if known."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    grad[rows, torch.where(valid, target, 0)] -= valid.to(grad.dtype)  # − one-hot where the token counts
+    return grad.mul_((valid.to(grad.dtype) / count)[:, None])
+
+
 def _mean_ce_logits_grad(inp: Inputs, chunk_rows: int = 1024) -> torch.Tensor:
-    """G = ∂(mean cross-entropy)/∂z [T, V] in the inputs' dtype for this workload: softmax − one-hot over
-    the non-ignored tokens, divided by their count (computed in fp32, chunk by chunk, untimed)."""
+    """G = ∂(mean cross-entropy)/∂z [T, V] in the inputs' dtype for this workload (computed in fp32,
+    chunk by chunk, untimed)."""
     x2d, w = inp.x2d(), inp.w.detach()
     target = inp.target.reshape(-1)
     valid = target != IGNORE_INDEX
@@ -334,11 +345,8 @@ def _mean_ce_logits_grad(inp: Inputs, chunk_rows: int = 1024) -> torch.Tensor:
     with torch.no_grad():
         for c0 in range(0, x2d.shape[0], chunk_rows):
             c1 = min(c0 + chunk_rows, x2d.shape[0])
-            probs = torch.softmax((x2d[c0:c1] @ w.T).float(), dim=-1)  # [C, V]
-            rows = torch.arange(c1 - c0, device=x2d.device)
-            probs[rows, target[c0:c1].clamp(min=0)] -= valid[c0:c1].to(torch.float32)
-            probs *= (valid[c0:c1].to(torch.float32) / count)[:, None]
-            grad[c0:c1] = probs.to(x2d.dtype)
+            logits = (x2d[c0:c1] @ w.T).float()  # [C, V]
+            grad[c0:c1] = _logits_to_mean_ce_grad_(logits, target[c0:c1], valid[c0:c1], count).to(x2d.dtype)
     return grad
 
 
@@ -837,10 +845,7 @@ def fp64_linear_cross_entropy_grads_chunked(
         lse = torch.logsumexp(logits, dim=-1)  # [C]
         picked = logits.gather(1, safe_target[:, None]).squeeze(1)  # [C]
         loss_sum += torch.where(valid, lse - picked, 0.0).sum()
-        grad = logits.sub_(lse[:, None]).exp_()  # [C, V], softmax, in place: one buffer per chunk
-        rows = torch.arange(stop - start, device=x.device)
-        grad[rows, safe_target] -= valid.double()  # − onehot, only where the token counts
-        grad.mul_((valid.double() / n_valid)[:, None])  # ignored rows 0; 1/N of the mean
+        grad = _logits_to_mean_ce_grad_(logits, safe_target, valid, n_valid, lse)  # [C, V], in place
         grad_x[start:stop] = grad @ w64
         grad_w.addmm_(grad.T, x_chunk)
     return loss_sum / n_valid, grad_x.reshape(x.shape), grad_w

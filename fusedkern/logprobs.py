@@ -27,6 +27,17 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
     """
     target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap,
                              impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
+                               softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
+                               weight_grad_accum=weight_grad_accum)
+    target_range.raise_if_failed()
+    return logps
+
+
+def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_index, softcap, impl, chunk_tokens,
+                       weight_grad_accum) -> torch.Tensor:
+    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy._validate`),
+    whose pending target range check the caller still has to read."""
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -44,5 +55,4 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
                                                    softcap=opts.softcap)
     else:
         nll_tok, _ = chunked_loss(x2d, linear_weight, linear_bias, y, None, opts, chunk_tokens)
-    target_range.raise_if_failed()
     return (-nll_tok).reshape(input.shape[:-1])

@@ -871,22 +871,29 @@ def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
     return fig
 
 
-def host_waits_figure(probe: pd.DataFrame, *, caption: str):
-    """`scripts/probe_host.py`'s JSON lines as grouped horizontal bars: per variant (the code as
-    shipped, then with each old host wait put back), the step's time over the shipped one in ms,
-    one bar per mode, each labelled with the variant's ratio to the floor of the same process."""
+def host_waits_table(probe: pd.DataFrame) -> pd.DataFrame:
+    """`scripts/probe_host.py`'s JSON lines, one row per (variant, mode) of the fusedkern steps:
+    ms_p50, its ratio to the floor of the same process, and extra_ms over the code as shipped."""
     steps = probe[probe.case.str.match(r"^(default|lean)_")].copy()
     steps[["mode", "variant"]] = steps.case.str.split("_", n=1, expand=True)
-    variants = list(dict.fromkeys(steps.variant))
-    modes = list(dict.fromkeys(steps["mode"]))
+    shipped_ms = steps[steps.variant == "shipped"].set_index("mode").ms_p50
+    steps["extra_ms"] = steps.ms_p50 - steps["mode"].map(shipped_ms)
+    return steps[["variant", "mode", "ms_p50", "ratio", "extra_ms"]].reset_index(drop=True)
+
+
+def host_waits_figure(waits: pd.DataFrame, *, caption: str):
+    """`host_waits_table` as grouped horizontal bars: per variant (the code as shipped, then with each
+    old host wait put back) the step's ms over the shipped one, one bar per mode, each labelled with
+    the variant's ratio to the floor of the same process."""
+    variants = list(dict.fromkeys(waits.variant))
+    modes = list(dict.fromkeys(waits["mode"]))
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(variants)), layout="constrained")
     colors = {"default": style_for("fusedkern_chunked")["color"], "lean": style_for("fusedkern_chunked_lean")["color"]}
     height = 0.8 / len(modes)
     for j, mode in enumerate(modes):
-        part = steps[steps["mode"] == mode].set_index("variant")
-        shipped_ms = part.loc["shipped", "ms_p50"]
+        part = waits[waits["mode"] == mode].set_index("variant")
         for i, variant in enumerate(variants):
-            extra_ms = part.loc[variant, "ms_p50"] - shipped_ms
+            extra_ms = part.loc[variant, "extra_ms"]
             y = i + (j - (len(modes) - 1) / 2) * height
             ax.barh(y, extra_ms, height=height * 0.9, color=colors.get(mode, "0.5"),
                     label=f"{mode} mode" if i == 0 else None)
@@ -911,7 +918,7 @@ def protocol_figure(sequential: pd.DataFrame, interleaved: pd.DataFrame, *, floo
     for ax, floor in zip(axes[0], floors):
         for provider in providers:
             style = style_for(provider)
-            for table, linestyle, name in ((seq_ms, "-", "one after the other"), (inter_ms, "--", "interleaved")):
+            for table, linestyle in ((seq_ms, "-"), (inter_ms, "--")):
                 ratio = (table.loc[provider] / table.loc[floor]).dropna()
                 ax.plot(ratio.index, ratio.values, color=style["color"], marker=style["marker"] or "o",
                         linestyle=linestyle, linewidth=1.6, markersize=4.5)

@@ -19,7 +19,7 @@ from torch import nn
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.linear_cross_entropy import _validate, resolve_impl
-from fusedkern.logprobs import linear_logprobs
+from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
@@ -88,9 +88,10 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
     wants_grad = torch.is_grad_enabled() and (
         input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
+    # validated once for every path; the range check is read after the kernels are queued
+    target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+                             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     if wants_grad and impl != "fused":
-        target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
-                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)
         if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
@@ -104,10 +105,12 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
             _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
             target_range.raise_if_failed()
             return loss, metrics
-    logps = linear_logprobs(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
-                            impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
-    return simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,
-                                 label_smoothing=label_smoothing)
+    logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
+                               softcap=None, impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
+    result = simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,
+                                   label_smoothing=label_smoothing)
+    target_range.raise_if_failed()
+    return result
 
 
 class LinearSimPOLoss(nn.Module):

@@ -233,24 +233,15 @@ if final is not None:
         display(both_floors.round(3))
 
 # %%
-import json
-
 probe_host_path = measured_dir / "probe_host.jsonl"
 if probe_host_path.exists():
-    host = pd.DataFrame([json.loads(line) for line in probe_host_path.read_text().splitlines()])
-    host[["mode", "variant"]] = host.case.str.split("_", n=1, expand=True)
-    host = host[host["mode"].isin(["default", "lean"])]
-    table = host.pivot_table(index="variant", columns="mode", values="ratio", sort=False)
-    table_ms = host.pivot_table(index="variant", columns="mode", values="ms_p50", sort=False)
-    extra_ms = table_ms - table_ms.loc["shipped"]
+    waits = plotting.host_waits_table(pd.read_json(probe_host_path, lines=True))
     print("4096 tokens, × cublas_3gemm of the same process (probe_host.jsonl): as shipped, and with each "
           "old host wait put back")
-    display(pd.concat({"× floor": table, "ms over shipped": extra_ms}, axis=1).round(3))
+    display(waits.pivot_table(index="variant", columns="mode", values=["ratio", "extra_ms"], sort=False).round(3))
     host_caption = ("scripts/probe_host.py on the H200 (data/measured/h200/probe_host.jsonl, commit 68bff9a): "
                     "CE forward + backward, 4096 tokens, H = 4096, V = 128256, bf16, 20 reps back to back.")
-    display(plotting.save_figure(plotting.host_waits_figure(pd.DataFrame([json.loads(line) for line in
-                                 probe_host_path.read_text().splitlines()]), caption=host_caption),
-                                 figures_dir / "04_host_waits"))
+    display(plotting.save_figure(plotting.host_waits_figure(waits, caption=host_caption), figures_dir / "04_host_waits"))
 
 # %% [markdown]
 # ## The lean mode against Liger-Kernel at 32768 tokens
@@ -281,7 +272,7 @@ if long_run is not None:
 # %%
 tiles_path = measured_dir / "probe_loss_tiles.jsonl"
 if tiles_path.exists():
-    tiles = pd.DataFrame([json.loads(line) for line in tiles_path.read_text().splitlines()])
+    tiles = pd.read_json(tiles_path, lines=True)
     tiles = tiles[tiles.case.str.startswith("tile_")]
     display(pd.concat({"× cublas_1gemm": tiles.pivot_table(index="case", columns="tokens", values="ratio", sort=False),
                        "GEMMs alone ×": tiles.pivot_table(index="case", columns="tokens", values="gemms_ratio",

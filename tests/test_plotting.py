@@ -218,7 +218,11 @@ def test_host_waits_and_protocol_figures_draw_what_they_are_given(tmp_path):
         dict(case="cublas_3gemm", ms_p50=10.0), dict(case="default_shipped", ms_p50=10.3, ratio=1.03),
         dict(case="default_sync_target_check", ms_p50=10.9, ratio=1.09), dict(case="lean_shipped", ms_p50=10.7, ratio=1.07),
         dict(case="lean_sync_target_check", ms_p50=11.8, ratio=1.18), dict(case="cublas_3gemm_again", ms_p50=10.1)])
-    fig = plotting.host_waits_figure(probe, caption="test")
+    waits = plotting.host_waits_table(probe)
+    assert waits.set_index(["variant", "mode"]).extra_ms.round(6).to_dict() == {
+        ("shipped", "default"): 0.0, ("sync_target_check", "default"): 0.6,
+        ("shipped", "lean"): 0.0, ("sync_target_check", "lean"): 1.1}
+    fig = plotting.host_waits_figure(waits, caption="test")
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["shipped", "sync target check"]
     assert sorted(round(p.get_width(), 6) for p in ax.patches) == [0.0, 0.0, 0.6, 1.1]

@@ -72,13 +72,12 @@ silently wrap.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from fusedkern._runtime import autotune_configs, interpreting
+from fusedkern._runtime import autotune_configs, interpreting, sm_count
 from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default, less the O(T + V) vectors
 from fusedkern.kernels.ce_rows import _tanh  # tanh in fp32: libdevice on the GPU, exact forms in the interpreter
 
@@ -394,17 +393,6 @@ _fused_ce_bwd_tuned = {
 # host side: launch geometry
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: geometry does not matter
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -552,7 +540,7 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     fp32 = x.dtype == torch.float32
     kw, _, max_bt, granule_v = _meta(block_config, fp32)
     if n_split is None:
-        n_split, split_v = _forward_splits(T, V, _sm_count(dev), granule_v, max_bt)
+        n_split, split_v = _forward_splits(T, V, sm_count(dev), granule_v, max_bt)
     else:
         split_v = _round_up(_cdiv(V, n_split), granule_v)
         n_split = _cdiv(V, split_v)
@@ -638,7 +626,7 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
 
     # 2. outputs and fp32 accumulators (see the module docstring for the plan)
     passes, dw_store = _plan_backward(T, V, H, x.dtype, weight.dtype, need_dx, need_dw, budget,
-                                      max_bt, granule_v, min_bt, n_sm=_sm_count(dev) if kw is None else None)
+                                      max_bt, granule_v, min_bt, n_sm=sm_count(dev) if kw is None else None)
     dummy = torch.zeros(1, device=dev, dtype=torch.float32)
     dx = dx_acc = None
     if need_dx:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedkern._runtime import interpreting
+from fusedkern._runtime import sm_count
 
 BLOCK = 4096  # elements per program per step (8 KiB of bf16: one wide vector load per thread)
 PROGRAMS_PER_SM = 8  # a grid-stride loop over this many programs keeps every SM's loads in flight
@@ -41,12 +41,6 @@ def _scale_unless_one_kernel(
             tl.store(data_ptr + offs, (vals.to(tl.float32) * scale).to(vals.dtype), mask=mask)
 
 
-def _max_programs(device: torch.device) -> int:
-    if interpreting():
-        return 4  # the interpreter runs programs one by one
-    return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
-
-
 def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """t *= scale in place (t contiguous, float); skipped on the device when scale == 1. Returns t.
 
@@ -59,6 +53,6 @@ def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return t
     scale32 = scale.reshape(1).to(torch.float32)
-    grid = (min(triton.cdiv(n, BLOCK), _max_programs(t.device)),)
+    grid = (min(triton.cdiv(n, BLOCK), sm_count(t.device) * PROGRAMS_PER_SM),)
     _scale_unless_one_kernel[grid](t, scale32, n, BLOCK=BLOCK)
     return t
