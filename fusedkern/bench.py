@@ -610,9 +610,9 @@ def time_steps_interleaved(
 ) -> dict[str, dict[str, float | int] | BaseException]:
     """`time_step` for several steps on the same inputs, their reps interleaved: round r runs one
     rep of every step that still needs one, starting from step r mod n. A GPU's clock drifts with
-    its temperature over seconds of sustained load (on the H200 the three-GEMM floor timed 18.85 ms
-    before and 19.77 ms after 8 s of fusedkern steps, `probe_host.jsonl`); timed one after the other,
-    the first provider of a size gets the coolest GPU. Interleaved, every step sees the same drift.
+    its power and temperature over seconds of sustained load (on the H200 the three-GEMM floor timed
+    18.85 ms before and 19.77 ms after the fusedkern steps of `probe_host.jsonl`); timed one after the
+    other, providers see different conditions. Interleaved, every step sees the same drift.
 
     Returns {name: timing dict as `time_step`'s}, or {name: the exception} for a step that failed
     in its warm-up (the others still run)."""

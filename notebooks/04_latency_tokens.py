@@ -247,7 +247,7 @@ if probe_host_path.exists():
 # ## The lean mode against Liger-Kernel at 32768 tokens
 #
 # Both accumulate dW in bf16 over 1024-token chunks at ~251 MiB; at 32768 tokens Liger 0.8.5 was the
-# faster of the two in the final run. A longer re-run of the largest size (`ce_32k_long.csv`: 12–30
+# faster of the two in the final run. A longer re-run of the largest size (`ce_32k_long.csv`: 18–19
 # reps per provider) checks that it is not noise.
 
 # %%
@@ -267,7 +267,8 @@ if long_run is not None:
 # statistics pass each, `chunked._run_tiles`). `scripts/probe_loss_tiles.py` timed seven shapes and
 # the tile GEMMs alone, next to `cublas_1gemm` (`probe_loss_tiles.jsonl`). The prediction — squarer
 # tiles shed 1–3 % of GEMM shape loss — did not hold: no shape beats the shipped 2048 × 16384 by more
-# than the spread, the GEMMs alone run at 1.01–1.13× one GEMM and the statistics pass adds 5–8 %.
+# than the spread. The shipped tiles' GEMMs alone ran at 1.01 / 1.13 / 1.06× one GEMM (4096 / 8192 /
+# 32768 tokens), the whole pass at 1.12 / 1.14 / 1.13×.
 
 # %%
 tiles_path = measured_dir / "probe_loss_tiles.jsonl"
@@ -291,7 +292,7 @@ if tiles_path.exists():
 # gradient 4 % faster (18.2 ms), fusedkern's default not at all (19.7 ms, against 19.6–20.1) — so
 # there the default's ratio reads 1.15× interleaved against 1.05× sequential (1.08× and 1.06× to the
 # true-gradient floor), and it ties HF bf16 (19.7 ms each) instead of beating it by 4 %. At the
-# smallest size a ratio is good to about ±5–8 %; at the larger ones to a few per cent.
+# smallest size the two protocols put the same code up to 10 % apart; at 16384–32768 tokens 1–4 %.
 
 # %%
 interleaved = plotting.load_measured(measured_dir / "ce_interleaved.csv") if have else None
