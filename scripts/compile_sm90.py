@@ -49,12 +49,13 @@ def main() -> int:
     for on in (False, True):
         cases.append(("stats", ce_rows._row_stats_kernel, STATS_SIGNATURE,
                       dict(SPLIT=8, HAS_WEIGHT=on, HAS_SMOOTHING=on, HAS_SOFTCAP=on, FIND_TARGET=on)))
-    for split, compute_stats, write_grad, per_token, given in ((8, True, True, False, False), (1, False, True, True, False),
-                                                               (16, True, False, False, True)):
+    # forward with gradient · backward with per-token gradient · merge of a loss-only forward's tiles
+    for split, compute_stats, write_grad, per_token in ((8, True, True, False), (1, False, True, True),
+                                                        (16, True, False, False)):
         for on in (False, True):
             cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
                           dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
-                               PER_TOKEN_GRAD=per_token, TARGET_LOGIT_GIVEN=given)))
+                               PER_TOKEN_GRAD=per_token)))
     for name, kernel, signature, flags in cases:
         for config in ends:
             try:

@@ -201,6 +201,35 @@ def test_every_output_element_is_written(monkeypatch, dtype, chunk):
         assert torch.isfinite(stats).all() and rel_err(loss, ref) < (1e-6 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("options", ["plain", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_does_not_race_with_the_in_place_gradient(monkeypatch, options, reduction):
+    """The row kernel's finish pass runs SPLIT programs per row, each overwriting its slice of the
+    logits with ∂L/∂z. On the GPU they run concurrently, so the program that writes the loss may find
+    the target's column already holding a gradient (seen on the H200: a loss 1.0 off, right gradients,
+    `probe_overlap.jsonl`). The interpreter runs them in order and cannot race: here the target columns
+    are overwritten between the statistics and the finish launches, as a racing program would; the
+    loss must not change."""
+    from fusedkern.kernels import ce_rows as rows_mod
+    real_finish = rows_mod._launch_finish
+
+    def finish_after_a_racing_program(logits, target, *args, **kw):
+        if logits is not None and kw["grad"] is not None and kw["compute_stats"]:
+            rows = torch.nonzero((target >= 0) & (target < logits.shape[1])).flatten()
+            logits[rows, target[rows]] = 1e3
+        return real_finish(logits, target, *args, **kw)
+
+    monkeypatch.setattr(rows_mod, "_launch_finish", finish_after_a_racing_program)
+    opts = dict(OPTION_SETS[options])
+    x, w, y, b, cw = make_inputs(21, 16, 70, torch.float32, bias=opts.pop("bias", False),
+                                 weight=opts.pop("weight", False))
+    loss = fusedkern.linear_cross_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), y, linear_bias=b,
+                                          weight=cw, reduction=reduction, chunk_tokens=8, **opts)
+    ref = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, linear_bias=None if b is None else b.double(),
+                                              weight=None if cw is None else cw.double(), reduction=reduction, **opts)
+    assert rel_err(loss, ref) < 1e-5
+
+
 @pytest.mark.parametrize("options", list(OPTION_SETS))
 @pytest.mark.parametrize("tile", [(8, 16), (23, 64), (5, 130)], ids=["5-tiles", "one-chunk", "whole-rows"])
 def test_loss_only_vocabulary_tiles_match_fp64(options, tile):

@@ -181,7 +181,7 @@ def _row_stats_kernel(
             tl.store(target_logit_ptr + row, s_y)
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "TARGET_LOGIT_GIVEN"],
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
 @triton.jit
@@ -193,7 +193,7 @@ def _row_finish_kernel(
     log_sumexp_ptr,  # (C,) fp32 log Σ_v exp(s_v − m), so lse = m + log_sumexp: out / in like row_max
     partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
-    target_logit_ptr,  # (C,) fp32 s_y from the stats kernel (TARGET_LOGIT_GIVEN: the logits are gone)
+    target_logit_ptr,  # (C,) fp32 s_y, copied out by the stats kernel (COMPUTE_STATS; see `ce_rows`)
     class_weight_ptr,  # (V,) fp32 class weights w_v (HAS_WEIGHT)
     class_weight_sum_ptr,  # (1,) fp32 Σ_v w_v (HAS_WEIGHT)
     grad_ptr,  # fp32 upstream ∂L/∂ℓ_t: (C,) if PER_TOKEN_GRAD else (1,) shared by all tokens
@@ -206,7 +206,7 @@ def _row_finish_kernel(
     softcap,  # c in s = c·tanh(z/c) (HAS_SOFTCAP)
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, TARGET_LOGIT_GIVEN: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -230,11 +230,7 @@ def _row_finish_kernel(
     # relative error, while s − m is exact and log_d is small
     lse = m + log_d
 
-    # 2. The target's logit and class weight (ignored rows read index 0 and are masked below).
-    if TARGET_LOGIT_GIVEN:
-        s_y = tl.load(target_logit_ptr + row)
-    else:
-        s_y = _softcapped(tl.load(row_ptr + safe_target).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
+    # 2. The target's class weight (ignored rows read index 0 and are masked below).
     if HAS_WEIGHT:
         w_y = tl.load(class_weight_ptr + safe_target)
         w_sum = tl.load(class_weight_sum_ptr)
@@ -244,7 +240,9 @@ def _row_finish_kernel(
 
     if COMPUTE_STATS:
         if split == 0:
-            # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²
+            # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²; s_y from the stats kernel:
+            # read here from the logits it could already be another program's gradient (see `ce_rows`)
+            s_y = tl.load(target_logit_ptr + row)
             ws = tl.sum(tl.load(partial_wsum_ptr + parts), axis=0)
             loss = (1.0 - label_smoothing) * w_y * ((m - s_y) + log_d)
             loss += (label_smoothing / V) * (w_sum * lse - ws)
@@ -332,13 +330,20 @@ def ce_rows(
     span = _span(V, split)
     if compute_stats:
         parts = torch.empty((3, C, split), device=logits.device, dtype=torch.float32)
-        _launch_stats(logits, parts, split, span, col_base=0, target=None, target_logit=None,
+        # The statistics kernel copies out the target's logit s_y for the loss. The finish kernel must not
+        # read it from the logits: its SPLIT programs of one row run concurrently and overwrite their
+        # slices with the gradient in place, so the program writing the loss could read ∂L/∂z_y instead of
+        # z_y (a wrong loss, right gradients — seen on the H200 under a concurrent stream,
+        # probe_overlap.jsonl). 0 for ignored rows (masked out of the loss anyway).
+        target_logit = torch.zeros(C, device=logits.device, dtype=torch.float32)
+        _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
                       class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing)
-    else:
+    else:  # no loss: s_y is not needed
         parts = (dummy, dummy, dummy)
+        target_logit = None
     write_grad = grad is not None
-    _launch_finish(logits, target, None, parts, (C, split if write_grad else 1), split, span, loss=loss, stats=stats,
-                   class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
+    _launch_finish(logits, target, target_logit, parts, (C, split if write_grad else 1), split, span, loss=loss,
+                   stats=stats, class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
                    ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                    compute_stats=compute_stats, per_token_grad=per_token_grad)
 
@@ -419,15 +424,18 @@ def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit,
 def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
                    class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
                    per_token_grad, vocab=None) -> None:
+    """logits: the [C, V] chunk, or None when merging tile partials (then `vocab` gives V).
+    target_logit: s_y per row from the statistics kernel, needed when the loss is computed (never read
+    from the logits: see `ce_rows`); None otherwise."""
     dummy = stats  # any fp32 tensor: never read when its flag is off
-    given = target_logit is not None
     write_grad = grad is not None
+    assert target_logit is not None or not compute_stats
     _row_finish_kernel[grid](
-        dummy if given else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
-        parts[2], target, target_logit if given else dummy, dummy if class_weight is None else class_weight,
+        dummy if logits is None else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
+        parts[2], target, dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
-        vocab if given else logits.shape[1], 0 if given else logits.stride(0), span,
+        vocab if logits is None else logits.shape[1], 0 if logits is None else logits.stride(0), span,
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
         COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
-        TARGET_LOGIT_GIVEN=given, USE_LIBDEVICE=not interpreting())
+        USE_LIBDEVICE=not interpreting())
