@@ -246,9 +246,10 @@ if probe_host_path.exists():
 # %% [markdown]
 # ## The lean mode against Liger-Kernel at 32768 tokens
 #
-# Both accumulate dW in bf16 over 1024-token chunks at ~251 MiB; at 32768 tokens Liger 0.8.5 was the
-# faster of the two in the final run. A longer re-run of the largest size (`ce_32k_long.csv`: 18–19
-# reps per provider) checks that it is not noise.
+# Both accumulate dW in bf16 over 1024-token chunks at ~251 MiB. At 32768 tokens Liger 0.8.5 was
+# 1.5–3 % faster in the earlier runs (`ce_callK.csv`: 167.6 against 172.1 ms), and a longer re-run of
+# that size (`ce_32k_long.csv`: 18–19 reps per provider, below) kept it ahead: 164.2 against
+# 166.8 ms. In the final run (`ce_final.csv`, 5–6 reps) the two tie: 167.0 against 167.3 ms.
 
 # %%
 long_path = measured_dir / "ce_32k_long.csv"
@@ -268,7 +269,8 @@ if long_run is not None:
 # the tile GEMMs alone, next to `cublas_1gemm` (`probe_loss_tiles.jsonl`). The prediction — squarer
 # tiles shed 1–3 % of GEMM shape loss — did not hold: no shape beats the shipped 2048 × 16384 by more
 # than the spread. The shipped tiles' GEMMs alone ran at 1.01 / 1.13 / 1.06× one GEMM (4096 / 8192 /
-# 32768 tokens), the whole pass at 1.12 / 1.14 / 1.13×.
+# 32768 tokens), the whole pass at 1.12 / 1.14 / 1.13×. Running each tile's statistics on a second
+# stream beside the next tile's GEMM (double-buffered, notebook 07's last section) did not help.
 
 # %%
 tiles_path = measured_dir / "probe_loss_tiles.jsonl"
@@ -285,14 +287,17 @@ if tiles_path.exists():
 # Every table above times one provider after the other at each size, the floor first. On the H200 a
 # GEMM's speed follows the GPU's power and temperature, which change over seconds of load and with
 # what ran just before. `python -m fusedkern.bench --interleave` alternates the providers' reps
-# instead (round r starts at provider r mod n), so all see the same conditions. The last device call
-# of the session re-ran six providers that way (`ce_interleaved.csv`). At 16384–32768 tokens the
-# two protocols agree within 1–4 %; at 4096 tokens (20 ms steps) the floor on random G ran 10 %
-# faster interleaved than in any sequential run (17.1 ms, against 18.9–19.1), its twin on the true
-# gradient 4 % faster (18.2 ms), fusedkern's default not at all (19.7 ms, against 19.6–20.1) — so
-# there the default's ratio reads 1.15× interleaved against 1.05× sequential (1.08× and 1.06× to the
-# true-gradient floor), and it ties HF bf16 (19.7 ms each) instead of beating it by 4 %. At the
-# smallest size the two protocols put the same code up to 10 % apart; at 16384–32768 tokens 1–4 %.
+# instead (round r starts at provider r mod n), so all see the same conditions. Call L re-ran six
+# providers that way over every size (`ce_interleaved.csv`, before the loss fix of call O, which
+# changes no timing-relevant work). At 16384–32768 tokens the two protocols agree within 1–4 %; at
+# 4096 tokens (20 ms steps) the floor on random G ran 10 % faster interleaved than in any sequential
+# run (17.1 ms, against 18.9–19.1), its twin on the true gradient 4 % faster (18.2 ms), fusedkern's
+# default not at all (19.7 ms, against 19.6–20.5) — so there the default's ratio read 1.15×
+# interleaved against 1.08× sequential in the final run (1.08× to the true-gradient floor in both),
+# and it tied HF bf16 (19.7 ms each). Call P repeated 4096 and 8192 tokens interleaved with the
+# shipped code (`ce_interleaved_4k8k.csv`, last table): default 1.12 / 1.08×, HF bf16 1.18 / 1.15×,
+# lean 1.20 / 1.16×, Liger 0.8.5 2.61 / 1.53×. At the smallest size the two protocols put the same
+# code up to 10 % apart; at 16384–32768 tokens 1–4 %.
 
 # %%
 interleaved = plotting.load_measured(measured_dir / "ce_interleaved.csv") if have else None
@@ -310,3 +315,12 @@ if interleaved is not None and final is not None:
     fig = plotting.protocol_figure(final, interleaved, floors=["cublas_3gemm", "cublas_3gemm_real_grad"],
                                    caption=protocol_caption)
     display(plotting.save_figure(fig, figures_dir / "04_protocol"))
+
+# %%
+recheck_path = measured_dir / "ce_interleaved_4k8k.csv"
+recheck = plotting.load_measured(recheck_path) if have and recheck_path.exists() else None
+if recheck is not None:
+    print(plotting.provenance(recheck.attrs["meta"], f"data/measured/{gpu}/ce_interleaved_4k8k.csv"))
+    recheck_full = plotting.pivot(recheck, "full")
+    display(pd.concat({f"interleaved, × {floor}": recheck_full / recheck_full.loc[floor]
+                       for floor in ("cublas_3gemm", "cublas_3gemm_real_grad")}, axis=1).round(3))

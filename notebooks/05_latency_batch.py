@@ -157,13 +157,15 @@ if have:
 # ## Both floors, and the interleaved protocol
 #
 # `simpo_final.csv` also timed the three GEMMs on the true gradient (`cublas_3gemm_real_grad`:
-# SimPO's prompt rows are zeros, and the H200's GEMMs run faster on them). The last device call
+# SimPO's prompt rows are zeros, and the H200's GEMMs run faster on them). An earlier device call
 # re-ran six providers with their reps interleaved (`--interleave`, notebook 04's last section);
-# its 60 s cap stopped it after batch 4 (`simpo_interleaved.csv`). Interleaved, the random-G floor
-# ran 8–10 % faster than in the sequential run (8.8 / 17.2 ms against 9.6 / 19.1) and fusedkern's
-# default 4 % / 1 % faster, so its ratio rose from 1.03 / 1.00× to 1.08 / 1.10× (1.09 / 1.10× to the
-# true-gradient floor); the lean mode's from 1.25 / 1.24× to 1.32 / 1.42×, Liger's from 1.52 / 1.36×
-# to 1.46 / 1.47×. The default stays the fastest at both sizes.
+# its 60 s cap stopped it after batch 4 (`simpo_interleaved.csv`, call L: before the loss fix of
+# call O, which adds one tiny store per row and no timing-relevant work). Interleaved, the random-G
+# floor ran 6–9 % faster than in the sequential final run (8.8 / 17.2 ms against 9.4 / 19.0) while
+# fusedkern's default ran the same (9.5 / 18.9 ms against 9.4 / 19.1), so its ratio reads
+# 1.08 / 1.10× interleaved against 1.01 / 1.01× sequential (1.09 / 1.10× and 1.05 / 1.06× to the
+# true-gradient floor); the lean mode's 1.32 / 1.42× against 1.24 / 1.23×, Liger's 1.46 / 1.47×
+# against 1.66 / 1.36×. The default is the fastest at both sizes in both protocols.
 
 # %%
 final_path = data_dir / "measured" / gpu / "simpo_final.csv"

@@ -111,9 +111,9 @@ if have:
 # `scripts/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
 # chunk's size, the dW GEMM accumulating (β = 1) into a bf16 or an fp32 dW instead of writing it,
 # and the row kernel. Adding the pieces predicts the sweep's ratios well — lean (C = 1024, bf16)
-# 1.10× against 1.10–1.14× measured (1.10–1.12× in `ce_final.csv`, after the host waits were
-# removed); default beyond 9216 tokens (C = 4096, fp32) 1.07× against 1.07× (1.06–1.10× in
-# `ce_final.csv`) — so these two surcharges *are* the remaining gap to the floor. The row kernel streams the
+# 1.10× against 1.10–1.14× measured (1.09–1.11× in `ce_final.csv`, after the host waits were
+# removed); default beyond 9216 tokens (C = 4096, fp32) 1.07× against 1.07× (1.07× at 16384 and
+# 32768 tokens in `ce_final.csv`) — so these two surcharges *are* the remaining gap to the floor. The row kernel streams the
 # chunk three times (read for the statistics, read + write for the gradient) at ~3.5 TB/s, close to
 # what a device-to-device copy reaches (~3.8–4.1 TB/s in the same probe), so no layout of it can win
 # much: the probe's alternatives (other row splits, one program per row with the second pass in
@@ -131,3 +131,41 @@ if probe_path.exists():
     display(plotting.save_figure(fig, figures_dir / "07_chunk_cost"))
 else:
     print(f"Not measured yet: {probe_path.as_posix()} (run scripts/probe_rows.py on a GPU)")
+
+# %% [markdown]
+# ## Hiding the row kernel under a GEMM: a second CUDA stream
+#
+# The row kernel is memory-bound and the GEMMs compute-bound, so running one beside the other looks
+# free. `scripts/probe_overlap.py` tried it on the H200 (`probe_overlap.jsonl`). The prediction,
+# written before the run: a large cuBLAS GEMM holds every SM's registers and shared memory, so a
+# second kernel's blocks find room only at the GEMM's wave tails — at most 30 % of the row kernel
+# hidden, ≤ 1.5 % of a chunk. Measured: nothing hidden at all. A 4096-token logits GEMM and a row
+# kernel launched together on two streams took the sum of their times; a chunk split in halves (each
+# half's row kernel beside the other half's GEMM) ran within the spread of the shipped order; the
+# loss-only pass with double-buffered tiles was at best level with the shipped tiles. The same probe
+# found a race in the row kernel: the loss of a row could read the target's logit after another
+# program of the row had overwritten it with its gradient (`chunk_check`: a loss 1.0 off with
+# identical gradients). The statistics kernel now copies that logit out first; after the fix the two
+# orders agree to 2e-6 (`probe_overlap_after_fix.jsonl`).
+
+# %%
+overlap_path = measured / "probe_overlap.jsonl"
+if overlap_path.exists():
+    overlap = pd.read_json(overlap_path, lines=True)
+    after_path = measured / "probe_overlap_after_fix.jsonl"
+    runs = {"before the fix": overlap} | ({"after the fix": pd.read_json(after_path, lines=True)}
+                                         if after_path.exists() else {})
+    print("one 4096-token logits GEMM and one row kernel over a [4096, V] chunk, alone and on two streams:")
+    display(overlap[overlap.what.isin(["gemm_alone", "rows_alone", "gemm_and_rows_two_streams"])]
+            .set_index("what")[["ms_p50", "ms_p20", "ms_p80"]].round(3))
+    for name, run in runs.items():
+        chunk_rows = run[run.what.str.startswith("chunk_") & (run.what != "chunk_check")]
+        print(f"one chunk, shipped order vs split in halves on two streams ({name}):")
+        display(chunk_rows.set_index(["C", "what"])[["ms_p50", "ms_p20", "ms_p80"]].round(3))
+        print(f"same chunk, the two orders' results compared ({name}):")
+        display(run[run.what == "chunk_check"].set_index("C")[["max_loss_diff", "max_dx_diff", "max_dw_diff"]])
+    loss_rows = overlap[overlap.what.str.startswith("loss_") & (overlap.what != "loss_cublas_1gemm")]
+    print("loss only, × cublas_1gemm of the same process:")
+    display(loss_rows.pivot_table(index="what", columns="T", values="ratio", sort=False).round(3))
+else:
+    print(f"Not measured yet: {overlap_path.as_posix()} (run scripts/probe_overlap.py on a GPU)")

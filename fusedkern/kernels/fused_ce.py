@@ -52,7 +52,7 @@ Where the time goes (H200, bf16, T=32768, H=4096, V=128256; one GEMM = 2·T·V·
     total     ≥ 4 GEMMs (one pass: ≥ 1.33× three GEMMs) or ≥ 5 (two passes, the 16 MiB default:
               ≥ 1.67×) at tensor-core speed, plus the atomics, which the L2's atomic throughput
               rather than the tensor cores may bound. Measured on the H200 (data/measured/h200/):
-              3.8–4.0× the three cuBLAS GEMMs at 4096–32768 tokens. The 1.5× goal is out of reach of
+              3.9–4.1× the three cuBLAS GEMMs at 4096–32768 tokens. The 1.5× goal is out of reach of
               this design under 16 MiB (4 GEMMs need fp32 [T, H] scratch or low-precision
               accumulation); the chunked strategy is the fast one.
     memory    forward: 16·n_split·T bytes of partials (within the same budget) + 8·T outputs.
