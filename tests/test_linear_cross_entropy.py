@@ -295,6 +295,29 @@ def test_gpu_bf16_realistic(impl, options, reduction):
 
 
 @pytest.mark.gpu
+def test_gpu_loss_does_not_race_beside_another_stream():
+    """`test_loss_does_not_race_with_the_in_place_gradient` where the race happened: on the GPU, with a
+    GEMM on a second stream making the row kernel's scheduling irregular (how `probe_overlap.py` caught
+    it). The forward + backward's loss and a loss-only pass round the same bf16 logits, so a raced row
+    (its loss off by about a logit) would show as a gap of ~1/T in the mean; rounding alone is ~1e-7."""
+    x, w, y, _, _ = make_inputs(8192, 1024, 32768, torch.bfloat16, ignore_frac=0.0, device="cuda", seed=3)
+    side = torch.cuda.Stream()
+    busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        loss_only = fusedkern.linear_cross_entropy(x, w, y, chunk_tokens=2048)  # no in-place gradient
+    gaps = []
+    for _ in range(20):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                torch.mm(busy, busy)
+        loss = fusedkern.linear_cross_entropy(x, w.clone().requires_grad_(), y, chunk_tokens=2048)
+        gaps.append((loss - loss_only).abs().item())
+    torch.cuda.synchronize()
+    assert max(gaps) < 1e-5, gaps
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [None, 2048], ids=["one-chunk", "buffer-in-dW-storage"])
 def test_gpu_default_plan_bf16(chunk):
     """The default mode's two plans at H = 4096: one chunk without accumulator, and 8 chunks whose
