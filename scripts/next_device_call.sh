@@ -3,14 +3,13 @@
 #
 #   scripts/next_device_call.sh OUTDIR
 #
-# 1. the fused strategy's GPU tests (`tests/test_fused_ce.py -m gpu`): they autotune every config
-#    on first use and need more than the 150 s that the last sessions' calls gave them; the fused
-#    kernels are unchanged since they last passed, but the target range check around them is new
-#    (out-of-range targets are now read as column 0 by the kernels, then raise on the host)
-# 2. the rest of the GPU tests, whole (the last call ran them file by file), among them one never
-#    run yet: test_gpu_chunked_step_never_waits_for_the_gpu (PyTorch's sync debug mode around a step)
-# 3. the SimPO generic path after the review's single validation (7b73ccd), with its floor
-# The tables of README.md come from ce_final.csv / simpo_final.csv (call K), which measured the
+# 1. the fused strategy's GPU tests (`tests/test_fused_ce.py -m gpu`, ~120 s: they autotune every
+#    config on first use) at the final commit; they last passed at 98aebe3 (call M), and the fused
+#    kernels are unchanged since, but the row kernels they share a module with are not
+# 2. the rest of the GPU tests, whole (call P ran them at 5192267, call Q the race guard added after)
+# 3. SimPO at batch 8 and 16 with the providers' reps interleaved: `simpo_interleaved.csv` (call L)
+#    stopped after batch 4
+# The tables of README.md come from ce_final.csv / simpo_final.csv (call O), which measured the
 # package code as shipped; `scripts/h200_measure.sh` re-measures everything.
 set -uo pipefail
 out="${1:?usage: scripts/next_device_call.sh OUTDIR}"
@@ -21,6 +20,9 @@ timeout 300 python3 -m pytest -m gpu tests/test_fused_ce.py -q -p no:xdist -o ad
     | tail -20 | tee "$out/gpu_tests_fused.log"
 timeout 180 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" --ignore=tests/test_fused_ce.py 2>&1 \
     | tail -20 | tee "$out/gpu_tests_rest.log"
-timeout 90 python3 -m fusedkern.bench simpo --batch 2 4 --modes full --no-progress \
-    --providers cublas_3gemm fusedkern_generic fusedkern_chunked --out "$out/simpo_generic.csv" 2>&1 | tail -6
+site_liger=/tmp/site_liger085  # the competitors travel as wheels (scripts/fetch_wheels.sh)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site_liger" .whl/liger085/*.whl .whl/cce/*.whl
+PYTHONPATH="$site_liger:$PYTHONPATH" timeout 120 python3 -m fusedkern.bench simpo --batch 8 16 --modes full --interleave --no-progress \
+    --providers cublas_3gemm cublas_3gemm_real_grad fusedkern_chunked fusedkern_chunked_lean fusedkern_chunked_lean_c2048 \
+    liger --out "$out/simpo_interleaved_8_16.csv" 2>&1 | tail -8
 ls -l "$out"
