@@ -3,10 +3,12 @@
 The chunked strategy lets cuBLAS form a bounded chunk of logits [C, V] (C tokens); each row is then
 split into SPLIT slices so that C·SPLIT programs keep enough loads in flight (one program per row of
 250 KB was latency-bound at ~2.3 TB/s on the H200). Kernel 1 (`_row_stats_kernel`) streams each slice
-once for a partial online max / sum-exp (and the label-smoothing sum). Kernel 2
-(`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a gradient is wanted,
-streams its slice again and overwrites it *in place* with ∂L/∂z, so the same buffer feeds the dX and
-dW GEMMs. Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
+once for a partial online max / sum-exp (and the label-smoothing sum), and copies out the target's
+logit. Kernel 2 (`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a
+gradient is wanted, streams its slice again and overwrites it *in place* with ∂L/∂z, so the same
+buffer feeds the dX and dW GEMMs. A row's SPLIT programs of kernel 2 run concurrently, so none of
+them may read the row outside its own slice: the loss takes s_y from kernel 1's copy (reading it
+from the row raced with the slice that holds it — a wrong loss on the H200, `ce_rows`). Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
 GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `scripts/probe_rows.py`) in exchange for
 cuBLAS-speed GEMMs and a buffer that does not grow with the number of tokens. Math: docs/design.md.
 
