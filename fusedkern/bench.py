@@ -32,8 +32,8 @@ import shlex
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -804,7 +804,7 @@ def run_sweep(
                         checkpoint(rows)
             del inputs
             _free_memory(device)
-            if checkpoint is not None:
+            if interleave and checkpoint is not None:  # sequential runs checkpoint after each provider
                 checkpoint(rows)
     return rows
 

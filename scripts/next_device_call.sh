@@ -6,7 +6,9 @@
 # 1. the fused strategy's GPU tests (`tests/test_fused_ce.py -m gpu`, ~120 s: they autotune every
 #    config on first use) at the final commit; they last passed at 98aebe3 (call M), and the fused
 #    kernels are unchanged since, but the row kernels they share a module with are not
-# 2. the rest of the GPU tests, whole (call P ran them at 5192267, call Q the race guard added after)
+# 2. the rest of the GPU tests, whole (call P ran them at 5192267, call Q the race guard added after);
+#    since then `ce_rows` leaves its copy of the target logits uninitialized (no zero fill): the race
+#    guard and the bf16 checks have not run on that
 # 3. SimPO at batch 8 and 16 with the providers' reps interleaved: `simpo_interleaved.csv` (call L)
 #    stopped after batch 4
 # The tables of README.md come from ce_final.csv / simpo_final.csv (call O), which measured the

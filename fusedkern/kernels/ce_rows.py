@@ -8,7 +8,8 @@ logit. Kernel 2 (`_row_finish_kernel`) merges a row's partials into its lse and 
 gradient is wanted, streams its slice again and overwrites it *in place* with ∂L/∂z, so the same
 buffer feeds the dX and dW GEMMs. A row's SPLIT programs of kernel 2 run concurrently, so none of
 them may read the row outside its own slice: the loss takes s_y from kernel 1's copy (reading it
-from the row raced with the slice that holds it — a wrong loss on the H200, `ce_rows`). Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
+from the row raced with the slice holding it: a wrong loss on the H200, `probe_overlap.jsonl`).
+Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
 GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `scripts/probe_rows.py`) in exchange for
 cuBLAS-speed GEMMs and a buffer that does not grow with the number of tokens. Math: docs/design.md.
 
@@ -336,8 +337,9 @@ def ce_rows(
         # read it from the logits: its SPLIT programs of one row run concurrently and overwrite their
         # slices with the gradient in place, so the program writing the loss could read ∂L/∂z_y instead of
         # z_y (a wrong loss, right gradients — seen on the H200 under a concurrent stream,
-        # probe_overlap.jsonl). 0 for ignored rows (masked out of the loss anyway).
-        target_logit = torch.zeros(C, device=logits.device, dtype=torch.float32)
+        # probe_overlap.jsonl). Rows whose target lies in no slice (ignored; out of range, which the host
+        # raises on) are left unwritten: their loss is masked to 0 by `is_valid`, so no fill is needed.
+        target_logit = torch.empty(C, device=logits.device, dtype=torch.float32)
         _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
                       class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing)
     else:  # no loss: s_y is not needed
