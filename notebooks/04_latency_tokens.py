@@ -295,7 +295,7 @@ if tiles_path.exists():
 # default not at all (19.7 ms, against 19.6–20.5) — so there the default's ratio read 1.15×
 # interleaved against 1.08× sequential in the final run (1.08× to the true-gradient floor in both),
 # and it tied HF bf16 (19.7 ms each). Call P repeated 4096 and 8192 tokens interleaved with the
-# shipped code (`ce_interleaved_4k8k.csv`, last table): default 1.12 / 1.08×, HF bf16 1.18 / 1.15×,
+# race fix of 5192267 (`ce_interleaved_4k8k.csv`, last table): default 1.12 / 1.08×, HF bf16 1.18 / 1.15×,
 # lean 1.20 / 1.16×, Liger 0.8.5 2.61 / 1.53×. At the smallest size the two protocols put the same
 # code up to 10 % apart; at 16384–32768 tokens 1–4 %.
 
