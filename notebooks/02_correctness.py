@@ -346,13 +346,14 @@ if acc is not None:
 # ## A race the interpreter cannot show
 #
 # The row kernel's finish pass runs several programs per row; each overwrites its slice of the logits
-# with ∂L/∂z, in place. Until call O the program that writes the row's loss read the target's logit
+# with ∂L/∂z, in place. Until commit 5192267 the program that writes the row's loss read the target's logit
 # from the row itself — on the GPU, sometimes after the program owning that column had already
 # overwritten it. The gradients were never affected, only a few rows' loss, and Triton's interpreter
 # runs a row's programs in order, so no CPU test could fail. The benchmark's own numbers show it: the
 # mean loss of a forward + backward (`full`) and of a loss-only pass (separate kernels, no in-place
 # write) must agree exactly, since both round the same bf16 logits. Below, their difference summed
-# over the tokens, in the last run before the fix (`ce_callK.csv`) and after it (`ce_final.csv`): an
+# over the tokens, in the last run before the fix (`ce_callK.csv`) and the two after it
+# (`ce_callO.csv`, `ce_final.csv`): an
 # O(1) sum is one or two rows off by about a logit. The statistics kernel now copies the target's
 # logit out before any gradient is written, and `tests/test_linear_cross_entropy.py::
 # test_loss_does_not_race_with_the_in_place_gradient` overwrites the target columns between the two
@@ -360,7 +361,7 @@ if acc is not None:
 
 # %%
 race_rows = {}
-for run_name in ("ce_callK", "ce_final"):
+for run_name in ("ce_callK", "ce_callO", "ce_final"):
     run_path = data_dir / "measured" / gpu / f"{run_name}.csv"
     if run_path.exists():
         run = pd.read_csv(run_path)

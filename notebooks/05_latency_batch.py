@@ -157,19 +157,25 @@ if have:
 # ## Both floors, and the interleaved protocol
 #
 # `simpo_final.csv` also timed the three GEMMs on the true gradient (`cublas_3gemm_real_grad`:
-# SimPO's prompt rows are zeros, and the H200's GEMMs run faster on them). An earlier device call
-# re-ran six providers with their reps interleaved (`--interleave`, notebook 04's last section);
-# its 60 s cap stopped it after batch 4 (`simpo_interleaved.csv`, call L: before the loss fix of
-# call O, which adds one tiny store per row and no timing-relevant work). Interleaved, the random-G
-# floor ran 6–9 % faster than in the sequential final run (8.8 / 17.2 ms against 9.4 / 19.0) while
-# fusedkern's default ran the same (9.5 / 18.9 ms against 9.4 / 19.1), so its ratio reads
-# 1.08 / 1.10× interleaved against 1.01 / 1.01× sequential (1.09 / 1.10× and 1.05 / 1.06× to the
-# true-gradient floor); the lean mode's 1.32 / 1.42× against 1.24 / 1.23×, Liger's 1.46 / 1.47×
-# against 1.66 / 1.36×. The default is the fastest at both sizes in both protocols. Call R added
-# batch 8 interleaved (`simpo_interleaved_8_16.csv`; its cap stopped it before batch 16): there the
-# random-G floor ran 34.2 ms against 37.4 sequential — and 8 % faster than its true-gradient twin,
-# the reverse of every other run — so the default reads 1.14× (1.05× to the true-gradient floor),
-# level with the lean mode at `chunk_tokens=2048` (39.2 against 39.1 ms); lean 1.43×, Liger 1.45×.
+# SimPO's prompt rows are zeros, and the H200's GEMMs run faster on them). Two device calls re-ran
+# six providers with their reps interleaved (`--interleave`, notebook 04's last section): call L at
+# batch 2 / 4 (`simpo_interleaved.csv`; its 60 s cap stopped it there, before the loss fix of
+# 5192267, which changes no timing-relevant work), call S at batch 8 / 16 with the final code
+# (`simpo_interleaved_8_16.csv`). Interleaved, the random-G floor ran 3–9 % faster than in the
+# sequential final run (8.8 / 17.2 / 33.4 / 71.5 ms against 9.0 / 18.6 / 36.8 / 75.5) while
+# fusedkern's default did not (9.5 / 18.9 / 38.5 / 81.1 ms against 9.3 / 18.4 / 36.3 / 78.5), so
+# its ratio reads 1.08 / 1.10 / 1.15 / 1.13× interleaved against 1.03 / 0.99 / 0.99 / 1.04×
+# sequentially. At batch 8 / 16 the interleaved random-G floor even ran 10 / 5 % faster than its
+# true-gradient twin, the reverse of every sequential run; to that twin the default reads
+# 1.05 / 1.08×. The lean mode (1024-token chunks, 3.5 GEMMs) reads 1.32 / 1.42 / 1.43 / 1.33×
+# interleaved against 1.27 / 1.21 / 1.24 / 1.22×, and Liger 0.8.5 1.46 / 1.47 / 1.44 / 1.33×
+# against 1.68 / 1.47 / 1.36 / 1.27×: interleaved, the lean mode and Liger tie at batch 8 and 16
+# (47.7 against 48.2 ms, 95.0 against 95.0), with 251 against 2021 MiB. The default is faster than
+# every other implementation at every batch in both protocols; at batch 16 our own lean mode with
+# `chunk_tokens=2048` beats it in both (75.7 against 78.5 ms sequential, 78.0 against 81.1
+# interleaved): there the default's fp32 dW accumulator costs a read-modify-write per 4096-token
+# chunk that bf16 accumulation over 2048-token chunks does not pay, for 2.4× the dW error (cross-entropy
+# at 32768 tokens, `accuracy.csv`: 4.12e-3 against 1.68e-3; notebook 07).
 
 # %%
 final_path = data_dir / "measured" / gpu / "simpo_final.csv"

@@ -111,9 +111,10 @@ if have:
 # `scripts/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
 # chunk's size, the dW GEMM accumulating (β = 1) into a bf16 or an fp32 dW instead of writing it,
 # and the row kernel. Adding the pieces predicts the sweep's ratios well — lean (C = 1024, bf16)
-# 1.10× against 1.10–1.14× measured (1.09–1.11× in `ce_final.csv`, after the host waits were
-# removed); default beyond 9216 tokens (C = 4096, fp32) 1.07× against 1.07× (1.07× at 16384 and
-# 32768 tokens in `ce_final.csv`) — so these two surcharges *are* the remaining gap to the floor. The row kernel streams the
+# 1.10× against 1.10–1.14× measured (1.08–1.10× in `ce_final.csv`, after the host waits were
+# removed); default beyond 9216 tokens (C = 4096, fp32) 1.07× against 1.07× (1.07 / 1.06× at 16384
+# and 32768 tokens in `ce_final.csv`) — so these two surcharges *are* the remaining gap to the
+# floor. The row kernel streams the
 # chunk three times (read for the statistics, read + write for the gradient) at ~3.5 TB/s, close to
 # what a device-to-device copy reaches (~3.8–4.1 TB/s in the same probe), so no layout of it can win
 # much: the probe's alternatives (other row splits, one program per row with the second pass in
