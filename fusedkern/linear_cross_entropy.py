@@ -246,7 +246,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
             backward) or "auto" ("chunked" unless its buffers do not fit free GPU memory).
         weight_grad_accum: "fp32" (dW accumulated across chunks in one fp32 [V, H] buffer: no loss of
             precision with many tokens) or "weight_dtype" (memory-lean: accumulate in the weight's dtype).
-        chunk_tokens: tokens per chunk (default: largest multiple of 64 keeping the buffer ≤ 256 MiB).
+        chunk_tokens: tokens per chunk. Default (`chunk_plan.grad_chunk_plan`): with fp32 dW accumulation,
+            all tokens in one chunk while the buffer fits the accumulator's allowance (9216 tokens at
+            V = 128256, H = 4096), else chunks of H tokens inside dW's own storage; in lean mode, for an
+            fp32 weight or without dW, the largest multiple of 64 keeping the buffer ≤ 256 MiB.
 
     Returns:
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
