@@ -47,7 +47,11 @@ def check_kernel_device(name: str, value: torch.Tensor) -> None:
 
 
 def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Each of `others` is None or a tensor on `reference`'s device (a non-tensor is a TypeError here,
+    before anything reads its `.device`)."""
     for name, t in others.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if t is not None and t.device != reference.device:
             raise ValueError(f"{name} must be on the same device as {reference_name} ({reference.device}), got {t.device}")
 

@@ -1,10 +1,12 @@
-"""Compile the row kernels for the H200 (sm_90) on a machine without a GPU.
+"""Compile the Triton kernels for the H200 (sm_90) on a machine without a GPU.
 
 The CPU test suite runs the kernels through Triton's interpreter, which never lowers them: an op the
 GPU backend rejects, or a config that spills past the register file, would pass CI and fail on the
 first GPU call. This lowers `ce_rows`' two kernels through Triton's NVIDIA backend down to a cubin
-(ptxas ships with Triton) for the smallest and largest autotune block, with every option flag off
-and on. Prints one line per kernel; exits non-zero on the first failure.
+(ptxas ships with Triton) for the smallest and largest autotune block, and the fused strategy's
+forward and backward (`fused_ce`, bf16, the first autotune config: the one the H200 picks) in each
+launch mode, with every option flag off and on. Prints one line per kernel; exits non-zero on the
+first failure.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py      (tests/test_compile_sm90.py runs it)
 """
@@ -17,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows  # noqa: E402
+from fusedkern.kernels import ce_rows, fused_ce  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -35,10 +37,41 @@ FINISH_SIGNATURE = {
 }
 
 
+FUSED_FWD_SIGNATURE = {
+    "part_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*i64", "cw_ptr": "*fp32",
+    "T": "i32", "V": "i32", "H": "i32", "N_SPLIT": "i32", "SPLIT_V": "i32", "T_BUCKET": "i32",
+    "stride_xt": "i32", "stride_xh": "i32", "stride_wv": "i32", "stride_wh": "i32", "stride_b": "i32",
+    "stride_pk": "i32", "stride_ps": "i32", "SOFTCAP": "fp32",
+}
+FUSED_BWD_SIGNATURE = {
+    "dx_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+    "y_ptr": "*i64", "cw_ptr": "*fp32", "row_max_ptr": "*fp32", "log_sumexp_ptr": "*fp32", "coef_ptr": "*fp32",
+    "T": "i32", "V": "i32", "H": "i32", "T_START": "i32", "T_END": "i32", "V_START": "i32", "V_END": "i32",
+    "T_BUCKET": "i32", "MODE": "i32", "stride_xt": "i32", "stride_xh": "i32", "stride_wv": "i32", "stride_wh": "i32",
+    "stride_b": "i32", "stride_dxt": "i32", "stride_dwv": "i32", "IGNORE_INDEX": "i64", "SOFTCAP": "fp32",
+}
+
+
+def fused_cases() -> list:
+    """(name, kernel, signature, flags, config) of the fused strategy: forward with every option off and
+    on; backward in its three launch modes (dX pass, dW pass, single pass storing dW) off and on."""
+    fwd_config, bwd_config = fused_ce._fwd_configs(False)[0], fused_ce._bwd_configs(False)[0]
+    cases = []
+    for on in (False, True):
+        options = dict(HAS_BIAS=on, HAS_SOFTCAP=on, HAS_WEIGHT=on, HAS_SMOOTHING=on, DOT_PRECISION="tf32")
+        cases.append(("fused_fwd", fused_ce._fused_ce_fwd_kernel, FUSED_FWD_SIGNATURE, options, fwd_config))
+        for dx, dw, store in ((True, False, False), (False, True, False), (True, True, True)):
+            cases.append(("fused_bwd", fused_ce._fused_ce_bwd_kernel, FUSED_BWD_SIGNATURE,
+                          dict(options, COMPUTE_DX=dx, COMPUTE_DW=dw, COMPUTE_DB=on, GRAD_W_STORE=store, GROUP_T=8),
+                          bwd_config))
+    return cases
+
+
 def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config) -> None:
     constexprs = {**constexprs, **config.kwargs, "USE_LIBDEVICE": True}
     full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(fn=kernel.fn, signature=full_signature, constexprs=constexprs)
+    jit_fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # autotuned kernels wrap it
+    source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=constexprs)
     triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
 
 
@@ -56,14 +89,14 @@ def main() -> int:
             cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
                           dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
                                PER_TOKEN_GRAD=per_token)))
-    for name, kernel, signature, flags in cases:
-        for config in ends:
-            try:
-                compile_one(kernel, signature, flags, config)
-            except Exception as error:  # noqa: BLE001  (report which variant, then fail)
-                print(f"FAILED {name} {flags} {config}: {type(error).__name__}: {error}", flush=True)
-                return 1
-            print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}", flush=True)
+    runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
+    for name, kernel, signature, flags, config in runs + fused_cases():
+        try:
+            compile_one(kernel, signature, flags, config)
+        except Exception as error:  # noqa: BLE001  (report which variant, then fail)
+            print(f"FAILED {name} {flags} {config}: {type(error).__name__}: {error}", flush=True)
+            return 1
+        print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}", flush=True)
     return 0
 
 

@@ -388,21 +388,64 @@ def test_gpu_weight_grad_precision_many_tokens(accum):
         print(f"lean dW rel err {rel_err(leaves[1].grad, f64[1].grad):.3e} (bound {factor}× torch)")
 
 
+def _confident_loss(x, w, y, impl, path):
+    """Σ over tokens of the per-token loss through one public path (sum, none, or −log-probs)."""
+    if path == "sum":
+        return fusedkern.linear_cross_entropy(x, w, y, reduction="sum", impl=impl)
+    if path == "none":
+        return fusedkern.linear_cross_entropy(x, w, y, reduction="none", impl=impl).sum()
+    return -fusedkern.linear_logprobs(x, w, y, impl=impl).sum()
+
+
+@pytest.mark.parametrize("path", ["sum", "none", "logprobs"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("V", [17, 131], ids=["one-slice", "two-slices"])  # the interpreter splits rows when V > 64
 @pytest.mark.parametrize("margin", [4.0, 12.0, 20.0])
-def test_confident_prediction_gradient_keeps_its_digits(margin, V):
+def test_confident_prediction_gradient_keeps_its_digits(margin, V, impl, path):
     """A target logit `margin` above the rest: p_y = 1 − δ with δ down to ~1e-8. The target's
-    gradient p_y − 1 = −δ must keep fp32's relative precision: the row kernel carries Σexp − 1 (not
-    Σexp ≈ 1, where δ would keep ~log10(1/δ) fewer digits) and forms p_y − 1 with expm1."""
+    gradient p_y − 1 = −δ and the loss ≈ δ must keep fp32's relative precision: the row kernel and the
+    fused forward carry Σexp − 1 (not Σexp ≈ 1, where δ would keep ~log10(1/δ) fewer digits), and
+    p_y − 1 is formed with expm1. Every strategy, through the scalar, per-token and log-prob paths."""
     x = torch.ones(1, 1, dtype=torch.float32)
     w = torch.linspace(-1.0, 0.0, V).reshape(V, 1)
     w[V - 3] = margin  # in the second slice when there are two
     y = torch.tensor([V - 3])
     w_leaf = w.clone().requires_grad_()
-    fusedkern.linear_cross_entropy(x, w_leaf, y, reduction="sum").backward()
+    loss = _confident_loss(x, w_leaf, y, impl, path)
+    loss.backward()
     w64 = w.double().requires_grad_()
-    reference.linear_cross_entropy_fp64(x.double(), w64, y, reduction="sum").backward()
+    loss64 = reference.linear_cross_entropy_fp64(x.double(), w64, y, reduction="sum")
+    loss64.backward()
     delta = -w64.grad[V - 3, 0].item()  # 1 − p_y
     assert 0 < delta < 1
     assert abs(w_leaf.grad[V - 3, 0].item() + delta) <= 1e-5 * delta  # ~100 ulp of δ, vs ~δ⁻¹·ulp(1) naively
     torch.testing.assert_close(w_leaf.grad.double(), w64.grad, rtol=1e-5, atol=0)
+    assert abs(loss.item() - loss64.item()) <= 1e-5 * loss64.item()  # the loss ≈ δ too, not lse − z_y rounded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+def test_gpu_confident_prediction_gradient_keeps_its_digits(impl):
+    """The same on the GPU with the compiled kernels at a real vocabulary: four tokens whose target
+    sits 8, 16, 24, 30 above the other logits (in [−1, 0]): δ = 1 − p_y from ~0.9 down to ~2e-9, which
+    p_y − 1 formed naively in fp32 rounds to 0. fp32 operands (exact logits)."""
+    V, H = 32003, 64
+    x = torch.zeros(4, H, device="cuda")
+    x[:, 0] = 1.0
+    w = torch.zeros(V, H, device="cuda")
+    w[:, 0] = torch.linspace(-1.0, 0.0, V, device="cuda")
+    y = torch.tensor([5, 17000, 30001, 123], device="cuda")
+    for t, margin in enumerate([8.0, 16.0, 24.0, 30.0]):
+        w[y[t], t + 1] = margin  # token t's target column alone gets `margin` from its own feature
+        x[t, t + 1] = 1.0
+    w_leaf = w.clone().requires_grad_()
+    loss = fusedkern.linear_cross_entropy(x, w_leaf, y, reduction="sum", impl=impl)
+    loss.backward()
+    w64 = w.double().requires_grad_()
+    loss64 = reference.linear_cross_entropy_fp64(x.double(), w64, y, reduction="sum")
+    loss64.backward()
+    delta = -w64.grad[y, torch.arange(1, 5, device="cuda")]  # 1 − p_y of each token, from its own feature
+    got = -w_leaf.grad[y, torch.arange(1, 5, device="cuda")].double()
+    assert (delta > 0).all() and (delta < 1).all()
+    assert ((got - delta).abs() <= 1e-5 * delta).all(), (got, delta)
+    assert abs(loss.item() - loss64.item()) <= 1e-5 * loss64.item()

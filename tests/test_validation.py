@@ -31,6 +31,12 @@ CE_CASES = [
     (dict(linear_weight=torch.randn(V, H, dtype=torch.float16)), TypeError, "linear_weight must have the same dtype"),
     (dict(linear_weight=torch.randn(V, H, device="meta")), ValueError, "linear_weight must be on the same device"),
     (dict(target=torch.rand(T)), TypeError, "target must hold class indices"),
+    (dict(target=[0] * T), TypeError, "target must be a torch.Tensor"),
+    (dict(linear_bias=[0.0] * V), TypeError, "linear_bias must be a torch.Tensor"),
+    (dict(weight=[1.0] * V), TypeError, "weight must be a torch.Tensor"),
+    (dict(weight=torch.rand(V, dtype=torch.float64)), TypeError, "weight must have dtype"),
+    (dict(linear_bias=torch.randn(V, dtype=torch.float16)), TypeError, "linear_bias must have the same dtype"),
+    (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be >= 0"),
     (dict(target=torch.zeros(T + 1, dtype=torch.long)), ValueError, "target must have shape"),
     (dict(target=torch.full((T,), V)), ValueError, r"target values must be in \[0, 11\)"),
     (dict(target=torch.full((T,), -5)), ValueError, "ignore_index=-100; found -5"),
@@ -90,6 +96,11 @@ SIMPO_CASES = [
     (dict(alpha=-1.0), ValueError, "alpha must be >= 0"),
     (dict(label_smoothing=0.7), ValueError, "label_smoothing must be <= 0.5"),
     (dict(gamma=float("inf")), ValueError, "gamma must be finite"),
+    (dict(target=[[0] * 3] * 4), TypeError, "target must be a torch.Tensor"),
+    (dict(beta="0.1"), TypeError, "beta must be a real number"),
+    (dict(impl="cuda"), ValueError, "impl must be one of"),
+    (dict(weight_grad_accum="bf16"), ValueError, "weight_grad_accum must be one of"),
+    (dict(chunk_tokens=0), ValueError, "chunk_tokens must be a positive int"),
 ]
 
 

@@ -13,7 +13,8 @@ Forward (`fused_ce_forward`)
     grid = V-splits × T-blocks (split index fastest, so the programs in flight share a few
     T-blocks' rows of X in L2 and each stream their own slice of W). A program walks its V-split
     tile by tile; per tile it runs the K-loop over H (tl.dot, fp32 accumulation), adds the bias,
-    softcaps, and folds the tile into a running max / sum-exp per row, the target logit, and
+    softcaps, and folds the tile into a running max and Σ exp − 1 per row (the row kernel's form:
+    exact when one class dominates), the target logit, and
     Σ_v w_v·s_v (label smoothing). It writes fp32 partials [4, n_split, T]; a few torch ops combine
     them into lse and ℓ_t. The number of splits is chosen so the GPU is full even for small T.
 
@@ -79,7 +80,9 @@ import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting, sm_count
 from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default, less the O(T + V) vectors
-from fusedkern.kernels.ce_rows import _tanh  # tanh in fp32: libdevice on the GPU, exact forms in the interpreter
+# shared with the row kernels: tanh in fp32 (libdevice on the GPU, exact forms in the interpreter), and
+# exp(u) − 1 without cancellation near 0 (the target's p − 1 of a confident prediction)
+from fusedkern.kernels.ce_rows import _expm1, _tanh
 
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
 _V_GRANULE = 256
@@ -151,7 +154,7 @@ def _config_list(configs: list) -> list:
 @triton.jit
 def _fused_ce_fwd_kernel(
     # outputs
-    part_ptr,  # (4, N_SPLIT, T) fp32: running max m, sum-exp d (relative to m), target logit s_y, Σ_v w_v·s_v
+    part_ptr,  # (4, N_SPLIT, T) fp32: running max m, rest = Σ exp(s − m) − 1 (see step 4), target logit s_y, Σ_v w_v·s_v
     # pointers
     x_ptr,  # (T, H) input
     w_ptr,  # (V, H) input dtype
@@ -184,7 +187,7 @@ def _fused_ce_fwd_kernel(
     v_hi = tl.minimum(v_lo + SPLIT_V, V)
 
     m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)  # running max
-    d_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # running Σ exp(s − m_i)
+    rest_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # running Σ exp(s − m_i) without the max's own 1
     sy_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # target logit (if it lies in this split)
     sws_i = tl.zeros((BLOCK_T,), dtype=tl.float32)  # Σ_v w_v·s_v over this split
     for v0 in range(v_lo, v_hi, BLOCK_V):
@@ -197,10 +200,21 @@ def _fused_ce_fwd_kernel(
         # 3. softcap s = c·tanh(z/c)
         if HAS_SOFTCAP:
             s = SOFTCAP * _tanh(s / SOFTCAP, USE_LIBDEVICE)
-        # 4. online max / sum-exp (every tile has ≥ 1 valid column, so m_new is finite)
+        # 4. online max and rest = Σ exp(s − m) − 1, as the row kernel keeps it (`ce_rows._merge_mass`):
+        #    when one class dominates, Σ exp ≈ 1 in fp32 keeps only the first digits of the other
+        #    classes' mass, rest keeps all of them — and with them 1 − p_y, the confident target's
+        #    gradient. The max's own exp(0) = 1 is never added: a tile that brings a new max leaves out
+        #    its (first) arg-max column and adds the old max's 1 scaled; otherwise it adds its whole sum.
+        #    (every tile has ≥ 1 valid column, so m_new is finite)
         s_m = tl.where(mask_v[None, :], s, float("-inf"))  # (BLOCK_T, BLOCK_V)
-        m_new = tl.maximum(m_i, tl.max(s_m, axis=1))  # (BLOCK_T,)
-        d_i = d_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s_m - m_new[:, None]), axis=1)
+        tile_max = tl.max(s_m, axis=1)  # (BLOCK_T,)
+        tile_arg = tl.argmax(s_m, axis=1)  # (BLOCK_T,)
+        m_new = tl.maximum(m_i, tile_max)  # (BLOCK_T,)
+        e = tl.exp(s_m - m_new[:, None])  # (BLOCK_T, BLOCK_V), 0 on masked columns
+        tile_rest = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == tile_arg[:, None], 0.0, e), axis=1)
+        e_old = tl.exp(m_i - m_new)  # 0 while m_i = −inf
+        rest_i = tl.where(tile_max > m_i, rest_i * e_old + e_old + tile_rest,
+                          rest_i + tile_rest + tl.exp(tile_max - m_new))
         m_i = m_new
         # 5. target logit and the label-smoothing sum
         # (compared as a local column index: a loop-invariant (BLOCK_T, BLOCK_V) broadcast of y
@@ -217,7 +231,7 @@ def _fused_ce_fwd_kernel(
     # 6. partials of this (T-block, split)
     out = part_ptr + pid_s * stride_ps + offs_t  # (BLOCK_T,)
     tl.store(out, m_i, mask=mask_t)
-    tl.store(out + stride_pk, d_i, mask=mask_t)
+    tl.store(out + stride_pk, rest_i, mask=mask_t)
     tl.store(out + 2 * stride_pk, sy_i, mask=mask_t)
     if HAS_SMOOTHING:
         tl.store(out + 3 * stride_pk, sws_i, mask=mask_t)
@@ -272,7 +286,7 @@ def _fused_ce_bwd_kernel(
     cw_ptr,  # (V,) fp32 class weights (HAS_WEIGHT and HAS_SMOOTHING)
     row_max_ptr,  # (T,) fp32 m_t, and ...
     log_sumexp_ptr,  # (T,) fp32 log Σ_v exp(s_tv − m_t): lse = m + this, kept apart (see below)
-    coef_ptr,  # (3, T) fp32 per-row coefficients a_t, b_t, c_t (0 for ignored rows): G = (a·p − b·[v=y] − c·w_v)·s'
+    coef_ptr,  # (3, T) fp32 per-row coefficients a_t − b_t, b_t, c_t (0 for ignored rows): G = (a·p − b·[v=y] − c·w_v)·s'
     # shapes
     T, V, H,
     T_START, T_END, V_START, V_END,  # the rectangle of (token, vocab) this launch covers
@@ -330,10 +344,16 @@ def _fused_ce_bwd_kernel(
     # p = exp((s − m) − log Σ): with |s| ~ 1e3 a single rounded fp32 lse would cost ~1e-4 relative error in p
     row_m = tl.load(row_max_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
     log_d = tl.load(log_sumexp_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
-    ca = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
+    c_extra = tl.load(coef_ptr + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,) a − b
     cb = tl.load(coef_ptr + T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
-    p = tl.exp((s - row_m[:, None]) - log_d[:, None])  # (BLOCK_T, BLOCK_V)
-    g = ca[:, None] * p - tl.where(offs_v[None, :] == y[:, None], cb[:, None], 0.0)
+    log_p = (s - row_m[:, None]) - log_d[:, None]  # (BLOCK_T, BLOCK_V)
+    p = tl.exp(log_p)
+    # at the target a·p − b = b·(p − 1) + (a − b)·p with p − 1 = expm1(log p): exact where p_y → 1
+    # (a confident prediction), where p − 1 in fp32 keeps few digits or none
+    # (per element: picking the target's log p out of the tile per row made the plain dX pass spill
+    # 88 bytes on sm_90, this form none)
+    is_y = offs_v[None, :] == y[:, None]
+    g = tl.where(is_y, cb[:, None] * _expm1(log_p) + c_extra[:, None] * p, (cb + c_extra)[:, None] * p)
     if HAS_SMOOTHING:
         cc = tl.load(coef_ptr + 2 * T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
         if HAS_WEIGHT:
@@ -558,17 +578,20 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
     else:
         _fused_ce_fwd_kernel[(n_split * triton.cdiv(T, kw["BLOCK_T"]),)](*args, **flags, **kw)
 
-    # 2. combine the splits: lse = M + log Σ_s d_s·exp(m_s − M)
-    m, d, sy = part[0], part[1], part[2]
+    # 2. combine the splits: lse = M + log1p(rest) with rest = Σ_s rest_s·e_s + Σ_{s ≠ s*} e_s,
+    #    e_s = exp(m_s − M), s* the first split holding M (its own 1 stays out of rest, see step 4)
+    m, rest, sy = part[0], part[1], part[2]
     big_m = m.amax(dim=0)
-    log_d = torch.log((d * torch.exp(m - big_m)).sum(dim=0))
+    scale = torch.exp(m - big_m)  # (n_split, T)
+    not_first = torch.ones_like(m, dtype=torch.bool).scatter_(0, m.argmax(dim=0, keepdim=True), False)
+    log_d = torch.log1p((rest * scale).sum(dim=0) + torch.where(not_first, scale, 0.0).sum(dim=0))
     lse = big_m + log_d
     sy = sy.sum(dim=0)  # only the split holding y_t contributes
 
     # 3. ℓ_t = (1−ε)·w_y·(lse − s_y) + (ε/V)·(W_sum·lse − Σ_v w_v·s_v) + z_loss·lse²
     valid = target != ignore_index
     w_y = cw[target.clamp(0, V - 1)] if has_weight else 1.0
-    loss = (1.0 - eps) * w_y * (lse - sy)
+    loss = (1.0 - eps) * w_y * ((big_m - sy) + log_d)  # lse − s_y, exact when y is the max and p_y → 1
     if eps > 0.0:
         w_sum = cw.sum() if has_weight else float(V)
         loss = loss + (eps / V) * (w_sum * lse - part[3].sum(dim=0))
@@ -614,13 +637,14 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     lse = row_max + log_sumexp
 
     # 1. per-row coefficients of G (0 for ignored rows):
-    #    a = g·((1−ε)·w_y + ε·W_sum/V + 2·z_loss·lse), b = g·(1−ε)·w_y, c = g·ε/V
+    #    a = g·((1−ε)·w_y + ε·W_sum/V + 2·z_loss·lse), b = g·(1−ε)·w_y, c = g·ε/V; the kernel takes a − b
+    #    rather than a (see its step 3)
     valid = target != ignore_index
     g = torch.where(valid, grad_tok.to(torch.float32), torch.zeros((), device=dev))
     w_y = cw[target.clamp(0, V - 1)] if has_weight else torch.ones((), device=dev)
     w_sum = cw.sum() if has_weight else float(V)
     coef = torch.empty((3, T), device=dev, dtype=torch.float32)
-    coef[0] = torch.where(valid, g * ((1.0 - eps) * w_y + eps * w_sum / V + 2.0 * float(z_loss) * lse), 0.0)
+    coef[0] = torch.where(valid, g * (eps * w_sum / V + 2.0 * float(z_loss) * lse), 0.0)
     coef[1] = g * ((1.0 - eps) * w_y)
     coef[2] = g * (eps / V)
 
