@@ -7,7 +7,8 @@
 #    config on first use)
 # 2. the rest of the GPU tests (75–150 s; the first run on a fresh machine compiles every kernel)
 # 3. SimPO at batch 8 and 16 with the providers' reps interleaved (`simpo_interleaved_8_16.csv`)
-# Last run in calls S–U at c6bd1ee, the final commit's code (data/measured/h200/README.md): nothing
+# Last run: calls S–U at c6bd1ee, and call V (fused tests, confident-target test) at 4a7f9d1, the
+# fused strategy's last change (data/measured/h200/README.md): nothing
 # is pending. `scripts/h200_measure.sh` re-measures the tables.
 set -uo pipefail
 out="${1:?usage: scripts/next_device_call.sh OUTDIR}"
