@@ -27,9 +27,15 @@ def assert_close_to_ref(name: str, out, ref, torch_same_dtype, factor: float = 2
 
 
 def torch_linear_cross_entropy(x, w, y, *, b=None, weight=None, reduction="mean", ignore_index=-100,
-                               label_smoothing=0.0, z_loss=0.0, softcap=None):
-    """PyTorch's own computation in the inputs' dtype (logits, softmax and loss all in that dtype)."""
+                               label_smoothing=0.0, z_loss=0.0, softcap=None, upcast_logits=False):
+    """PyTorch's own computation in the inputs' dtype (logits, softmax and loss all in that dtype).
+
+    upcast_logits: the logits GEMM in the inputs' dtype, everything after it in fp32 — the yardstick
+    for a loss that is promised in fp32: a half-precision softmax rounds the loss itself (~1e-2 relative
+    in fp16), which would let a kernel that rounds its fp32 loss to fp16 pass the 2× rule."""
     s = F.linear(x, w, b)
+    if upcast_logits:
+        s = s.float()
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     flat_s, flat_y = s.reshape(-1, s.shape[-1]), y.reshape(-1)

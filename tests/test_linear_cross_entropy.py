@@ -64,7 +64,10 @@ def check_against_reference(x, w, y, b, cw, *, reduction="mean", impl="chunked",
         upstream = torch.randn(loss.shape, dtype=torch.float64, device=x.device) if reduction == "none" \
             else torch.tensor(1.7, dtype=torch.float64, device=x.device)
     atol = ATOL[x.dtype]
-    assert_close_to_ref("loss", loss, ref, tch.float(), atol=atol)
+    with torch.no_grad():  # the loss's yardstick: half-precision logits, fp32 softmax (the loss is fp32)
+        tch_loss = torch_linear_cross_entropy(x, w, y, b=b, weight=cw, reduction=reduction, upcast_logits=True, **opts)
+    assert loss.dtype == torch.float32
+    assert_close_to_ref("loss", loss, ref, tch_loss, atol=atol)
     if torch.isnan(ref).all():  # all targets ignored with "mean": NaN like torch; gradients are zero
         assert torch.isnan(loss).all()
         upstream = torch.ones_like(upstream)
@@ -76,8 +79,8 @@ def check_against_reference(x, w, y, b, cw, *, reduction="mean", impl="chunked",
             assert torch.count_nonzero(g) == 0
         return
     grads_ref = torch.autograd.grad(ref, f64, upstream)
-    for name, g, gr, gt in zip(("dX", "dW", "db"), grads, grads_ref, grads_tch):
-        assert g.dtype == gr.dtype or g.dtype == x.dtype
+    for name, g, gr, gt, leaf in zip(("dX", "dW", "db"), grads, grads_ref, grads_tch, leaves):
+        assert g.dtype == leaf.dtype, (name, g.dtype, leaf.dtype)
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
         assert_close_to_ref(name, g, gr, gt, atol=atol)
 
@@ -376,16 +379,26 @@ def test_gpu_extra_memory_within_budget(impl, budget_mib):
 @pytest.mark.gpu
 @pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
 def test_gpu_weight_grad_precision_many_tokens(accum):
-    """32768 tokens = 32+ chunks: fp32 accumulation must stay within 2× torch's own bf16 error."""
+    """32768 tokens in 1024-token chunks (32 accumulations): fp32 accumulation must stay within 2×
+    torch's own bf16 error. The lean mode rounds the running dW to bf16 once per chunk, so its error
+    grows with the chunk count: bounded here at 4× torch's error (the H200 measured 2.8× at the
+    benchmark shape, 4.67e-3 against 1.70e-3 in `accuracy_final.csv`); its dX is unaffected (2×)."""
     x, w, y, b, cw = make_inputs(32768, 512, 32003, torch.bfloat16, device="cuda", seed=2)
-    factor = 2.0
-    check_against_reference(x, w, y, b, cw, weight_grad_accum=accum, chunk_tokens=1024) if accum == "fp32" else None
-    if accum == "weight_dtype":  # reported, not bounded: print the ratio for the record
-        leaves = [t.clone().requires_grad_() for t in (x, w)]
-        fusedkern.linear_cross_entropy(*leaves, y, weight_grad_accum=accum, chunk_tokens=1024).backward()
-        f64 = [t.double().requires_grad_() for t in (x, w)]
-        reference.linear_cross_entropy_fp64(*f64, y).backward()
-        print(f"lean dW rel err {rel_err(leaves[1].grad, f64[1].grad):.3e} (bound {factor}× torch)")
+    if accum == "fp32":
+        check_against_reference(x, w, y, b, cw, weight_grad_accum=accum, chunk_tokens=1024)
+        return
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    fusedkern.linear_cross_entropy(*leaves, y, weight_grad_accum=accum, chunk_tokens=1024).backward()
+    f64 = [t.double().requires_grad_() for t in (x, w)]
+    reference.linear_cross_entropy_fp64(*f64, y).backward()
+    same = [t.clone().requires_grad_() for t in (x, w)]
+    torch_linear_cross_entropy(*same, y).backward()
+    dx_err, dw_err = rel_err(leaves[0].grad, f64[0].grad), rel_err(leaves[1].grad, f64[1].grad)
+    dx_torch, dw_torch = rel_err(same[0].grad, f64[0].grad), rel_err(same[1].grad, f64[1].grad)
+    print(f"lean: dX rel err {dx_err:.3e} (torch {dx_torch:.3e}), dW {dw_err:.3e} (torch {dw_torch:.3e}, "
+          f"{dw_err / dw_torch:.2f}×)")
+    assert dx_err <= 2.0 * dx_torch + ATOL[torch.bfloat16]
+    assert dw_err <= 4.0 * dw_torch, f"lean dW error {dw_err:.3e} > 4× torch's {dw_torch:.3e}"
 
 
 def _confident_loss(x, w, y, impl, path):
