@@ -105,3 +105,59 @@ def test_gpu_simpo_bf16_realistic(chunk_tokens):
     for name, g, gr, gt in zip(("dX", "dW", "db"), torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, f64),
                                torch.autograd.grad(tch, same)):
         assert_close_to_ref(name, g, gr, gt, atol=1e-3)
+
+
+# the option matrix with gradients, fp32: each frozen-leaf pattern with its own hyper-parameter set
+# (TRL/Liger defaults, pure SimPO without the NLL term, the study's HP with smoothing) and, for the
+# last, an empty *rejected* response (the matrix above empties a chosen one)
+GRAD_PATTERNS = {
+    "all-trl-defaults": ((True, True, True), dict(beta=0.1, gamma=0.5, alpha=1.0), False),
+    "frozen-weight-pure-simpo": ((True, False, False), dict(beta=2.5, gamma=1.0, alpha=0.0), False),
+    "frozen-input-empty-rejected": ((False, True, True), HP, True),
+}
+
+
+@pytest.mark.parametrize("pattern", list(GRAD_PATTERNS))
+@pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_simpo_options_and_frozen_leaves_match_fp64(impl, accum, pattern):
+    needs, hp, empty_rejected = GRAD_PATTERNS[pattern]
+    x, w, y, b = simpo_inputs(4, 5, 16, 40, torch.float32)
+    if empty_rejected:
+        y[3] = -100  # rejected response of pair 1 has no token
+    leaves = [t.clone().requires_grad_(need) for t, need in zip((x, w, b), needs)]
+    loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], impl=impl,
+                                                weight_grad_accum=accum, **hp)
+    f64 = [t.double().requires_grad_(need) for t, need in zip((x, w, b), needs)]
+    ref, ref_metrics = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **hp)
+    same = [t.clone().requires_grad_(need) for t, need in zip((x, w, b), needs)]
+    tch, _ = reference.hf_linear_simpo_loss(same[0], same[1], y, linear_bias=same[2], **hp)
+    assert torch.isfinite(loss)
+    assert_close_to_ref("loss", loss, ref, tch, atol=1e-6)
+    for key in metrics:
+        assert abs(metrics[key].item() - ref_metrics[key].item()) <= 1e-5 * max(1.0, abs(ref_metrics[key].item())), key
+    wanted = [i for i, need in enumerate(needs) if need]
+    grads = torch.autograd.grad(loss, [leaves[i] for i in wanted])
+    grads_ref = torch.autograd.grad(ref, [f64[i] for i in wanted])
+    grads_tch = torch.autograd.grad(tch, [same[i] for i in wanted])
+    for i, g, gr, gt in zip(wanted, grads, grads_ref, grads_tch):
+        assert g.dtype == leaves[i].dtype
+        assert_close_to_ref(("dX", "dW", "db")[i], g, gr, gt, atol=1e-6)
+    if empty_rejected and 0 in wanted:  # the empty response gets no gradient, its chosen partner does
+        assert torch.count_nonzero(grads[0][3]) == 0 and torch.count_nonzero(grads[0][1]) > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_simpo_single_pair_without_bias(impl):
+    """B = 1 (one chosen, one rejected row), no bias, ignore_index other than −100."""
+    x, w, y, _ = simpo_inputs(2, 7, 16, 40, torch.float32, bias=False)
+    y[y == -100] = 39  # a vocabulary id used as ignore_index: its tokens must be skipped, not scored
+    x.requires_grad_()
+    loss, _ = fusedkern.linear_simpo_loss(x, w, y, ignore_index=39, impl=impl, **HP)
+    x64 = x.detach().double().requires_grad_()
+    ref, _ = reference.linear_simpo_loss_fp64(x64, w.double(), y, ignore_index=39, **HP)
+    same = x.detach().clone().requires_grad_()
+    tch, _ = reference.hf_linear_simpo_loss(same, w, y, ignore_index=39, **HP)
+    assert_close_to_ref("loss", loss, ref, tch, atol=1e-6)
+    assert_close_to_ref("dX", torch.autograd.grad(loss, x)[0], torch.autograd.grad(ref, x64)[0],
+                        torch.autograd.grad(tch, same)[0], atol=1e-6)
