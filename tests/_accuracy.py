@@ -38,7 +38,7 @@ def torch_linear_cross_entropy(x, w, y, *, b=None, weight=None, reduction="mean"
         s = s.float()
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    flat_s, flat_y = s.reshape(-1, s.shape[-1]), y.reshape(-1)
+    flat_s, flat_y = s.reshape(-1, s.shape[-1]), y.reshape(-1).long()  # F.cross_entropy takes int64 only
     cw = None if weight is None else weight.to(s.dtype)
     loss = F.cross_entropy(flat_s, flat_y, weight=cw, ignore_index=ignore_index,
                            label_smoothing=label_smoothing, reduction="none")

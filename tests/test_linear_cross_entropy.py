@@ -91,6 +91,7 @@ OPTION_CASES = [("chunked", torch.float32, r, o) for o in OPTION_SETS for r in (
 OPTION_CASES += [("chunked", torch.float16, r, o) for o in ("plain", "all") for r in ("mean", "none")]
 OPTION_CASES += [(impl, dt, r, o) for impl in IMPLS[1:] for dt in (torch.float32, torch.float16)
                  for o in ("plain", "all") for r in ("mean", "none")]
+OPTION_CASES += [(impl, torch.float32, "sum", o) for impl in IMPLS[1:] for o in ("plain", "all")]
 
 
 @pytest.mark.parametrize("impl,dtype,reduction,options", OPTION_CASES,
@@ -104,7 +105,7 @@ def test_every_option_matches_fp64(impl, dtype, reduction, options):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", ["single_token_1d", "leading_3d", "all_ignored", "none_ignored", "large_logits",
-                                  "non_contiguous", "prime_shapes"])
+                                  "non_contiguous", "prime_shapes", "int32_targets"])
 def test_odd_cases(impl, case):
     dtype = torch.float32
     if case == "single_token_1d":
@@ -122,6 +123,9 @@ def test_odd_cases(impl, case):
         x, w, y, b, cw = make_inputs(10, 16, 70, dtype)
         x = torch.cat([x, x], dim=1)[:, ::2]  # stride 2 along hidden
         w = w.t().contiguous().t()  # column-major weight
+    elif case == "int32_targets":  # accepted like int64 (F.cross_entropy takes int64 only)
+        x, w, y, b, cw = make_inputs(17, 16, 70, dtype, bias=True)
+        y = y.to(torch.int32)
     else:
         x, w, y, b, cw = make_inputs(23, 31, 127, dtype, bias=True)
     for reduction in ("mean", "none"):
@@ -147,10 +151,13 @@ def test_random_shapes_and_options(T, H, V, fp16, ignore_frac, smoothing, z_loss
                             softcap=softcap, chunk_tokens=chunk)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
-def test_weight_grad_accumulation_modes(accum):
+def test_weight_grad_accumulation_modes(accum, reduction):
+    """Both dW accumulations over 5 chunks, with each reduction: the scalar ones form the gradient in
+    the forward, "none" in a backward that recomputes the logits."""
     x, w, y, b, cw = make_inputs(40, 24, 90, torch.float16, bias=True)
-    check_against_reference(x, w, y, b, cw, weight_grad_accum=accum, chunk_tokens=8)
+    check_against_reference(x, w, y, b, cw, reduction=reduction, weight_grad_accum=accum, chunk_tokens=8)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

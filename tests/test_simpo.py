@@ -161,3 +161,32 @@ def test_simpo_single_pair_without_bias(impl):
     assert_close_to_ref("loss", loss, ref, tch, atol=1e-6)
     assert_close_to_ref("dX", torch.autograd.grad(loss, x)[0], torch.autograd.grad(ref, x64)[0],
                         torch.autograd.grad(tch, same)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_tokens,mode", [(None, "pairs"), (6, "prepass"), (5, "generic")])
+def test_every_output_element_is_written(monkeypatch, chunk_tokens, mode):
+    """Poison every buffer the package allocates (NaN floats, −7 integers): a row that a SimPO or
+    log-prob path forgets to write — the empty response's, a chunk's tail — surfaces as NaN or as a
+    mismatch against fp64, instead of passing on zeros the allocator happened to hold."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+    x, w, y, b = simpo_inputs(6, 6, 16, 61, torch.float32, empty_response=True)
+    assert plan_for(6, 6, w, True, "fp32", chunk_tokens)[0] == mode
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref, _ = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **HP)
+    grads_ref = torch.autograd.grad(ref, f64)
+    ref_logp = reference.linear_logprobs_fp64(x.double(), w.double(), y, linear_bias=b.double())
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2],
+                                                chunk_tokens=chunk_tokens, **HP)
+    assert rel_err(loss, ref) < 1e-5 and all(torch.isfinite(v).all() for v in metrics.values())
+    for name, g, gr in zip(("dX", "dW", "db"), torch.autograd.grad(loss, leaves), grads_ref):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, gr) < 1e-5, name
+    for impl in IMPLS:
+        logp = fusedkern.linear_logprobs(x, w, y, linear_bias=b, impl=impl, chunk_tokens=chunk_tokens)
+        assert torch.isfinite(logp).all() and rel_err(logp, ref_logp) < 1e-6, impl
