@@ -18,7 +18,7 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import _validate, resolve_impl
+from fusedkern.linear_cross_entropy import IMPLS, WEIGHT_GRAD_ACCUMS, _validate, resolve_impl
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -59,15 +59,19 @@ def simpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, beta: floa
     return loss, metrics
 
 
+def _validate_hyperparameters(beta, gamma, alpha, label_smoothing):
+    V_.check_real("beta", beta, low=0.0, low_inclusive=False)
+    V_.check_real("gamma", gamma)
+    V_.check_real("alpha", alpha, low=0.0)
+    V_.check_real("label_smoothing", label_smoothing, low=0.0, high=0.5)
+
+
 def _validate_simpo(input, target, beta, gamma, alpha, label_smoothing):
     V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES)
     if input.shape[0] % 2:
         raise ValueError(f"input must be [2B, S, H] with the B chosen rows first and the B rejected rows "
                          f"second; got an odd first dimension {input.shape[0]}")
-    V_.check_real("beta", beta, low=0.0, low_inclusive=False)
-    V_.check_real("gamma", gamma)
-    V_.check_real("alpha", alpha, low=0.0)
-    V_.check_real("label_smoothing", label_smoothing, low=0.0, high=0.5)
+    _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
 
 
 @torch.compiler.disable
@@ -125,6 +129,13 @@ class LinearSimPOLoss(nn.Module):
                  label_smoothing: float = 0.0, ignore_index: int = -100, impl: str = "auto",
                  weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
         super().__init__()
+        # bad settings fail here, where the loss is configured, not at the first training step
+        _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
+        V_.check_int("ignore_index", ignore_index)
+        V_.check_choice("impl", impl, IMPLS)
+        V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+        if chunk_tokens is not None and V_.check_int("chunk_tokens", chunk_tokens) <= 0:
+            raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
         self.beta, self.gamma, self.alpha, self.label_smoothing = beta, gamma, alpha, label_smoothing
         self.ignore_index, self.impl, self.weight_grad_accum, self.chunk_tokens = ignore_index, impl, weight_grad_accum, chunk_tokens
 

@@ -190,3 +190,17 @@ def test_every_output_element_is_written(monkeypatch, chunk_tokens, mode):
     for impl in IMPLS:
         logp = fusedkern.linear_logprobs(x, w, y, linear_bias=b, impl=impl, chunk_tokens=chunk_tokens)
         assert torch.isfinite(logp).all() and rel_err(logp, ref_logp) < 1e-6, impl
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_module_forwards_every_setting(impl):
+    """LinearSimPOLoss(**settings)(...) is linear_simpo_loss(..., **settings), bit for bit, metrics too."""
+    x, w, y, b = simpo_inputs(4, 6, 16, 40, torch.float32)
+    settings = dict(beta=1.5, gamma=0.3, alpha=0.25, label_smoothing=0.2, ignore_index=-100, impl=impl,
+                    weight_grad_accum="weight_dtype", chunk_tokens=6)
+    with torch.no_grad():
+        loss_module, metrics_module = fusedkern.LinearSimPOLoss(**settings)(x, w, y, b)
+        loss_function, metrics_function = fusedkern.linear_simpo_loss(x, w, y, linear_bias=b, **settings)
+        loss_default, _ = fusedkern.linear_simpo_loss(x, w, y, linear_bias=b, impl=impl)
+    assert torch.equal(loss_module, loss_function) and not torch.equal(loss_module, loss_default)
+    assert all(torch.equal(metrics_module[k], metrics_function[k]) for k in metrics_function)

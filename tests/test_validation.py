@@ -164,3 +164,18 @@ def test_gpu_out_of_range_target_raises_through_the_pinned_flag():
     target[40] = 0  # the same call with good targets still works: the CUDA context is intact
     fusedkern.linear_cross_entropy(x, w, target).backward()
     assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(beta=0.0), ValueError, "beta must be > 0"),
+    (dict(gamma="1"), TypeError, "gamma must be a real number"),
+    (dict(alpha=-0.5), ValueError, "alpha must be >= 0"),
+    (dict(label_smoothing=0.6), ValueError, "label_smoothing must be <= 0.5"),
+    (dict(impl="triton"), ValueError, "impl must be one of"),
+    (dict(weight_grad_accum="bf16"), ValueError, "weight_grad_accum must be one of"),
+    (dict(chunk_tokens=-8), ValueError, "chunk_tokens must be a positive int"),
+    (dict(ignore_index=None), TypeError, "ignore_index must be an int"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_simpo_module_rejects_bad_settings_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fusedkern.LinearSimPOLoss(**kwargs)
