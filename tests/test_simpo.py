@@ -35,10 +35,17 @@ def test_logprobs_match_fp64_with_per_token_upstream(impl, softcap):
     ref = reference.linear_logprobs_fp64(f64[0], f64[1], y, linear_bias=f64[2], softcap=softcap)
     assert logp.dtype == torch.float32 and logp.shape == y.shape
     assert torch.all(logp[y == -100] == 0)
-    assert rel_err(logp, ref) < 1e-6
+    # PyTorch's fp32 log-softmax through autograd: the yardstick of the 2× rule
+    same = [t.clone().requires_grad_() for t in (x, w, b)]
+    z = torch.nn.functional.linear(same[0], same[1], same[2])
+    z = softcap * torch.tanh(z / softcap) if softcap else z
+    tch = torch.where(y == -100, 0.0, z.log_softmax(-1).gather(-1, y.clamp(min=0)[..., None])[..., 0])
+    assert_close_to_ref("logp", logp, ref, tch, atol=1e-6)
     upstream = torch.randn(y.shape, dtype=torch.float64, device=x.device)
-    for g, gr in zip(torch.autograd.grad(logp, leaves, upstream.float()), torch.autograd.grad(ref, f64, upstream)):
-        assert rel_err(g, gr) < 1e-5
+    grads_tch = torch.autograd.grad(tch, same, upstream.float())
+    for name, g, gr, gt in zip(("dX", "dW", "db"), torch.autograd.grad(logp, leaves, upstream.float()),
+                               torch.autograd.grad(ref, f64, upstream), grads_tch):
+        assert_close_to_ref(name, g, gr, gt, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk_tokens,mode", [(None, "pairs"), (24, "pairs"), (12, "pairs"), (6, "prepass"), (5, "generic")])
@@ -57,8 +64,9 @@ def test_simpo_matches_fp64_every_strategy(chunk_tokens, mode, dtype):
     assert torch.isfinite(loss)
     atol = 1e-6 if dtype == torch.float32 else 1e-4
     assert_close_to_ref("loss", loss, ref, tch, atol=atol)
+    metric_tol = 1e-5 if dtype == torch.float32 else 1e-3  # fp16: the logits themselves are rounded
     for key in metrics:
-        assert abs(metrics[key].item() - ref_metrics[key].item()) < 1e-3 + 1e-3 * abs(ref_metrics[key].item()), key
+        assert abs(metrics[key].item() - ref_metrics[key].item()) <= metric_tol * max(1.0, abs(ref_metrics[key].item())), key
     upstream = torch.tensor(0.7, dtype=torch.float64)
     grads = torch.autograd.grad(loss, leaves, upstream.float())
     grads_ref = torch.autograd.grad(ref, f64, upstream)
