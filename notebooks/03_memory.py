@@ -81,11 +81,12 @@ breakdown.set_index(["provider", "term"])[["formula", "mib"]]
 # %% [markdown]
 # Reading the table: the baselines hold three T×V buffers at their peak (in fp32 for the upcast,
 # twice the bytes; the SimPO seed's baseline holds four fp32 ones), so they grow linearly with
-# tokens. Every chunked implementation holds one C×V buffer whose size does not depend on T.
-# fusedkern's default chunked path also keeps an fp32 V×H accumulator (2 GiB at this vocabulary)
-# so that dW loses no precision over many chunks; since its chunk buffer is freed before the
-# accumulator is cast into dW, the accumulator alone sets its peak. The lean variant drops the
-# accumulator and sums in bf16, as Liger does. The fused kernel keeps per-token statistics and an
+# tokens. The lean and Liger paths hold one C×V buffer whose size does not depend on T. fusedkern's
+# default uses the allowance of one fp32 V×H accumulator (2 GiB at this vocabulary) either way: up
+# to 9216 tokens — as at T = 8192 here — all tokens go in one chunk with no accumulator, the buffer
+# (C = T) setting the peak; beyond, the fp32 accumulator keeps dW's precision over many chunks and
+# the 4096-token buffer lives inside dW's own storage, so the accumulator alone sets the peak
+# (last section). The lean variant drops the accumulator and sums in bf16, as Liger does. The fused kernel keeps per-token statistics and an
 # fp32 workspace for its gradient accumulators sized so that the two together stay within 16 MiB.
 
 # %%
@@ -124,8 +125,9 @@ check.sort_values(["op", "provider", "x"]).set_index(["op", "provider", "x"])
 #
 # ## Our measurements
 #
-# `data/measured/<gpu>/ce.csv` and `simpo.csv` hold this project's own runs (`python -m
-# fusedkern.bench`); their `full` rows carry the peak extra memory of forward + backward.
+# `data/measured/<gpu>/` holds this project's own runs (`python -m fusedkern.bench`); the `full`
+# rows shown — the peak extra memory of forward + backward — come from the final runs `ce_final.csv`
+# and `simpo_final.csv` (the cell below prints which file each size and mode comes from).
 
 # %%
 # each (size, mode) from the newest run that measured it: ce.csv (every mode), ce_final.csv (full and

@@ -1,8 +1,11 @@
 # %% [markdown]
 # # 04 · Cross-entropy latency over tokens
 #
-# The first seed page's workload: tokens 4096…32768, hidden 4096, vocab 128256, bf16. Every
-# provider ran in one process on the same inputs (`python -m fusedkern.bench ce`), in four modes:
+# The first seed page's workload: tokens 4096…32768, hidden 4096, vocab 128256, bf16. Within a
+# device call every provider ran in one process on the same inputs (`python -m fusedkern.bench ce`;
+# Liger 0.4.2 in a second process of the same call, since two Liger versions cannot share one
+# install), in four modes — `full` and `loss_only` from the final call (`ce_final.csv`), `forward`
+# and `backward` from the first (`ce.csv`):
 #
 # | mode | what is timed | its floor |
 # |---|---|---|
@@ -281,9 +284,12 @@ if vs_liger_rows:
 # Without a gradient the logits are formed in [C, Vs] tiles within 64 MiB (one GEMM and a
 # statistics pass each, `chunked._run_tiles`). `scripts/probe_loss_tiles.py` timed seven shapes and
 # the tile GEMMs alone, next to `cublas_1gemm` (`probe_loss_tiles.jsonl`). The prediction — squarer
-# tiles shed 1–3 % of GEMM shape loss — did not hold: no shape beats the shipped 2048 × 16384 by more
-# than the spread. The shipped tiles' GEMMs alone ran at 1.01 / 1.13 / 1.06× one GEMM (4096 / 8192 /
-# 32768 tokens), the whole pass at 1.12 / 1.14 / 1.13×. Running each tile's statistics on a second
+# tiles shed 1–3 % of GEMM shape loss — held at 8192 tokens only: there 4096 × 8192 tiles ran 14.13 ms
+# against the shipped 2048 × 16384's 14.41 (1.9 %, p20–p80 apart; their GEMMs alone 1.04× one GEMM
+# against 1.13×), at 4096 tokens 7.04 against 7.12 ms, and at 32768 tokens the shipped shape was the
+# fastest. One run of each, and not re-measured in a sweep, so the shipped shape stays; a tile shape
+# per size is the open lead here. The shipped tiles' GEMMs alone ran at 1.01 / 1.13 / 1.06× one GEMM
+# (4096 / 8192 / 32768 tokens), the whole pass at 1.12 / 1.14 / 1.13×. Running each tile's statistics on a second
 # stream beside the next tile's GEMM (double-buffered, notebook 07's last section) did not help.
 
 # %%
@@ -305,13 +311,15 @@ if tiles_path.exists():
 # providers that way over every size (`ce_interleaved.csv`, before the loss fix of 5192267, which
 # changes no timing-relevant work). At 16384–32768 tokens the two protocols agree within 1–4 %; at
 # 4096 tokens (20 ms steps) the floor on random G ran 10 % faster interleaved than in any sequential
-# run (17.1 ms, against 18.5–19.1), its twin on the true gradient 4 % faster (18.2 ms), fusedkern's
+# run (17.1 ms, against 18.5–19.1: 7–10 %), its twin on the true gradient 2–4 % faster (18.2 ms, against
+# 18.5–18.9), fusedkern's
 # default not at all (19.7 ms, against 19.4–20.5) — so there the default's ratio read 1.15×
-# interleaved against 1.05–1.08× sequentially (1.05× in the final run, to either floor), and it
+# interleaved against 1.04–1.09× sequentially (1.05× in the final run, to either floor), and it
 # tied HF bf16 (19.7 ms each). Call P repeated 4096 and 8192 tokens interleaved with the
 # race fix of 5192267 (`ce_interleaved_4k8k.csv`, last table): default 1.12 / 1.08×, HF bf16 1.18 / 1.15×,
 # lean 1.20 / 1.16×, Liger 0.8.5 2.61 / 1.53×. At the smallest size the two protocols put the same
-# code up to 10 % apart; at 16384–32768 tokens 1–4 %.
+# code up to 12 % apart (lean: 1.23× interleaved, 1.10–1.14× sequentially; the default up to 11 %);
+# at 16384–32768 tokens 1–4 %.
 
 # %%
 interleaved = plotting.load_measured(measured_dir / "ce_interleaved.csv") if have else None

@@ -13,7 +13,7 @@
 # | provider | how | GEMMs |
 # |---|---|---|
 # | `fusedkern_generic` | `linear_logprobs` saves the log-sum-exp, the backward recomputes the logits | 4 |
-# | `fusedkern_chunked` | default: the chunk plan of `fusedkern/chunk_plan.py` — batch 2 and 4 in one chunk without an fp32 accumulator, batch 8 and 16 in 4096-token chunks (two pairs) inside dW's own storage, next to the fp32 accumulator; each chunk holds whole pairs, so the gradient is formed in the forward | 3 |
+# | `fusedkern_chunked` | default: the chunk plan of `fusedkern/chunk_plan.py` — batch 2, 4 and 8 (up to 9216 tokens) in one chunk without an fp32 accumulator, batch 16 in 4096-token chunks (two pairs) inside dW's own storage, next to the fp32 accumulator; each chunk holds whole pairs, so the gradient is formed in the forward | 3 |
 # | `fusedkern_chunked_lean` | lean (≤ 256 MiB, dW in bf16): a 1024-token chunk cannot hold a pair, so a loss-only pass over the rejected half gives every A_l first, then chunks of whole responses | 3.5 |
 # | `fusedkern_chunked[_lean]_c2048` | a 2048-token chunk, one pair (default mode: inside dW's storage; lean: a 501 MiB buffer) | 3 |
 #
@@ -171,9 +171,10 @@ if have:
 # interleaved against 1.27 / 1.21 / 1.24 / 1.22×, and Liger 0.8.5 1.46 / 1.47 / 1.44 / 1.33×
 # against 1.68 / 1.47 / 1.36 / 1.27×: interleaved, the lean mode and Liger tie at batch 8 and 16
 # (47.7 against 48.2 ms, 95.0 against 95.0), with 251 against 2021 MiB. The default is faster than
-# every other implementation at every batch in both protocols; at batch 16 our own lean mode with
-# `chunk_tokens=2048` beats it in both (75.7 against 78.5 ms sequential, 78.0 against 81.1
-# interleaved): there the default's fp32 dW accumulator costs a read-modify-write per 4096-token
+# every other library at every batch in both protocols. Our own 2048-token variants come level with
+# it or ahead: at batch 2 sequentially (9.22 and 9.28 against 9.32 ms), at batch 8 interleaved
+# (lean: 38.1 against 38.5 ms), and at batch 16 in both protocols (lean: 75.7 against 78.5 ms
+# sequential, 78.0 against 81.1 interleaved) — there the default's fp32 dW accumulator costs a read-modify-write per 4096-token
 # chunk that bf16 accumulation over 2048-token chunks does not pay, for 2.4× the dW error (cross-entropy
 # at 32768 tokens, `accuracy.csv`: 4.12e-3 against 1.68e-3; notebook 07).
 
@@ -191,4 +192,4 @@ if final is not None and interleaved is not None:
         table = plotting.pivot(run, "full")
         for floor in ("cublas_3gemm", "cublas_3gemm_real_grad"):
             comparison[f"{name}, × {floor}"] = table / table.loc[floor]
-    display(pd.concat(comparison, axis=1).round(3))
+    display(pd.concat(comparison, axis=1).round(2))  # one rounding: the prose quotes these

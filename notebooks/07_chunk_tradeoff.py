@@ -111,14 +111,16 @@ if have:
 # `scripts/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
 # chunk's size, the dW GEMM accumulating (β = 1) into a bf16 or an fp32 dW instead of writing it,
 # and the row kernel. Adding the pieces predicts the sweep's ratios well — lean (C = 1024, bf16)
-# 1.10× against 1.10–1.14× measured (1.08–1.10× in `ce_final.csv`, after the host waits were
+# 1.10× against 1.10–1.13× measured (1.08–1.10× in `ce_final.csv`, after the host waits were
 # removed); default beyond 9216 tokens (C = 4096, fp32) 1.07× against 1.07× (1.07 / 1.06× at 16384
 # and 32768 tokens in `ce_final.csv`) — so these two surcharges *are* the remaining gap to the
 # floor. The row kernel streams the
 # chunk three times (read for the statistics, read + write for the gradient) at ~3.5 TB/s, close to
 # what a device-to-device copy reaches (~3.8–4.1 TB/s in the same probe), so no layout of it can win
 # much: the probe's alternatives (other row splits, one program per row with the second pass in
-# reverse for L2 hits, row groups sized for L2) were within ±10 % of it or slower. The remaining
+# reverse for L2 hits, row groups sized for L2) were within ±10 % of it or slower at C = 1024; at
+# C = 4096 the one-program-per-row layout ran 12 % faster (0.78 against 0.89 ms net), which is 0.5 %
+# of that chunk's ~19 ms — a lead not taken (that probe kernel has none of the loss options). The remaining
 # ways down are a GEMM whose epilogue computes the row statistics (one fewer pass) and bigger chunks
 # (fewer accumulations), which the lean mode's 256 MiB forbids.
 
