@@ -10,6 +10,13 @@
 # Last run: calls S–U at c6bd1ee, and call V (fused tests, confident-target test) at 4a7f9d1, the
 # fused strategy's last change (data/measured/h200/README.md): nothing
 # is pending. `scripts/h200_measure.sh` re-measures the tables.
+# Open leads for the next device time, each a measured probe result not yet tried in a sweep:
+# - loss only: 4096 × 8192 tiles ran 1.9 % faster than the shipped 2048 × 16384 at 8192 tokens (and
+#   1.1 % at 4096; the shipped shape was fastest at 32768) in `probe_loss_tiles.jsonl`: a tile shape
+#   per token count, re-measured side by side with `cublas_1gemm`
+# - row kernel at C = 4096: one program per row with the second pass reversed ran 12 % faster than the
+#   shipped split kernel (0.78 against 0.89 ms, `probe_rows.jsonl`), ~0.5 % of a default-mode chunk;
+#   it would need the loss options ported into that layout
 set -uo pipefail
 out="${1:?usage: scripts/next_device_call.sh OUTDIR}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
