@@ -6,12 +6,16 @@ first GPU call. This lowers `ce_rows`' two kernels through Triton's NVIDIA backe
 (ptxas ships with Triton) for the smallest and largest autotune block, and the fused strategy's
 forward and backward (`fused_ce`, bf16, the first autotune config: the one the H200 picks) in each
 launch mode, with every option flag off and on. Prints one line per kernel; exits non-zero on the
-first failure.
+first failure. With --ptxas-info each line also gets ptxas's register and spill report for sm_90a
+(how a kernel change's register pressure was checked without a GPU).
 
-    TRITON_INTERPRET=0 python scripts/compile_sm90.py      (tests/test_compile_sm90.py runs it)
+    TRITON_INTERPRET=0 python scripts/compile_sm90.py [--ptxas-info]   (tests/test_compile_sm90.py runs it)
 """
+import glob
 import os
+import subprocess
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before fusedkern imports: real JIT functions, GPU configs
 
@@ -67,12 +71,26 @@ def fused_cases() -> list:
     return cases
 
 
-def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config) -> None:
+def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config):
     constexprs = {**constexprs, **config.kwargs, "USE_LIBDEVICE": True}
     full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
     jit_fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # autotuned kernels wrap it
     source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=constexprs)
-    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return triton.compile(source, target=TARGET,
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def ptxas_info(compiled) -> str:
+    """ptxas -v on the kernel's PTX: registers per thread and spill bytes (Triton's bundled ptxas)."""
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        ptx, cubin = os.path.join(scratch, "k.ptx"), os.path.join(scratch, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin], capture_output=True,
+                                text=True).stderr
+    lines = [line.split("info    :")[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
+    return " | ".join(lines)
 
 
 def main() -> int:
@@ -90,13 +108,15 @@ def main() -> int:
                           dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
                                PER_TOKEN_GRAD=per_token)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
+    with_info = "--ptxas-info" in sys.argv[1:]
     for name, kernel, signature, flags, config in runs + fused_cases():
         try:
-            compile_one(kernel, signature, flags, config)
+            compiled = compile_one(kernel, signature, flags, config)
         except Exception as error:  # noqa: BLE001  (report which variant, then fail)
             print(f"FAILED {name} {flags} {config}: {type(error).__name__}: {error}", flush=True)
             return 1
-        print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}", flush=True)
+        info = f" :: {ptxas_info(compiled)}" if with_info else ""
+        print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}{info}", flush=True)
     return 0
 
 
