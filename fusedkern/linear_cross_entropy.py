@@ -184,15 +184,20 @@ def _validate(input, linear_weight, target, linear_bias, *, weight=None, reducti
     V_.check_int("ignore_index", ignore_index)
     target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
     V_.check_choice("reduction", reduction, REDUCTIONS)
-    V_.check_choice("impl", impl, IMPLS)
-    V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+    validate_strategy(impl, weight_grad_accum, chunk_tokens)
     V_.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
     V_.check_real("z_loss", z_loss, low=0.0)
     if softcap is not None:
         V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
+    return target_range
+
+
+def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
+    """The strategy settings shared by every entry point and `nn.Module` constructor."""
+    V_.check_choice("impl", impl, IMPLS)
+    V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
     if chunk_tokens is not None and (V_.check_int("chunk_tokens", chunk_tokens) <= 0):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
-    return target_range
 
 
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str) -> str:
@@ -308,8 +313,7 @@ class LinearCrossEntropyLoss(nn.Module):
                  chunk_tokens: int | None = None):
         super().__init__()
         V_.check_choice("reduction", reduction, REDUCTIONS)
-        V_.check_choice("impl", impl, IMPLS)
-        V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+        validate_strategy(impl, weight_grad_accum, chunk_tokens)
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse

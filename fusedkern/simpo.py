@@ -18,7 +18,7 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import IMPLS, WEIGHT_GRAD_ACCUMS, _validate, resolve_impl
+from fusedkern.linear_cross_entropy import _validate, resolve_impl, validate_strategy
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -132,10 +132,7 @@ class LinearSimPOLoss(nn.Module):
         # bad settings fail here, where the loss is configured, not at the first training step
         _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
         V_.check_int("ignore_index", ignore_index)
-        V_.check_choice("impl", impl, IMPLS)
-        V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
-        if chunk_tokens is not None and V_.check_int("chunk_tokens", chunk_tokens) <= 0:
-            raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+        validate_strategy(impl, weight_grad_accum, chunk_tokens)
         self.beta, self.gamma, self.alpha, self.label_smoothing = beta, gamma, alpha, label_smoothing
         self.ignore_index, self.impl, self.weight_grad_accum, self.chunk_tokens = ignore_index, impl, weight_grad_accum, chunk_tokens
 

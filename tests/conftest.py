@@ -22,3 +22,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Call it to make every later `torch.empty` / `torch.empty_like` return NaN-filled floats and −7
+    integers (until the test ends): an element the package allocates but never writes then surfaces
+    as NaN or a wrong value, instead of passing on whatever zeros the allocator held."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    def enable() -> None:
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    return enable

@@ -34,12 +34,17 @@ BIG = dict(BLOCK_T=32, BLOCK_V=64, BLOCK_H=32)
 # reference
 
 
-def torch_ce(x, w, b, y, cw, *, ignore_index, label_smoothing, z_loss, softcap):
+def torch_ce(x, w, b, y, cw, **opts):
     """ℓ_t and lse_t of docs/design.md, evaluated by torch in the dtype of x (autograd-able)."""
-    V = w.shape[0]
     z = x @ w.T
     if b is not None:
         z = z + b
+    return torch_ce_from_logits(z, y, cw, **opts)
+
+
+def torch_ce_from_logits(z, y, cw, *, ignore_index, label_smoothing, z_loss, softcap):
+    """ℓ_t and lse_t from the logits z [T, V], in z's dtype."""
+    V = z.shape[1]
     s = softcap * torch.tanh(z / softcap) if softcap else z
     lse = torch.logsumexp(s, dim=-1)
     logp = s - lse[:, None]
@@ -55,11 +60,11 @@ def torch_ce(x, w, b, y, cw, *, ignore_index, label_smoothing, z_loss, softcap):
 def torch_loss_from_rounded_logits(x, w, b, y, cw, dtype, **opts):
     """(loss, lse) with the logits GEMM in `dtype` and everything after it in fp32: the yardstick of
     the kernel's fp32 loss and lse (a half-precision softmax would round the loss itself)."""
-    z = x.detach().to(dtype) @ w.detach().to(dtype).T
-    if b is not None:
-        z = z + b.detach().to(dtype)
-    ones = torch.eye(z.shape[1], dtype=torch.float32, device=z.device)  # z·I: torch_ce's GEMM on fp32 logits
-    return tuple(t.detach() for t in torch_ce(z.float(), ones, None, y, None if cw is None else cw.float(), **opts))
+    with torch.no_grad():
+        z = x.to(dtype) @ w.to(dtype).T
+        if b is not None:
+            z = z + b.to(dtype)
+        return torch_ce_from_logits(z.float(), y, None if cw is None else cw.float(), **opts)
 
 
 def torch_grads(x, w, b, y, cw, g, dtype, **opts):

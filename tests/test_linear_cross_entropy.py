@@ -197,15 +197,10 @@ def test_no_grad_gives_the_same_loss_and_lse(impl):
 
 @pytest.mark.parametrize("dtype,chunk", [(torch.float32, 8), (torch.float16, 8), (torch.float16, 32)],
                          ids=["fp32", "fp16-buffer-in-dW-storage", "fp16-buffer-beside-accumulator"])
-def test_every_output_element_is_written(monkeypatch, dtype, chunk):
+def test_every_output_element_is_written(poison_allocations, dtype, chunk):
     """Poison every buffer the package allocates; a missed store would surface as NaN. fp16 with
     chunk ≤ H puts the logits buffer inside dW's storage (the fp32 accumulator is cast over it)."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    poison_allocations()
     for reduction in ("mean", "none"):
         x, w, y, b, cw = make_inputs(19 if chunk < 19 else 45, 17, 67, dtype, bias=True, weight=True)
         check_against_reference(x, w, y, b, cw, reduction=reduction, chunk_tokens=chunk, label_smoothing=0.1)

@@ -172,22 +172,17 @@ def test_simpo_single_pair_without_bias(impl):
 
 
 @pytest.mark.parametrize("chunk_tokens,mode", [(None, "pairs"), (6, "prepass"), (5, "generic")])
-def test_every_output_element_is_written(monkeypatch, chunk_tokens, mode):
+def test_every_output_element_is_written(poison_allocations, chunk_tokens, mode):
     """Poison every buffer the package allocates (NaN floats, −7 integers): a row that a SimPO or
     log-prob path forgets to write — the empty response's, a chunk's tail — surfaces as NaN or as a
     mismatch against fp64, instead of passing on zeros the allocator happened to hold."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
     x, w, y, b = simpo_inputs(6, 6, 16, 61, torch.float32, empty_response=True)
     assert plan_for(6, 6, w, True, "fp32", chunk_tokens)[0] == mode
     f64 = [t.double().requires_grad_() for t in (x, w, b)]
     ref, _ = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **HP)
     grads_ref = torch.autograd.grad(ref, f64)
     ref_logp = reference.linear_logprobs_fp64(x.double(), w.double(), y, linear_bias=b.double())
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    poison_allocations()  # after the references: they allocate too
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2],
                                                 chunk_tokens=chunk_tokens, **HP)
