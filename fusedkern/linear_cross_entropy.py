@@ -8,6 +8,8 @@ per-token lse and recompute the logits in backward, which lets any per-token ups
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -69,6 +71,23 @@ def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
             _rescaled(db, scale, b_dtype) if db is not None else None)
 
 
+def first_order_only(backward):
+    """A Function's backward that is not itself differentiable: `create_graph=True` (double backward, e.g.
+    a gradient penalty) raises here rather than returning gradients whose own gradient would be silently
+    dropped (the fused kernels) or would crash inside an `out=` GEMM (the chunked ones)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fusedkern's losses support first-order gradients only: backward with create_graph=True "
+                "(double backward, e.g. a gradient penalty) is not supported; compute such a term on "
+                "materialized logits with torch.nn.functional.cross_entropy")
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
     return None if grad is None else grad.to(dtype)
 
@@ -115,6 +134,7 @@ class _ChunkedScalarLoss(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, grad_lse):
         return (*rescaled_grads(ctx, grad_loss, "linear_cross_entropy (chunked, mean/sum)"),
                 None, None, None, None, None, None)
@@ -139,6 +159,7 @@ class _PerTokenLoss(torch.autograd.Function):
         return loss_tok, lse
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss_tok, grad_lse):
         x, w, b, target, class_weight, saved_stats = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
@@ -178,18 +199,31 @@ def _validate(input, linear_weight, target, linear_bias, *, weight=None, reducti
     if linear_bias is not None:
         V_.check_tensor("linear_bias", linear_bias, ndim=1)
         V_.check_shape("linear_bias", linear_bias, (vocab,), "one entry per vocabulary row of linear_weight")
+    validate_loss_options(weight=weight, reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     if weight is not None:
-        V_.check_tensor("weight", weight, ndim=1, dtypes=V_.FLOAT_DTYPES)
         V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
-    V_.check_int("ignore_index", ignore_index)
     target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
-    V_.check_choice("reduction", reduction, REDUCTIONS)
     validate_strategy(impl, weight_grad_accum, chunk_tokens)
+    return target_range
+
+
+def validate_loss_options(*, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                          softcap=None) -> None:
+    """The loss settings that do not depend on the call's tensors (checked again by `LinearCrossEntropyLoss`
+    at construction). Class weights may be fp64 (they are used in fp32; `module.double()` casts the buffer);
+    they get no gradient, so one that requires it is refused like torch does."""
+    if weight is not None:
+        V_.check_tensor("weight", weight, ndim=1, dtypes=(*V_.FLOAT_DTYPES, torch.float64))
+        if weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError("weight (the class weights) must not require grad: no gradient flows to them "
+                             "(torch.nn.functional.cross_entropy refuses it too); pass weight.detach()")
+    V_.check_choice("reduction", reduction, REDUCTIONS)
+    V_.check_int("ignore_index", ignore_index)
     V_.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
     V_.check_real("z_loss", z_loss, low=0.0)
     if softcap is not None:
         V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
-    return target_range
 
 
 def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
@@ -267,7 +301,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    y = target.reshape(-1)
+    y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
@@ -312,7 +346,8 @@ class LinearCrossEntropyLoss(nn.Module):
                  return_lse: bool = False, impl: str = "auto", weight_grad_accum: str = "fp32",
                  chunk_tokens: int | None = None):
         super().__init__()
-        V_.check_choice("reduction", reduction, REDUCTIONS)
+        validate_loss_options(weight=weight, reduction=reduction, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
         validate_strategy(impl, weight_grad_accum, chunk_tokens)
         self.register_buffer("weight", weight)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing

@@ -41,7 +41,7 @@ def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_inde
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    y = target.reshape(-1)
+    y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
     wants_grad = torch.is_grad_enabled() and (

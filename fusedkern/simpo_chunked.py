@@ -34,7 +34,7 @@ from fusedkern.chunked import (
     plan_for_grads,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import rescaled_grads, save_precomputed_grads
+from fusedkern.linear_cross_entropy import first_order_only, rescaled_grads, save_precomputed_grads
 
 
 def plan_for(n_rows: int, seq: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
@@ -94,7 +94,7 @@ class ChunkedSimPO(torch.autograd.Function):
         two_b, seq, hidden = x3d.shape
         n_pairs = two_b // 2
         x = x3d.reshape(-1, hidden)
-        y = target2d.reshape(-1)
+        y = target2d.reshape(-1).contiguous()  # the kernels index target[row] with no stride
         need_dx, need_dw = x3d.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
         dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, grad_plan)
@@ -167,5 +167,6 @@ class ChunkedSimPO(torch.autograd.Function):
         return loss_fn(logp2d, mask), logp2d
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss, grad_logp):
         return (*rescaled_grads(ctx, grad_loss, "linear_simpo_loss (chunked)"), None, None, None, None, None, None)

@@ -34,7 +34,7 @@ CE_CASES = [
     (dict(target=[0] * T), TypeError, "target must be a torch.Tensor"),
     (dict(linear_bias=[0.0] * V), TypeError, "linear_bias must be a torch.Tensor"),
     (dict(weight=[1.0] * V), TypeError, "weight must be a torch.Tensor"),
-    (dict(weight=torch.rand(V, dtype=torch.float64)), TypeError, "weight must have dtype"),
+    (dict(weight=torch.ones(V, dtype=torch.int64)), TypeError, "weight must have dtype"),  # fp64 is accepted (module.double())
     (dict(linear_bias=torch.randn(V, dtype=torch.float16)), TypeError, "linear_bias must have the same dtype"),
     (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be >= 0"),
     (dict(target=torch.zeros(T + 1, dtype=torch.long)), ValueError, "target must have shape"),

@@ -111,9 +111,10 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
         z = tl.load(row_ptr + cols)
     s = _softcapped(z.to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)  # 0 on masked-out lanes
     # One exp per element: with u = exp(−|s − m|), a new max gives rest' = (rest + 1)·u and m = s,
-    # otherwise rest + u (rest = Σ exp(s − m) without the max's own 1, see `_merge_mass`). A valid s
-    # is finite, so u is exp(−inf) = 0 at the first column, never exp(NaN).
-    u = tl.exp(-tl.abs(s - m_lane))
+    # otherwise rest + u (rest = Σ exp(s − m) without the max's own 1, see `_merge_mass`). The lane
+    # starts at m = −inf, so a finite first s gives u = exp(−inf) = 0; an s = −inf (a −inf bias masking
+    # padded vocabulary) carries no mass, and must not meet m = −inf in −inf − (−inf) = NaN.
+    u = tl.where(s == -float("inf"), 0.0, tl.exp(-tl.abs(s - m_lane)))
     is_new_max = s > m_lane
     d_new = tl.where(is_new_max, (d_lane + 1.0) * u, d_lane + u)
     m_new = tl.maximum(m_lane, s)

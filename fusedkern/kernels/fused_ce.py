@@ -95,6 +95,20 @@ __all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes"]
 # ----------------------------------------------------------------------------------------------
 # device helpers
 
+# Triton's interpreter computes tl.dot on bf16 operands wrongly (values off by 1e9): there the
+# operands are widened to fp32 first, which gives the same products (bf16 × bf16 is exact in fp32)
+# with fp32 accumulation, as the tensor cores do. The GPU path is untouched.
+_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """tl.dot(a, b, acc) with fp32 accumulation (see `_WIDEN_DOT_OPERANDS`)."""
+    if _WIDEN_DOT_OPERANDS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
 
 @triton.jit
 def _logit_tile(
@@ -114,7 +128,7 @@ def _logit_tile(
         mask_h = offs_h < H
         x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
         w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
-        acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_V)
+        acc = _dot(x_tile, tl.trans(w_tile), acc, DOT_PRECISION)  # (BLOCK_T, BLOCK_V)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_v * stride_b, mask=mask_v, other=0.0).to(tl.float32)  # (BLOCK_V,)
         acc += bias[None, :]
@@ -207,16 +221,18 @@ def _fused_ce_fwd_kernel(
         #    classes' mass, rest keeps all of them — and with them 1 − p_y, the confident target's
         #    gradient. The max's own exp(0) = 1 is never added: a tile that brings a new max leaves out
         #    its (first) arg-max column and adds the old max's 1 scaled; otherwise it adds its whole sum.
-        #    (every tile has ≥ 1 valid column, so m_new is finite)
         s_m = tl.where(mask_v[None, :], s, float("-inf"))  # (BLOCK_T, BLOCK_V)
         tile_max = tl.max(s_m, axis=1)  # (BLOCK_T,)
         tile_arg = tl.argmax(s_m, axis=1)  # (BLOCK_T,)
         m_new = tl.maximum(m_i, tile_max)  # (BLOCK_T,)
-        e = tl.exp(s_m - m_new[:, None])  # (BLOCK_T, BLOCK_V), 0 on masked columns
+        # m_new is −inf while every column so far is −inf (a −inf bias masking padded vocabulary):
+        # exponents are taken against 0 then, so that −inf − (−inf) = NaN never arises; they are 0 anyway
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (BLOCK_T,)
+        e = tl.exp(s_m - m_ref[:, None])  # (BLOCK_T, BLOCK_V), 0 on masked columns
         tile_rest = tl.sum(tl.where(tl.arange(0, BLOCK_V)[None, :] == tile_arg[:, None], 0.0, e), axis=1)
-        e_old = tl.exp(m_i - m_new)  # 0 while m_i = −inf
+        e_old = tl.exp(m_i - m_ref)  # 0 while m_i = −inf
         rest_i = tl.where(tile_max > m_i, rest_i * e_old + e_old + tile_rest,
-                          rest_i + tile_rest + tl.exp(tile_max - m_new))
+                          rest_i + tile_rest + tl.exp(tile_max - m_ref))
         m_i = m_new
         # 5. target logit and the label-smoothing sum
         # (compared as a local column index: a loop-invariant (BLOCK_T, BLOCK_V) broadcast of y
@@ -390,11 +406,11 @@ def _fused_ce_bwd_kernel(
         mask_h = offs_h < H
         if COMPUTE_DX:
             w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
-            dx_part = tl.dot(gc, w_tile, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_H) fp32
+            dx_part = _dot(gc, w_tile, None, DOT_PRECISION)  # (BLOCK_T, BLOCK_H) fp32
             tl.atomic_add(dx_rows + offs_h[None, :], dx_part, mask=valid[:, None] & mask_h[None, :], sem="relaxed")
         if COMPUTE_DW:
             x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
-            dw_part = tl.dot(tl.trans(gc), x_tile, input_precision=DOT_PRECISION)  # (BLOCK_V, BLOCK_H) fp32
+            dw_part = _dot(tl.trans(gc), x_tile, None, DOT_PRECISION)  # (BLOCK_V, BLOCK_H) fp32
             if GRAD_W_STORE:
                 tl.store(dw_rows + offs_h[None, :], dw_part.to(dw_ptr.dtype.element_ty), mask=mask_v[:, None] & mask_h[None, :])
             else:
