@@ -98,6 +98,32 @@ class TargetRangeCheck:
             raise ValueError(f"{self._message}; found {first}")
 
 
+class CountCheck:
+    """`num_valid_tokens` against the target's own count, read like `TargetRangeCheck` (behind an event,
+    after the kernels are queued): a wrong count raises before anything is returned, without a sync in
+    the step. The kernels only ever see rows that exist, so a wrong count cannot read out of bounds."""
+
+    def __init__(self, target: torch.Tensor, ignore_index: int, claimed: int):
+        self._claimed = claimed
+        self._count = (target != ignore_index).sum()
+        differs = self._count != claimed
+        if target.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(differs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(target.device))
+        else:
+            self._flag, self._event = differs, None
+
+    def raise_if_failed(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if bool(self._flag):
+            raise ValueError(f"num_valid_tokens={self._claimed} but target holds {self._count.item()} tokens that "
+                             "are not ignore_index; pass (target != ignore_index).sum() computed where it is "
+                             "free (e.g. on the CPU copy of the labels), or None")
+
+
 def check_target(target: torch.Tensor, expected_shape: Sequence[int], num_classes: int, ignore_index: int,
                  name: str = "target") -> TargetRangeCheck:
     """Integer class indices of the input's leading shape, each in [0, V) or equal to ignore_index.

@@ -258,12 +258,41 @@ def _cached_bytes_cover(need: int, device: torch.device) -> bool:
     return need <= torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Row indices with every non-ignored row first, in order (a stable sort on the device: no host sync)."""
+    return torch.argsort((target == ignore_index).to(torch.uint8), stable=True)
+
+
+def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
+                  chunk_tokens):
+    """(loss: 0-d for mean/sum, [T] for "none"; lse [T]) for flat inputs: the strategy dispatch."""
+    wants_grad = torch.is_grad_enabled() and (
+        x2d.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    if impl == "chunked" and reduction != "none" and wants_grad:
+        return _ChunkedScalarLoss.apply(x2d, w, b, y, class_weight, opts, reduction, weight_grad_accum, chunk_tokens)
+    if wants_grad:
+        loss_tok, lse = _PerTokenLoss.apply(x2d, w, b, y, class_weight, opts, impl, weight_grad_accum, chunk_tokens)
+    elif impl == "fused":
+        loss_tok, lse = _fused_ops().fused_ce_forward(
+            x2d, w, b, y, class_weight, ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
+            z_loss=opts.z_loss, softcap=opts.softcap)
+    else:
+        loss_tok, stats = chunked_loss(x2d, w, b, y, class_weight, opts, chunk_tokens)
+        lse = lse_of(stats)
+    if reduction == "none":
+        return loss_tok, lse
+    if reduction == "sum":
+        return loss_tok.sum(), lse
+    return loss_tok.sum() / _denominator(y, class_weight, opts.ignore_index), lse
+
+
 @torch.compiler.disable  # a graph break: the launcher reads the target range check on the host and runs Triton
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: float | None = None, return_lse: bool = False,
-                         impl: str = "auto", weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+                         impl: str = "auto", weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
+                         num_valid_tokens: int | None = None):
     """Cross-entropy of a linear layer's output without materializing the logits.
 
     Computes `F.cross_entropy(input @ linear_weight.T + linear_bias, target, weight=weight,
@@ -289,6 +318,12 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
             all tokens in one chunk while the buffer fits the accumulator's allowance (9216 tokens at
             V = 128256, H = 4096), else chunks of H tokens inside dW's own storage; in lean mode, for an
             fp32 weight or without dW, the largest multiple of 64 keeping the buffer ≤ 256 MiB.
+        num_valid_tokens: how many targets are not `ignore_index`, if the caller knows it on the host
+            without a sync (a data collator counts it on the CPU copy of the labels). Then only those
+            rows are computed: gathered on the device, three GEMMs over them instead of over every
+            token, dX zero at ignored rows, same loss and gradients. The count is checked against the
+            target on the device behind an event (a wrong one raises ValueError before returning,
+            without a sync in the step). Ignored with `return_lse=True` (every token's lse is asked for).
 
     Returns:
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
@@ -297,6 +332,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     target_range = _validate(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
                             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                             impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    if num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets) or None, "
+                         f"got {num_valid_tokens}")
     lead_shape = input.shape[:-1]
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
@@ -305,32 +343,28 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
-    wants_grad = torch.is_grad_enabled() and (
-        input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
-
-    if impl == "chunked" and reduction != "none" and wants_grad:
-        loss, lse = _ChunkedScalarLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts,
-                                             reduction, weight_grad_accum, chunk_tokens)
+    count_check, valid_rows = None, None
+    if num_valid_tokens is not None:
+        count_check = V_.CountCheck(y, ignore_index, num_valid_tokens)
+        if 0 < num_valid_tokens < y.shape[0] and not return_lse:
+            valid_rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
+    if valid_rows is None:
+        loss, lse = _loss_and_lse(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
+                                  weight_grad_accum, chunk_tokens)
     else:
-        if wants_grad:
-            loss_tok, lse = _PerTokenLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, impl,
-                                                weight_grad_accum, chunk_tokens)
-        elif impl == "fused":
-            loss_tok, lse = _fused_ops().fused_ce_forward(
-                x2d, linear_weight, linear_bias, y, class_weight, ignore_index=opts.ignore_index,
-                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
-        else:
-            loss_tok, stats = chunked_loss(x2d, linear_weight, linear_bias, y, class_weight, opts, chunk_tokens)
-            lse = lse_of(stats)
+        # Only the valid rows are computed: gathered here (autograd scatters dX back, zero in ignored rows),
+        # the mean's denominator is the same over them, and "none" puts them back among zeros
+        loss, lse = _loss_and_lse(x2d.index_select(0, valid_rows), linear_weight, linear_bias,
+                                  y.index_select(0, valid_rows), class_weight, opts, reduction, impl,
+                                  weight_grad_accum, chunk_tokens)
         if reduction == "none":
-            loss = loss_tok.reshape(lead_shape)
-        elif reduction == "sum":
-            loss = loss_tok.sum()
-        else:
-            loss = loss_tok.sum() / _denominator(y, class_weight, ignore_index)
-    lse = lse.reshape(lead_shape)
+            loss = loss.new_zeros(y.shape[0]).index_copy(0, valid_rows, loss)
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+    if count_check is not None:
+        count_check.raise_if_failed()
     target_range.raise_if_failed()
-    return (loss, lse) if return_lse else loss
+    return (loss, lse.reshape(lead_shape)) if return_lse else loss
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -354,12 +388,13 @@ class LinearCrossEntropyLoss(nn.Module):
         self.z_loss, self.softcap, self.return_lse = z_loss, softcap, return_lse
         self.impl, self.weight_grad_accum, self.chunk_tokens = impl, weight_grad_accum, chunk_tokens
 
-    def forward(self, input, linear_weight, target, linear_bias=None):
+    def forward(self, input, linear_weight, target, linear_bias=None, num_valid_tokens: int | None = None):
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight, reduction=self.reduction,
             ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
             softcap=self.softcap, return_lse=self.return_lse, impl=self.impl,
-            weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens)
+            weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens,
+            num_valid_tokens=num_valid_tokens)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
