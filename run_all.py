@@ -14,8 +14,18 @@ no diff. `--measure auto` (default) first runs the benchmark sweeps when a CUDA 
 notebooks re-draw every figure from the committed data and check correctness through Triton's
 interpreter at small shapes.
 
+`--quick --measure yes` is a smoke test of the measuring path (two sizes, few repetitions): its
+sweeps go to a fresh temporary data folder (measured/<gpu>/ plus a copy of reference/), which the
+notebooks of that run read and whose path is printed. The measurements in DATA_DIR are never
+replaced by smoke data.
+
+A notebook writes its figures into a temporary folder of its own; they replace those in
+FIGURES_DIR, and its rendering is written into OUTPUT_DIR, only when the whole notebook ran. A
+failing notebook leaves both as they were.
+
 Exit status: 0 when every selected notebook ran, 1 when one failed (the message names the
-notebook and the cell), 2 for bad arguments.
+notebook and the cell), 2 for bad arguments (an unknown notebook, a --gpu without
+DATA_DIR/measured/<gpu>/, a non-positive --jobs or --cell-timeout).
 """
 
 from __future__ import annotations
@@ -47,9 +57,24 @@ class NotebookFailed(Exception):
     """A notebook did not run to the end; the message says which one and where."""
 
 
+class UsageError(Exception):
+    """The arguments ask for something that does not exist (exit status 2)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Arguments and selection
 # ----------------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,15 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--measure", choices=("auto", "yes", "no"), default="auto",
                         help="run the benchmark sweeps (python -m fusedkern.bench ce|simpo|accuracy) into "
                              "DATA_DIR/measured/<gpu>/ first: auto = when a CUDA GPU is present and not --quick "
-                             "(default); yes with --quick runs reduced sweeps")
+                             "(default); yes with --quick runs reduced sweeps into a temporary data folder "
+                             "(printed), never into DATA_DIR")
     parser.add_argument("--gpu", default=None,
-                        help=f"which data/measured/<gpu>/ the notebooks plot (default: the GPU measured now, "
-                             f"else {DEFAULT_GPU})")
+                        help=f"which DATA_DIR/measured/<gpu>/ the notebooks plot; it must exist unless this run "
+                             f"measures that GPU (default: the GPU measured now, else {DEFAULT_GPU})")
     parser.add_argument("--source-dir", type=Path, default=ROOT / "notebooks",
                         help="where the py:percent sources are (default: notebooks/)")
-    parser.add_argument("--cell-timeout", type=int, default=1800, metavar="S",
+    parser.add_argument("--cell-timeout", type=positive_int, default=1800, metavar="S",
                         help="seconds one cell may run before the notebook counts as failed (default: 1800)")
-    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                         help="notebooks executed at the same time (default: 1; each runs in its own kernel)")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing notebook")
     parser.add_argument("--list", action="store_true", help="list the notebooks and exit")
@@ -103,7 +129,7 @@ def select(sources: list[Path], wanted: list[str] | None) -> list[Path]:
         matches = [p for p in sources if p.stem == key or p.stem.split("_", 1)[0] == key]
         if not matches:
             names = ", ".join(p.stem for p in sources) or "(none)"
-            raise SystemExit(f"run_all: no notebook matches {want!r}; available: {names}")
+            raise UsageError(f"no notebook matches {want!r}; available: {names}")
         chosen += [m for m in matches if m not in chosen]
     return sorted(chosen)
 
@@ -129,6 +155,11 @@ def cuda_gpu_name() -> str | None:
     return done.stdout.strip() or None
 
 
+def run_sweep(command: list[str]) -> int:
+    """Run one benchmark command from the repository root; returns its exit status."""
+    return subprocess.run(command, cwd=ROOT, env=_child_env()).returncode
+
+
 def measure(data_dir: Path, gpu_name: str, quick: bool) -> str:
     """Run every sweep of `python -m fusedkern.bench` into data_dir/measured/<gpu>/; returns <gpu>."""
     slug = gpu_slug(gpu_name)
@@ -139,10 +170,29 @@ def measure(data_dir: Path, gpu_name: str, quick: bool) -> str:
         if quick:
             command += QUICK_SWEEP_ARGS[sweep]
         print(f"run_all: measuring on {gpu_name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
-        done = subprocess.run(command, cwd=ROOT, env=_child_env())
-        if done.returncode != 0:
-            raise NotebookFailed(f"benchmark sweep {sweep!r} failed (exit {done.returncode}): {' '.join(command)}")
+        status = run_sweep(command)
+        if status != 0:
+            raise NotebookFailed(f"benchmark sweep {sweep!r} failed (exit {status}): {' '.join(command)}")
     return slug
+
+
+def quick_data_dir(data_dir: Path) -> Path:
+    """A fresh temporary data folder for smoke measurements, with a copy of data_dir/reference/
+    (the notebooks read both); the committed measurements stay as they are."""
+    quick_dir = Path(tempfile.mkdtemp(prefix="run_all-quick-data-"))
+    if (data_dir / "reference").is_dir():
+        shutil.copytree(data_dir / "reference", quick_dir / "reference")
+    return quick_dir
+
+
+def missing_gpu_folder(data_dir: Path, gpu: str) -> str | None:
+    """None when data_dir/measured/<gpu>/ exists, else a message that lists the folders that do."""
+    folder = data_dir / "measured" / gpu
+    if folder.is_dir():
+        return None
+    measured = data_dir / "measured"
+    present = sorted(p.name for p in measured.iterdir() if p.is_dir()) if measured.is_dir() else []
+    return f"--gpu {gpu}: {folder} does not exist; measured GPUs in {measured}: {', '.join(present) or '(none)'}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,17 +282,44 @@ def _strip_ansi(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
 
 
+def _show_parameters(nb, params: dict) -> None:
+    """Rewrite the injected-parameters cell to show `params` (the run itself saw staging paths)."""
+    from papermill.translators import translate_parameters
+
+    for cell in nb.cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            cell["source"] = translate_parameters(KERNEL_NAME, "python", params, "Parameters")
+
+
+def publish_figures(staged: Path, figures_dir: Path) -> list[Path]:
+    """Move every file under `staged` to the same place under figures_dir, each replaced in one step."""
+    moved = []
+    for src in sorted(p for p in staged.rglob("*") if p.is_file()):
+        dst = figures_dir / src.relative_to(staged)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.copyfile(src, tmp)  # staged may be on another file system: copy next to dst, then rename
+        os.replace(tmp, dst)
+        moved.append(dst)
+    return moved
+
+
 def execute(source: Path, output_dir: Path, parameters: dict, cell_timeout: int) -> Path:
-    """Execute one notebook source and write its normalized rendering; raises NotebookFailed."""
+    """Execute one notebook source; only when it ran to the end, move its figures into
+    parameters["figures_dir"] and write its normalized rendering. Raises NotebookFailed."""
     import nbformat
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     nb = load_source(source)
     cwd = source.parent
-    params = {k: _param_path(v, cwd) if isinstance(v, Path) else v for k, v in parameters.items()}
-    # A failed run is kept (outside the output directory, whose renders stay untouched) for diagnosis.
-    partial = Path(tempfile.mkdtemp(prefix="run_all-")) / (source.stem + ".failed.ipynb")
+    # The notebook saves its figures into a folder of its own, so a failure half-way replaces none.
+    # A failed run's partial render and figures are kept there for diagnosis.
+    work = Path(tempfile.mkdtemp(prefix=f"run_all-{source.stem}-"))
+    staged = work / "figures"
+    partial = work / (source.stem + ".failed.ipynb")
+    shown = {k: _param_path(v, cwd) if isinstance(v, Path) else v for k, v in parameters.items()}
+    params = dict(shown, figures_dir=str(staged)) if "figures_dir" in parameters else shown
     try:
         executed = papermill.execute_notebook(
             nb, str(partial), parameters=params, kernel_name=KERNEL_NAME, cwd=str(cwd), progress_bar=False,
@@ -260,13 +337,17 @@ def execute(source: Path, output_dir: Path, parameters: dict, cell_timeout: int)
             f"  partial render with every output up to the failure: {partial}"
         ) from None
     except Exception as err:  # kernel died, timeout, missing kernel: still name the notebook
-        raise NotebookFailed(f"notebook {source.name} failed: {type(err).__name__}: {err}") from None
-    shutil.rmtree(partial.parent, ignore_errors=True)
+        raise NotebookFailed(f"notebook {source.name} failed: {type(err).__name__}: {err} (partial output in {work})"
+                             ) from None
+    _show_parameters(executed, shown)
+    if "figures_dir" in parameters:
+        publish_figures(staged, Path(parameters["figures_dir"]))
     output_dir.mkdir(parents=True, exist_ok=True)
     target = output_dir / (source.stem + ".ipynb")
     tmp = target.with_name(target.name + ".tmp")
     nbformat.write(normalize(executed, source.name), str(tmp))
     os.replace(tmp, target)
+    shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -286,28 +367,48 @@ def main(argv: list[str] | None = None) -> int:
     if not sources:
         print(f"run_all: no notebook sources (NN_name.py) in {args.source_dir}", file=sys.stderr)
         return 2
-    selected = select(sources, args.notebooks)
+    try:
+        selected = select(sources, args.notebooks)
+    except UsageError as err:
+        print(f"run_all: {err}", file=sys.stderr)
+        return 2
     if args.list:
         print("\n".join(p.stem for p in selected))
         return 0
 
-    gpu = args.gpu
+    gpu_name = None
     if args.measure == "yes" or (args.measure == "auto" and not args.quick):
-        name = cuda_gpu_name()
-        if name is None and args.measure == "yes":
+        gpu_name = cuda_gpu_name()
+        if gpu_name is None and args.measure == "yes":
             print("run_all: --measure yes needs a CUDA GPU, and none is visible", file=sys.stderr)
             return 1
-        if name is not None:
-            try:
-                measured = measure(args.data_dir, name, args.quick)
-            except NotebookFailed as err:
-                print(f"run_all: {err}", file=sys.stderr)
-                return 1
-            gpu = gpu or measured
-    gpu = gpu or DEFAULT_GPU
+    measuring = gpu_slug(gpu_name) if gpu_name is not None else None
+    gpu = args.gpu or measuring or DEFAULT_GPU
+    # An explicit --gpu names measurements to plot: a typo must not render "Not measured yet" over
+    # the committed notebooks. Checked before anything is measured or written.
+    if args.gpu is not None and args.gpu != measuring:
+        if measuring is not None and args.quick:  # the smoke data folder holds only the GPU measured now
+            problem = f"--gpu {args.gpu}: a --quick measuring run plots only the GPU it measures ({measuring})"
+        else:
+            problem = missing_gpu_folder(args.data_dir, args.gpu)
+        if problem:
+            print(f"run_all: {problem}", file=sys.stderr)
+            return 2
+
+    data_dir = args.data_dir
+    if gpu_name is not None:
+        if args.quick:
+            data_dir = quick_data_dir(args.data_dir)
+            print(f"run_all: --quick measurements are a smoke test; they go to {data_dir}, "
+                  f"not {args.data_dir}", file=sys.stderr)
+        try:
+            measure(data_dir, gpu_name, args.quick)
+        except NotebookFailed as err:
+            print(f"run_all: {err}", file=sys.stderr)
+            return 1
 
     os.environ.update(_child_env())  # the kernels papermill starts inherit this environment
-    parameters = {"quick": bool(args.quick), "data_dir": args.data_dir, "figures_dir": args.figures_dir, "gpu": gpu}
+    parameters = {"quick": bool(args.quick), "data_dir": data_dir, "figures_dir": args.figures_dir, "gpu": gpu}
     from tqdm import tqdm
 
     failures: list[str] = []
@@ -324,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(f"run_all: FAILED {error}", file=sys.stderr)
         return error is not None and args.fail_fast
 
-    if args.jobs <= 1:
+    if args.jobs == 1:
         for source in selected:
             bar.set_postfix_str(source.stem)
             if record(source, *_timed_execute(source, *job)):

@@ -8,10 +8,13 @@ GPU; they are labelled as fake in their provenance and never leave tmp_path.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,9 +81,30 @@ def write_fake_measurements(data_dir: Path, gpu: str = "h200") -> Path:
     return out
 
 
-def _run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 900, tmp: Path | None = None) -> subprocess.CompletedProcess:
+    """run_all.py in a subprocess; with `tmp`, its temporary folders (staged figures, the partial
+    render of a failed notebook) go under tmp too."""
+    env = dict(os.environ)
+    if tmp is not None:
+        (tmp / "tmp").mkdir(exist_ok=True)
+        env["TMPDIR"] = str(tmp / "tmp")
     return subprocess.run([sys.executable, str(RUN_ALL), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
+
+
+def _import_run_all():
+    sys.path.insert(0, str(ROOT))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(ROOT))
+    return run_all
+
+
+def _write_notebook(path: Path, *cells: str) -> None:
+    """A py:percent source whose first cell is the parameters cell run_all.py fills in."""
+    params = 'quick = False\ndata_dir = "data"\nfigures_dir = "figures"\ngpu = "h200"\n'
+    path.write_text("\n\n".join(['# %% tags=["parameters"]\n' + params, *("# %%\n" + c for c in cells)]) + "\n")
 
 
 def test_help():
@@ -149,18 +173,102 @@ def test_failing_notebook_exits_nonzero_and_names_it(tmp_path):
     assert not (tmp_path / "out" / "02_broken.ipynb").exists()
 
 
+def test_failing_notebook_replaces_none_of_its_figures(tmp_path):
+    """Figures are staged per notebook: one that fails half-way leaves figures/ and its render as they
+    were, while a notebook that ran publishes its figures (and its render names the real folder)."""
+    src, out, figs = tmp_path / "src", tmp_path / "out", tmp_path / "figures"
+    src.mkdir()
+    save = 'from pathlib import Path\nPath(figures_dir).mkdir(parents=True, exist_ok=True)\n'
+    _write_notebook(src / "01_draws.py", save + 'Path(figures_dir, "01_fig.png").write_text("new")')
+    _write_notebook(src / "02_breaks.py", save + 'Path(figures_dir, "02_fig.png").write_text("new")',
+                    'raise RuntimeError("half-way")')
+    figs.mkdir()
+    out.mkdir()
+    (figs / "02_fig.png").write_text("old")
+    (out / "02_breaks.ipynb").write_text("old")
+    done = _run("--source-dir", str(src), "--measure", "no", "--jobs", "2", "--output-dir", str(out),
+                "--figures-dir", str(figs), "--data-dir", str(tmp_path / "data"), tmp=tmp_path, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "half-way" in done.stderr
+    assert (figs / "02_fig.png").read_text() == "old"
+    assert (out / "02_breaks.ipynb").read_text() == "old"
+    assert (figs / "01_fig.png").read_text() == "new"
+    assert sorted(p.name for p in figs.iterdir()) == ["01_fig.png", "02_fig.png"]
+    render = json.loads((out / "01_draws.ipynb").read_text())
+    injected = next(c for c in render["cells"] if "injected-parameters" in c["metadata"].get("tags", []))
+    assert f'figures_dir = "{figs}"' in "".join(injected["source"])
+
+
 def test_unknown_notebook_is_a_usage_error(tmp_path):
     done = _run("--notebooks", "99", "--measure", "no", "--output-dir", str(tmp_path), timeout=120)
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert "99" in done.stderr and "01_derivation" in done.stderr
 
 
+@pytest.mark.parametrize("option, value", [("--jobs", "0"), ("--cell-timeout", "-5"), ("--jobs", "two")])
+def test_non_positive_counts_are_usage_errors(option, value, capsys):
+    run_all = _import_run_all()
+    with pytest.raises(SystemExit) as exit_:
+        run_all.parse_args([option, value])
+    assert exit_.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_unknown_gpu_is_a_usage_error_before_anything_is_written(tmp_path):
+    """A mistyped --gpu must not render "Not measured yet" over the notebooks."""
+    src, data, out, figs = tmp_path / "src", tmp_path / "data", tmp_path / "out", tmp_path / "figures"
+    src.mkdir()
+    _write_notebook(src / "01_plot.py", 'print("plotted")')
+    for gpu in ("h200", "a100"):
+        (data / "measured" / gpu).mkdir(parents=True)
+    done = _run("--source-dir", str(src), "--gpu", "h2000", "--measure", "no", "--output-dir", str(out),
+                "--figures-dir", str(figs), "--data-dir", str(data), tmp=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert str(data / "measured" / "h2000") in done.stderr
+    assert "a100, h200" in done.stderr
+    assert not out.exists() and not figs.exists()
+
+
+def test_quick_measuring_run_leaves_the_committed_measurements_alone(tmp_path, monkeypatch):
+    """--quick --measure yes on a GPU: the smoke sweeps go to a temporary data folder, which the
+    notebooks then read; DATA_DIR/measured/<gpu>/ keeps its CSVs. (GPU and sweeps faked.)"""
+    run_all = _import_run_all()
+    data = tmp_path / "data"
+    committed = data / "measured" / "h200" / "ce.csv"
+    committed.parent.mkdir(parents=True)
+    committed.write_text("committed\n")
+    (data / "reference").mkdir()
+    (data / "reference" / "anchors.csv").write_text("reference\n")
+    sweeps, notebooks = [], []
+
+    def fake_sweep(command):
+        out = Path(command[command.index("--out") + 1])
+        out.write_text("smoke\n")
+        sweeps.append(out)
+        return 0
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(run_all, "cuda_gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(run_all, "run_sweep", fake_sweep)
+    monkeypatch.setattr(run_all, "execute", lambda source, output_dir, parameters, cell_timeout:
+                        notebooks.append((source.stem, parameters)))
+    status = run_all.main(["--quick", "--measure", "yes", "--notebooks", "03", "--data-dir", str(data),
+                           "--output-dir", str(tmp_path / "out"), "--figures-dir", str(tmp_path / "figures")])
+    assert status == 0
+    assert committed.read_text() == "committed\n"
+    assert sorted(p.name for p in committed.parent.iterdir()) == ["ce.csv"]
+    assert [p.name for p in sweeps] == ["ce.csv", "simpo.csv", "accuracy.csv"]
+    [(stem, parameters)] = notebooks
+    assert stem == "03_memory" and parameters["gpu"] == "h200"
+    smoke = Path(parameters["data_dir"])
+    assert smoke.resolve() != data.resolve() and data.resolve() not in smoke.resolve().parents
+    assert all(p.parent == smoke / "measured" / "h200" for p in sweeps)
+    assert (smoke / "reference" / "anchors.csv").read_text() == "reference\n"
+
+
 def test_selection_and_slug():
-    sys.path.insert(0, str(ROOT))
-    try:
-        import run_all
-    finally:
-        sys.path.remove(str(ROOT))
+    run_all = _import_run_all()
     sources = run_all.discover(ROOT / "notebooks")
     assert [p.stem for p in run_all.select(sources, ["4", "02_correctness", "02"])] == [
         "02_correctness", "04_latency_tokens"]
