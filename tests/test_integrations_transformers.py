@@ -1,0 +1,293 @@
+"""fusedkern.integrations.transformers.patch on tiny random models of every supported architecture
+(2 layers, hidden 32, vocab 64, batch 2 × seq 8, fp32): the patched model's loss and gradients equal the
+unpatched model's (Transformers' own ForCausalLMLoss on materialized logits), for the mean, for
+num_items_in_batch as an int and as a tensor, Gemma2's softcap, shift_labels, logits_to_keep; the
+logits path without labels is untouched; class patching, unpatch, the context manager and the errors."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import fusedkern  # noqa: E402
+from fusedkern.integrations import transformers as fk_hf  # noqa: E402
+
+HAS_FUSED = importlib.util.find_spec("fusedkern.kernels.fused_ce") is not None
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+ARCHS = {
+    "Llama": {},
+    "Mistral": {},
+    "Qwen2": {},
+    "Qwen3": dict(head_dim=8),
+    # a softcap that bites: logits of size ~2 (initializer_range 0.3) capped at 1
+    "Gemma2": dict(head_dim=8, final_logit_softcapping=1.0, initializer_range=0.3),
+    "Phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
+    config = getattr(transformers, f"{arch}Config")(**{**COMMON, **ARCHS[arch], **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{arch}ForCausalLM")(config).train()
+
+
+def make_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, COMMON["vocab_size"], (2, 8), generator=g)
+    labels = input_ids.clone()
+    labels[0, :3] = -100   # a prompt
+    labels[1, -2:] = -100  # padding
+    return input_ids, labels
+
+
+def inner_weight(model: nn.Module) -> torch.Tensor:
+    return model.model.layers[0].mlp.down_proj.weight
+
+
+def loss_and_grads(model: nn.Module, input_ids, labels, **kwargs):
+    """(output, loss, grad of lm_head.weight, grad of an inner weight) of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out, out.loss.detach(), model.lm_head.weight.grad.clone(), inner_weight(model).grad.clone()
+
+
+def assert_matches_unpatched(model, input_ids, labels, **kwargs):
+    assert not fk_hf.is_patched(model)
+    ref_out, ref_loss, ref_dw, ref_dinner = loss_and_grads(model, input_ids, labels, **kwargs)
+    fk_hf.patch(model)
+    out, loss, dw, dinner = loss_and_grads(model, input_ids, labels, **kwargs)
+    assert ref_out.logits is not None and out.logits is None
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(dw, ref_dw, **TOL)
+    torch.testing.assert_close(dinner, ref_dinner, **TOL)
+    return loss
+
+
+@pytest.mark.parametrize("num_items", [None, "int", "tensor"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_loss_and_grads_match_unpatched(arch, num_items):
+    model = make_model(arch)
+    input_ids, labels = make_batch()
+    kwargs = {}
+    if num_items is not None:  # 7 is not the number of valid targets (10): the division must be by this number
+        kwargs["num_items_in_batch"] = 7 if num_items == "int" else torch.tensor(7)
+    loss = assert_matches_unpatched(model, input_ids, labels, **kwargs)
+    if num_items is None:  # the mean over the 10 valid shifted targets, not over all 16 positions
+        assert (labels[:, 1:] != -100).sum() == 10
+        assert torch.isfinite(loss)
+
+
+def test_gemma2_softcap_is_applied():
+    """The Gemma2 cases above would pass with the softcap ignored if the cap did not change the loss."""
+    model = make_model("Gemma2")
+    input_ids, labels = make_batch()
+    with torch.no_grad():
+        capped = model(input_ids=input_ids, labels=labels).loss
+        model.config.final_logit_softcapping = None
+        uncapped = model(input_ids=input_ids, labels=labels).loss
+    assert (capped - uncapped).abs() > 1e-2
+
+
+@pytest.mark.parametrize("impl", ["chunked"] + (["fused"] if HAS_FUSED else []))
+def test_options_reach_fusedkern(impl):
+    """patch's fusedkern options (strategy, z_loss, label smoothing) are those of linear_cross_entropy."""
+    input_ids, labels = make_batch()
+    model = make_model("Qwen2")
+    options = dict(impl=impl, label_smoothing=0.1, z_loss=1e-2)
+    fk_hf.patch(model, **options)
+    _, loss, dw, dinner = loss_and_grads(model, input_ids, labels)
+    model.zero_grad(set_to_none=True)
+    hidden = model.model(input_ids=input_ids).last_hidden_state
+    targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ref = fusedkern.linear_cross_entropy(hidden, model.lm_head.weight, targets, **options)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), **TOL)
+    torch.testing.assert_close(dw, model.lm_head.weight.grad, **TOL)
+    torch.testing.assert_close(dinner, inner_weight(model).grad, **TOL)
+
+
+def test_labels_none_gives_the_unpatched_logits():
+    input_ids, _ = make_batch()
+    for arch in ARCHS:
+        model = make_model(arch)
+        with torch.no_grad():
+            ref, ref_last = model(input_ids=input_ids), model(input_ids=input_ids, logits_to_keep=1)
+            fk_hf.patch(model)
+            out, last = model(input_ids=input_ids), model(input_ids=input_ids, logits_to_keep=1)
+        assert out.loss is None and last.logits.shape == (2, 1, COMMON["vocab_size"])
+        torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+        torch.testing.assert_close(last.logits, ref_last.logits, rtol=0, atol=0)
+
+
+def test_shift_labels():
+    """Transformers takes `shift_labels` as the already-shifted targets (labels then only switch the loss on)."""
+    input_ids, labels = make_batch()
+    shift_labels = torch.roll(labels, -1, dims=1)
+    shift_labels[:, -1] = -100
+    shift_labels[0, 4] = -100
+    assert_matches_unpatched(make_model("Qwen2"), input_ids, labels, shift_labels=shift_labels)
+
+
+def test_logits_to_keep_with_labels():
+    """Like Transformers: the loss covers the kept positions, with labels given for those positions."""
+    input_ids, labels = make_batch()
+    model = make_model("Llama")
+    assert_matches_unpatched(model, input_ids, labels[:, -4:], logits_to_keep=4)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(input_ids=input_ids, labels=labels, logits_to_keep=4)  # 8 labels a row for 4 kept positions
+    fk_hf.unpatch(model)
+    with pytest.raises((ValueError, RuntimeError)):  # Transformers refuses it as well
+        model(input_ids=input_ids, labels=labels, logits_to_keep=4)
+
+
+def test_return_dict_false_and_signature_kept():
+    input_ids, labels = make_batch()
+    model = make_model("Mistral")
+    signature = inspect.signature(model.forward)
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=labels, return_dict=False)
+        fk_hf.patch(model)
+        out = model(input_ids=input_ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple) and out[0].ndim == 0
+    torch.testing.assert_close(out[0], ref[0], **TOL)
+    # Trainer reads the signature (dataset columns to keep, whether loss kwargs such as num_items_in_batch pass)
+    assert inspect.signature(model.forward) == signature
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def test_patch_by_class_before_from_pretrained(tmp_path):
+    input_ids, labels = make_batch()
+    make_model("Phi3").save_pretrained(tmp_path)
+    cls = transformers.Phi3ForCausalLM
+    original = cls.__dict__["forward"]
+    ref = cls.from_pretrained(tmp_path, attn_implementation="eager")
+    _, ref_loss, ref_dw, ref_dinner = loss_and_grads(ref, input_ids, labels, num_items_in_batch=torch.tensor(5))
+    try:
+        assert fk_hf.patch(cls) is cls
+        model = cls.from_pretrained(tmp_path, attn_implementation="eager")
+        assert fk_hf.is_patched(cls) and fk_hf.is_patched(model) and fk_hf.is_patched(ref)
+        assert not fk_hf.is_patched(transformers.LlamaForCausalLM)
+        out, loss, dw, dinner = loss_and_grads(model, input_ids, labels, num_items_in_batch=torch.tensor(5))
+        assert out.logits is None
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(dw, ref_dw, **TOL)
+        torch.testing.assert_close(dinner, ref_dinner, **TOL)
+        fk_hf.patch(cls, impl="chunked")  # patching again changes the options, still one wrapper deep
+        assert fk_hf._info(cls.__dict__["forward"]).original is original
+    finally:
+        fk_hf.unpatch(cls)
+    assert cls.__dict__["forward"] is original and not fk_hf.is_patched(model)
+
+
+def test_subclasses():
+    class Tuned(transformers.LlamaForCausalLM):  # keeps the inherited forward: supported
+        pass
+
+    class Custom(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    try:
+        fk_hf.patch(Tuned)
+        assert fk_hf.is_patched(Tuned) and not fk_hf.is_patched(transformers.LlamaForCausalLM)
+    finally:
+        fk_hf.unpatch(Tuned)
+    assert "forward" not in Tuned.__dict__
+    with pytest.raises(TypeError, match="overridden by"):
+        fk_hf.patch(Custom)
+
+
+@pytest.mark.parametrize("bad", [transformers.GPT2LMHeadModel, transformers.LlamaModel, nn.Linear(2, 2), "llama"],
+                         ids=["gpt2-class", "llama-base-model", "linear", "str"])
+def test_unsupported_raises_type_error(bad):
+    with pytest.raises(TypeError) as err:
+        fk_hf.patch(bad)
+    if not isinstance(bad, str):
+        for name in fk_hf.SUPPORTED_ARCHITECTURES:
+            assert name in str(err.value)
+
+
+def test_unpatch_and_context_manager():
+    model = make_model("Qwen3")
+    fk_hf.unpatch(model)  # not patched: a no-op
+    with fk_hf.patched(model, impl="chunked") as m:
+        assert m is model and fk_hf.is_patched(model)
+    assert not fk_hf.is_patched(model) and "forward" not in model.__dict__
+    fk_hf.patch(model, impl="chunked")
+    with fk_hf.patched(model, impl="fused", z_loss=1e-4):
+        assert fk_hf._info(model.forward).options["impl"] == "fused"
+    assert fk_hf._info(model.forward).options["impl"] == "chunked"
+    assert fk_hf.unpatch(model) is model and not fk_hf.is_patched(model)
+
+
+def test_bad_options_and_lm_head():
+    model = make_model("Llama")
+    with pytest.raises(ValueError, match="impl"):
+        fk_hf.patch(model, impl="logits")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fk_hf.patch(model, label_smoothing=1.5)
+    assert not fk_hf.is_patched(model)
+    fk_hf.patch(model)
+    model.lm_head = nn.Sequential(model.lm_head)
+    input_ids, labels = make_batch()
+    with pytest.raises(TypeError, match="nn.Linear"):
+        model(input_ids=input_ids, labels=labels)
+
+
+def test_eval_logits_option():
+    input_ids, labels = make_batch()
+    model = make_model("Llama").eval()
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=labels)
+        fk_hf.patch(model, eval_logits=True)
+        out = model(input_ids=input_ids, labels=labels)  # eval mode: the original forward
+        assert out.logits is not None
+        torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+        fused = model.train()(input_ids=input_ids, labels=labels)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, ref.loss, **TOL)
+
+
+def test_accelerate_hooked_instance():
+    """accelerate's hooks move the model's forward to `_old_forward` and call it from their own."""
+    input_ids, labels = make_batch()
+    model = make_model("Llama")
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=labels).loss
+    model._hf_hook = object()
+    model._old_forward = model.forward
+    model.forward = functools.partial(lambda module, *a, **k: module._old_forward(*a, **k), model)
+    hook_forward = model.forward
+    fk_hf.patch(model)
+    assert model.forward is hook_forward and fk_hf.is_patched(model)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref, **TOL)
+    fk_hf.unpatch(model)
+    assert fk_hf._info(model._old_forward) is None
+
+
+def test_autocast_fp16():
+    """Under autocast the head runs in the autocast dtype, as nn.Linear would (fp16: bf16 tl.dot is broken
+    in Triton's CPU interpreter)."""
+    input_ids, labels = make_batch()
+    model = make_model("Llama")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        ref = model(input_ids=input_ids, labels=labels).loss
+        fk_hf.patch(model)
+        out = model(input_ids=input_ids, labels=labels).loss
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.float(), rtol=2e-3, atol=2e-3)
