@@ -45,6 +45,7 @@ __all__ = [
     "plot_seed_vs_ours",
     "provenance",
     "add_caption",
+    "error_bound",
     "load_measured",
     "floor_provider",
     "pivot",
@@ -539,6 +540,27 @@ def add_caption(fig, text: str, *, width: int = 150) -> None:
 
     wrapped = "\n".join(textwrap.wrap(text, width=width, break_on_hyphens=False))
     fig.text(0.0, -0.01, wrapped, ha="left", va="top", fontsize=7, color="0.35", transform=fig.transFigure)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendered numbers
+# ----------------------------------------------------------------------------------------------
+
+
+def error_bound(err: float | None, floor: float) -> str:
+    """A numerical error as the power of ten at or above it, never below `floor` (a power of ten):
+    error_bound(6.9e-18, 1e-15) == "≤ 1e-15", error_bound(2.3e-4, 1e-6) == "≤ 1e-3"; "—" for none.
+
+    For rendered tables: below a few ulps an error's digits depend on the CPU build (BLAS, SIMD
+    math), so printing them would change the committed notebooks from one machine to the next.
+    Keep the exact values in the data and the asserts.
+    """
+    if err is None or math.isnan(err):
+        return "—"
+    exponent = round(math.log10(floor))
+    if err > floor:
+        exponent = math.ceil(math.log10(err))
+    return "≤ 1" if exponent == 0 else f"≤ 1e{exponent}"
 
 
 # ----------------------------------------------------------------------------------------------

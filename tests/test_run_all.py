@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -265,6 +266,43 @@ def test_quick_measuring_run_leaves_the_committed_measurements_alone(tmp_path, m
     assert smoke.resolve() != data.resolve() and data.resolve() not in smoke.resolve().parents
     assert all(p.parent == smoke / "measured" / "h200" for p in sweeps)
     assert (smoke / "reference" / "anchors.csv").read_text() == "reference\n"
+
+
+def test_error_bound():
+    from fusedkern.plotting import error_bound
+
+    assert error_bound(6.9e-18, 1e-15) == error_bound(0.0, 1e-15) == "≤ 1e-15"
+    assert error_bound(1.6e-7, 1e-6) == error_bound(1e-6, 1e-6) == "≤ 1e-6"
+    assert error_bound(2.3e-4, 1e-6) == "≤ 1e-3"
+    assert error_bound(1.0, 1e-6) == "≤ 1"
+    assert error_bound(math.nan, 1e-6) == error_bound(None, 1e-6) == "—"
+
+
+def _outputs(notebook: str, cell_marker: str | None = None) -> str:
+    """The text of a committed render's outputs (of the code cells whose source holds cell_marker)."""
+    nb = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())
+    parts = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code" or (cell_marker and cell_marker not in "".join(cell["source"])):
+            continue
+        for out in cell.get("outputs", []):
+            parts.append("".join(out.get("text", "")))
+            parts += ["".join(v) for k, v in out.get("data", {}).items() if k.startswith("text/")]
+    return "\n".join(parts)
+
+
+def test_rendered_errors_are_bounds_not_rounding_digits():
+    """Rounding errors (float64 ~1e-17, fp32 through the interpreter) have digits that vary between
+    CPU builds: the committed renders show them as bounds, so a fresh clone re-renders them unchanged."""
+    raw = re.compile(r"\d\.\de[-+]\d\d")  # how errors used to be printed: 6.9e-18, 1.6e-07, 0.0e+00
+    assert not raw.findall(_outputs("01_derivation")), "notebook 01 prints the digits of rounding errors"
+    table = _outputs("02_correctness", "display(table)")
+    assert "≤ 1e-6" in table and not raw.findall(table)
+    confident = _outputs("02_correctness", "display(confident_shown)")
+    rows = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", confident, re.S)]
+    rows = [cells for cells in rows if cells]
+    assert len(rows) == 6
+    assert all(cell.startswith("≤") for cells in rows for cell in cells[1:]), rows  # cells[0]: 1 − p_y itself
 
 
 def test_selection_and_slug():
