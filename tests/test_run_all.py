@@ -165,7 +165,7 @@ def test_failing_notebook_exits_nonzero_and_names_it(tmp_path):
         '# %% tags=["parameters"]\nquick = False\n\n# %%\nx = 1\n\n# %%\nraise RuntimeError("kaboom in cell")\n'
     )
     done = _run("--source-dir", str(src), "--measure", "no", "--output-dir", str(tmp_path / "out"),
-                "--figures-dir", str(tmp_path / "fig"), "--data-dir", str(tmp_path / "data"))
+                "--figures-dir", str(tmp_path / "fig"), "--data-dir", str(tmp_path / "data"), tmp=tmp_path)
     assert done.returncode == 1
     assert "02_broken" in done.stderr
     assert "RuntimeError" in done.stderr and "kaboom in cell" in done.stderr
