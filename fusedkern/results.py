@@ -58,8 +58,11 @@ _REQUIRED_COLUMNS = SCHEMA_COLUMNS[:-1]
 MODES = ("loss_only", "forward", "backward", "full")
 _MODE_RANK = {mode: rank for rank, mode in enumerate(MODES)}
 _ROW_KEY = ("op", "provider", "x_name", "x", "mode")
+# Columns that also tell rows apart when present (`fusedkern.bench` writes them in every row): one
+# file may hold several workloads or protocols of the same provider, x and mode. "" when absent.
+_OPTIONAL_KEY_COLUMNS = ("workload", "protocol")
 
-_STR_COLUMNS = {"op", "provider", "x_name", "mode", "note"}
+_STR_COLUMNS = {"op", "provider", "x_name", "mode", "note", "workload", "protocol", "head"}
 _INT_COLUMNS = {"x", "n_reps"}
 # Fixed formats: 0.1 µs resolution for times is below run-to-run noise; 0.1 MiB for memory;
 # the loss to 1e-6 is enough to tell providers apart (bf16 losses differ in the 3rd digit).
@@ -74,10 +77,10 @@ _ERROR_FORMAT = "{:.4e}"  # err_* columns: relative errors span 1e-16 (fp64) to 
 _OTHER_FLOAT_FORMAT = "{:.6g}"
 
 # Meta keys that define the workload: runs appended to one file must agree on them.
-WORKLOAD_KEYS = ("sweep", "hidden", "vocab", "dtype", "seq", "seed", "logit_std")
+WORKLOAD_KEYS = ("sweep", "hidden", "vocab", "softcap", "dtype", "seq", "seed", "logit_std", "device")
 
 # Distributions whose installed versions go into the provenance (None when absent).
-COMPETITOR_DISTRIBUTIONS = ("liger-kernel", "cut-cross-entropy")
+COMPETITOR_DISTRIBUTIONS = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +218,12 @@ def _columns(rows: list[dict]) -> list[str]:
 
 def _sort_key(row: dict) -> tuple:
     mode = row["mode"]
-    return (row["op"], row["x_name"], row["provider"], int(row["x"]), _MODE_RANK.get(mode, len(MODES)), mode)
+    return (row["op"], row["x_name"], row["provider"], int(row["x"]), _MODE_RANK.get(mode, len(MODES)), mode,
+            *(str(row.get(c, "")) for c in _OPTIONAL_KEY_COLUMNS))
+
+
+def _row_key(row: dict) -> tuple:
+    return (*(row[c] for c in _ROW_KEY), *(row.get(c, "") for c in _OPTIONAL_KEY_COLUMNS))
 
 
 def _check_rows(rows: list[dict]) -> None:
@@ -226,9 +234,10 @@ def _check_rows(rows: list[dict]) -> None:
 
 
 def _merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """Old rows followed by new ones; a new row replaces an old one with the same key."""
-    new_keys = {tuple(row[c] for c in _ROW_KEY) for row in new}
-    return [row for row in old if tuple(row[c] for c in _ROW_KEY) not in new_keys] + list(new)
+    """Old rows followed by new ones; a new row replaces an old one with the same key (op, provider,
+    x_name, x, mode, and workload and protocol where present)."""
+    new_keys = {_row_key(row) for row in new}
+    return [row for row in old if _row_key(row) not in new_keys] + list(new)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -251,9 +260,10 @@ def write_results(
     rows: dicts with at least the schema columns (`loss` and any extra columns optional).
     meta: facts about the sweep (hidden, vocab, dtype, seed, ...) stored at the top level of the
     JSON beside `environment` (default: `collect_environment()` now; pass a dict to pin it).
-    append: merge into an existing CSV: rows with the same (op, provider, x_name, x, mode)
-    are replaced, the others kept; the earlier run's provenance stays at the top of the JSON and
-    this run's goes to its list `appended_runs`; the WORKLOAD_KEYS in `meta` must agree.
+    append: merge into an existing CSV: rows with the same (op, provider, x_name, x, mode, and
+    workload and protocol where present) are replaced, the others kept; the earlier run's
+    provenance stays at the top of the JSON and this run's goes to its list `appended_runs`; the
+    WORKLOAD_KEYS in `meta` must agree.
     """
     _check_rows(rows)
     csv_path = Path(csv_path)

@@ -349,12 +349,27 @@ def test_append_merges_rows_and_keeps_both_provenances(tmp_path):
         write_results(new, path, meta={**META, "vocab": 128}, environment=later, append=True)
 
 
+def test_append_keeps_rows_of_other_workloads_and_protocols(tmp_path):
+    path = tmp_path / "ce.csv"
+    base = {"op": "ce", "provider": "p", "x_name": "tokens", "x": 8, "mode": "full", "ms_p20": 1.0, "ms_p50": 1.0,
+            "ms_p80": 1.0, "peak_extra_mib": math.nan, "n_reps": 3, "note": "", "head": "custom"}
+    write_results([{**base, "workload": "dense", "protocol": "shuffled"}], path, meta=META, environment=ENVIRONMENT)
+    write_results([{**base, "workload": "masked_50", "protocol": "shuffled"},
+                   {**base, "workload": "dense", "protocol": "fixed"}], path, meta=META, environment=ENVIRONMENT,
+                  append=True)
+    write_results([{**base, "workload": "dense", "protocol": "shuffled", "ms_p50": 2.0}], path, meta=META,
+                  environment=ENVIRONMENT, append=True)
+    rows = read_rows(path)
+    assert sorted((r["workload"], r["protocol"], r["ms_p50"]) for r in rows) == [
+        ("dense", "fixed", 1.0), ("dense", "shuffled", 2.0), ("masked_50", "shuffled", 1.0)]
+
+
 def test_collect_environment_without_gpu():
     from fusedkern.results import collect_environment
 
     env = collect_environment("python -m fusedkern.bench ce")
     assert env["torch"] == torch.__version__ and env["command"] == "python -m fusedkern.bench ce"
-    assert set(env["competitors"]) == {"liger-kernel", "cut-cross-entropy"}
+    assert set(env["competitors"]) == {"liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl"}
     assert env["date_utc"].endswith("+00:00")
     json.dumps(env)  # serializable as it stands
 
