@@ -24,7 +24,11 @@ CPU = dict(hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", warmup
            progress=False)
 CPU_ONE_REP = {**CPU, "reps": 1}  # fusedkern's kernels run in Triton's interpreter: ~0.3 s a call
 CE_TORCH_PROVIDERS = ["cublas_1gemm", "cublas_3gemm", "huggingface_bf16", "torch_fp32_upcast"]
-if hasattr(torch.nn.functional, "linear_cross_entropy"):
+HAS_TORCH_LCE = hasattr(torch.nn.functional, "linear_cross_entropy")
+HAS_TORCH_LCE_OPTIONS = hasattr(torch.nn, "LinearCrossEntropyOptions")
+if HAS_TORCH_LCE:
+    CE_TORCH_PROVIDERS.append("torch_linear_cross_entropy_unfused")
+if HAS_TORCH_LCE_OPTIONS:
     CE_TORCH_PROVIDERS.append("torch_linear_cross_entropy")
 FLOOR_MODES = {"cublas_1gemm": {"loss_only", "forward"}, "cublas_3gemm": {"backward", "full"}}
 
@@ -122,10 +126,12 @@ def test_simpo_sweep_matches_the_fp64_reference():
         providers.append("fusedkern_chunked")
     rows = bench.run_sweep("simpo", [2, 4], seq=8, providers=providers, modes=["loss_only", "full"], **CPU_ONE_REP)
     _check_timing_rows(rows, providers, [2, 4], modes=("loss_only", "full"))
+    assert {r["workload"] for r in rows} == {"dense"}  # the sweep's default: every target counts
     for row in rows:
         if row["provider"] == "cublas_3gemm":
             continue
-        inputs = bench.make_simpo_inputs(row["x"], 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+        inputs = bench.make_simpo_inputs(row["x"], 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
+                                         workload="dense")
         expected = float(reference.linear_simpo_loss_fp64(inputs.x, inputs.w, inputs.target)[0])
         assert row["loss"] == pytest.approx(expected, rel=1e-5), row
     assert {r["x_name"] for r in rows} == {"batch"}
@@ -192,19 +198,23 @@ def test_interleaved_timing_rotates_and_keeps_each_rep_count():
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]  # round r starts at step r mod 3
 
 
-def test_interleaved_sweep_has_the_rows_of_the_sequential_one():
+@pytest.mark.parametrize("protocol", ["shuffled", "fixed"])
+def test_interleaved_sweep_has_the_rows_of_the_sequential_one(protocol):
     kwargs = dict(providers=["cublas_3gemm", "huggingface_bf16", "torch_fp32_upcast"], modes=["loss_only", "full"],
                   **CPU_ONE_REP)
-    sequential = bench.run_sweep("ce", [8, 16], **kwargs)
-    interleaved = bench.run_sweep("ce", [8, 16], interleave=True, **kwargs)
+    sequential = bench.run_sweep("ce", [8, 16], protocol="sequential", **kwargs)
+    interleaved = bench.run_sweep("ce", [8, 16], protocol=protocol, **kwargs)
 
     def key(r):
         return r["provider"], r["x"], r["mode"]
     assert sorted(map(key, interleaved)) == sorted(map(key, sequential))
+    assert {r["protocol"] for r in sequential} == {"sequential"} and {r["protocol"] for r in interleaved} == {protocol}
     losses = {key(r): r["loss"] for r in sequential}
     for row in interleaved:
         assert row["n_reps"] >= 1 and row["ms_p50"] > 0 and row["note"] == ""
         assert row["loss"] == pytest.approx(losses[key(row)], nan_ok=True)
+    # the deprecated flag still means the fixed protocol
+    assert {r["protocol"] for r in bench.run_sweep("ce", [8], interleave=True, **kwargs)} == {"fixed"}
 
 
 def test_backward_mode_times_only_the_backward():
@@ -349,21 +359,6 @@ def test_append_merges_rows_and_keeps_both_provenances(tmp_path):
         write_results(new, path, meta={**META, "vocab": 128}, environment=later, append=True)
 
 
-def test_append_keeps_rows_of_other_workloads_and_protocols(tmp_path):
-    path = tmp_path / "ce.csv"
-    base = {"op": "ce", "provider": "p", "x_name": "tokens", "x": 8, "mode": "full", "ms_p20": 1.0, "ms_p50": 1.0,
-            "ms_p80": 1.0, "peak_extra_mib": math.nan, "n_reps": 3, "note": "", "head": "custom"}
-    write_results([{**base, "workload": "dense", "protocol": "shuffled"}], path, meta=META, environment=ENVIRONMENT)
-    write_results([{**base, "workload": "masked_50", "protocol": "shuffled"},
-                   {**base, "workload": "dense", "protocol": "fixed"}], path, meta=META, environment=ENVIRONMENT,
-                  append=True)
-    write_results([{**base, "workload": "dense", "protocol": "shuffled", "ms_p50": 2.0}], path, meta=META,
-                  environment=ENVIRONMENT, append=True)
-    rows = read_rows(path)
-    assert sorted((r["workload"], r["protocol"], r["ms_p50"]) for r in rows) == [
-        ("dense", "fixed", 1.0), ("dense", "shuffled", 2.0), ("masked_50", "shuffled", 1.0)]
-
-
 def test_collect_environment_without_gpu():
     from fusedkern.results import collect_environment
 
@@ -377,6 +372,10 @@ def test_collect_environment_without_gpu():
 # ----------------------------------------------------------------------------------------------
 # Command line and summary
 # ----------------------------------------------------------------------------------------------
+
+TINY_CE_ARGV = ["ce", "--tokens", "8", "--hidden", "16", "--vocab", "31", "--dtype", "float32", "--device", "cpu",
+                "--providers", "huggingface_bf16", "cublas_3gemm", "--modes", "loss_only", "full", "--warmup", "1",
+                "--reps", "2", "--min-reps", "1", "--no-progress"]
 
 
 def test_cli_help_lists_the_providers(capsys):
@@ -392,19 +391,20 @@ def test_cli_help_lists_the_providers(capsys):
         assert "--hidden" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_cli_writes_csv_json_and_a_table(tmp_path, capsys, interleave):
+@pytest.mark.parametrize("flags, protocol", [([], "shuffled"), (["--protocol", "fixed"], "fixed"),
+                                             (["--protocol", "sequential"], "sequential"), (["--interleave"], "fixed")])
+def test_cli_writes_csv_json_and_a_table(tmp_path, capsys, flags, protocol):
     out = tmp_path / "ce.csv"
-    argv = ["ce", "--tokens", "8", "--hidden", "16", "--vocab", "31", "--dtype", "float32", "--device", "cpu",
-            "--providers", "huggingface_bf16", "cublas_3gemm", "--warmup", "1", "--reps", "2", "--min-reps", "1",
-            "--out", str(out), "--no-progress"] + (["--interleave"] if interleave else [])
+    argv = [*TINY_CE_ARGV, "--out", str(out), *flags]
     assert bench.main(argv) == 0
     df = load_results(out)
     assert set(df["provider"]) == {"huggingface_bf16", "cublas_3gemm"}
+    assert set(df["protocol"]) == {protocol} and set(df["workload"]) == {"dense"} and set(df["head"]) == {"custom"}
     meta = df.attrs["meta"]
     assert meta["command"].startswith("python -m fusedkern.bench ce --tokens 8")
-    assert (meta["hidden"], meta["vocab"], meta["dtype"]) == (16, 31, "float32")
-    assert meta["interleave"] is interleave
+    assert (meta["hidden"], meta["vocab"], meta["dtype"], meta["softcap"]) == (16, 31, "float32", None)
+    assert meta["protocol"] == protocol and meta["workloads"] == ["dense"] and meta["device"] == "cpu"
+    assert "dense all-token" in meta["floors"]  # what the floors are, whatever the workload
     table = capsys.readouterr().out
     assert "full: ms_p50 (× cublas_3gemm)" in table and "( 1.00×)" in table
 
@@ -427,3 +427,239 @@ def test_real_grad_floor_multiplies_the_true_logits_gradient(op):
     torch.nn.functional.cross_entropy(z, inputs.target.reshape(-1), ignore_index=bench.IGNORE_INDEX).backward()
     grad = bench._mean_ce_logits_grad(inputs, chunk_rows=3)  # several chunks, a ragged last one
     torch.testing.assert_close(grad, z.grad, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Protocols, workloads, heads, providers, protected outputs
+# ----------------------------------------------------------------------------------------------
+
+
+def _spy_steps(names, log, fail=()):
+    def spy(name):
+        def run(state):
+            if name in fail:
+                raise RuntimeError("warm-up failure")
+            log.append(name)
+        return bench.Step(run=run)
+    return {name: spy(name) for name in names}
+
+
+def test_shuffled_timing_draws_a_new_order_every_round_reproducibly():
+    import random as stdlib_random
+
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    names = ["a", "b", "c", "d"]
+
+    def orders(seed):
+        log, rounds = [], []
+        timings = bench.time_steps_interleaved(_spy_steps(names, log), inputs, warmup=1, reps=8, min_reps=8,
+                                               max_case_s=60.0, rng=stdlib_random.Random(seed), order_log=rounds)
+        assert [timings[k]["n_reps"] for k in names] == [8] * 4
+        assert log[4:] == [name for order in rounds for name in order]  # what ran is what was logged
+        return rounds
+
+    rounds = orders(1)
+    assert len(rounds) == 8 and all(sorted(order) == names for order in rounds)  # every step once per round
+    assert len({tuple(order) for order in rounds}) > 1  # the order changes between rounds
+    fixed = [names[r % 4:] + names[:r % 4] for r in range(8)]
+    assert rounds != fixed  # not the rotation of the fixed protocol
+    assert orders(1) == rounds  # reproducible by seed
+    assert orders(2) != rounds
+
+
+def test_shuffled_and_fixed_give_each_step_the_same_reps(monkeypatch):
+    # rep counts that differ per step (as the per-case time budget sets them): a step drops out of
+    # the rounds once it has its reps, in either order
+    import random as stdlib_random
+
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    wanted = {"a": 2, "b": 5, "c": 3}
+    for rng in (None, stdlib_random.Random(0)):
+        log = []
+        steps = _spy_steps(list(wanted), log)
+        name_of = {id(step): name for name, step in steps.items()}
+        monkeypatch.setattr(bench, "_warm_up", lambda step, inputs, **_: wanted[name_of[id(step)]])
+        timings = bench.time_steps_interleaved(steps, inputs, rng=rng)
+        assert {k: timings[k]["n_reps"] for k in wanted} == wanted
+        assert {k: log.count(k) for k in wanted} == wanted
+
+
+def test_sweep_default_protocol_is_shuffled_and_seeded(monkeypatch):
+    log = []
+
+    def spy(name):
+        def build(inputs):
+            def loss_fn():
+                log.append(name)
+                return inputs.x.sum() * 0
+            return {"loss_only": bench._loss_steps(loss_fn)["loss_only"]}
+        return bench.Provider(name, build, lambda: name)
+
+    names = ["p0", "p1", "p2", "p3", "p4"]
+    monkeypatch.setitem(bench.PROVIDERS, "ce", {**bench.PROVIDERS["ce"], **{n: spy(n) for n in names}})
+
+    def run(seed):
+        log.clear()
+        rows = bench.run_sweep("ce", [8], providers=names, modes=["loss_only"], seed=seed,
+                               **{**CPU, "reps": 6, "min_reps": 6})
+        assert {r["protocol"] for r in rows} == {"shuffled"}
+        assert {r["n_reps"] for r in rows} == {6}
+        timed = log[len(names):len(names) + 6 * len(names)]  # after one warm-up rep each, before the memory runs
+        return [timed[i:i + len(names)] for i in range(0, len(timed), len(names))]
+
+    rounds = run(seed=0)
+    assert all(sorted(order) == names for order in rounds) and len({tuple(o) for o in rounds}) > 1
+    assert run(seed=0) == rounds and run(seed=1) != rounds
+
+
+@pytest.mark.parametrize("percent", [30, 50, 70])
+def test_ce_masked_workload_ignores_a_prompt_prefix_of_each_sequence(percent):
+    tokens, seq = 3 * 40 + 25, 40  # three full sequences and a shorter last one
+    dense = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4)
+    masked = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4,
+                                  workload=f"masked_{percent}", seq=seq)
+    assert (dense.target != bench.IGNORE_INDEX).all()
+    assert torch.equal(masked.x, dense.x) and torch.equal(masked.w, dense.w)
+    ignored = masked.target == bench.IGNORE_INDEX
+    assert torch.equal(masked.target[~ignored], dense.target[~ignored])  # the kept targets are the dense ones
+    for start in range(0, tokens, seq):
+        part = ignored[start:start + seq]
+        n = len(part) * percent // 100
+        assert part[:n].all() and not part[n:].any()  # a contiguous prefix, then the response
+    assert abs(float(ignored.float().mean()) - percent / 100) < 0.02
+
+
+def test_ce_masked_workload_shorter_than_a_sequence_and_bad_names():
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_50")
+    assert (inputs.target[:4] == bench.IGNORE_INDEX).all() and (inputs.target[4:] != bench.IGNORE_INDEX).all()
+    for bad in ("masked_100", "masked", "sparse", "prompt_random"):
+        with pytest.raises(ValueError, match="workload"):
+            bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=bad)
+
+
+@pytest.mark.parametrize("workload, prefix", [("dense", 0), ("masked_30", 6), ("masked_50", 10), ("masked_70", 14)])
+def test_simpo_masked_workload_ignores_the_first_share_of_every_row(workload, prefix):
+    inputs = bench.make_simpo_inputs(4, 20, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=workload)
+    ignored = inputs.target == bench.IGNORE_INDEX
+    assert ignored[:, :prefix].all() and not ignored[:, prefix:].any()
+
+
+def test_sweep_rows_carry_workload_protocol_and_head_and_masked_losses_are_right():
+    rows = bench.run_sweep("ce", [8, 16], providers=["huggingface_bf16", "cublas_3gemm"], modes=["full"], seq=8,
+                           workloads=["dense", "masked_50"], **CPU_ONE_REP)
+    assert {(r["workload"], r["provider"], r["x"]) for r in rows} == {
+        (w, p, x) for w in ("dense", "masked_50") for p in ("huggingface_bf16", "cublas_3gemm") for x in (8, 16)}
+    assert {r["protocol"] for r in rows} == {"shuffled"} and {r["head"] for r in rows} == {"custom"}
+    for row in rows:
+        if row["provider"] == "huggingface_bf16":
+            inputs = bench.make_ce_inputs(row["x"], HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
+                                          workload=row["workload"], seq=8)
+            assert (inputs.target == bench.IGNORE_INDEX).float().mean() == (0.5 if row["workload"] != "dense" else 0)
+            expected = float(reference.linear_cross_entropy_fp64(inputs.x.detach(), inputs.w.detach(), inputs.target))
+            assert row["loss"] == pytest.approx(expected, rel=1e-5)
+    table = bench.format_table(rows)
+    assert "== workload dense, protocol shuffled" in table and "== workload masked_50, protocol shuffled" in table
+    accuracy = bench.run_accuracy([8], providers=["torch_fp32_upcast"], workloads=["masked_30"], seq=8,
+                                  hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", progress=False)
+    assert [(r["workload"], r["protocol"], r["head"]) for r in accuracy] == [("masked_30", "sequential", "custom")]
+    assert accuracy[0]["err_dx"] < 1e-5
+
+
+def test_append_keeps_rows_of_other_workloads_and_protocols(tmp_path):
+    path = tmp_path / "ce.csv"
+    base = {"op": "ce", "provider": "p", "x_name": "tokens", "x": 8, "mode": "full", "ms_p20": 1.0, "ms_p50": 1.0,
+            "ms_p80": 1.0, "peak_extra_mib": math.nan, "n_reps": 3, "note": "", "head": "custom"}
+    write_results([{**base, "workload": "dense", "protocol": "shuffled"}], path, meta=META, environment=ENVIRONMENT)
+    write_results([{**base, "workload": "masked_50", "protocol": "shuffled"},
+                   {**base, "workload": "dense", "protocol": "fixed"}], path, meta=META, environment=ENVIRONMENT,
+                  append=True)
+    write_results([{**base, "workload": "dense", "protocol": "shuffled", "ms_p50": 2.0}], path, meta=META,
+                  environment=ENVIRONMENT, append=True)
+    rows = read_rows(path)
+    assert sorted((r["workload"], r["protocol"], r["ms_p50"]) for r in rows) == [
+        ("dense", "fixed", 1.0), ("dense", "shuffled", 2.0), ("masked_50", "shuffled", 1.0)]
+
+
+def test_heads_set_the_dimensions_and_name_the_head_column():
+    def resolve(*flags):
+        return bench._resolve_head(bench._parser().parse_args(["ce", *flags]))
+
+    assert resolve() == (4096, 128256, None)
+    assert resolve("--head", "llama3") == (4096, 128256, None)
+    assert resolve("--head", "qwen25_7b") == (3584, 151936, None)
+    assert resolve("--head", "gemma2") == (2304, 256000, 30.0)
+    assert resolve("--head", "gemma2", "--softcap", "0") == (2304, 256000, None)  # 0: none
+    assert resolve("--head", "gemma2", "--vocab", "97") == (2304, 97, 30.0)  # a given flag wins
+    assert resolve("--softcap", "15") == (4096, 128256, 15.0)
+    assert bench.head_name(256000, 2304, 30.0) == "gemma2" and bench.head_name(128256, 4096, None) == "llama3"
+    assert bench.head_name(151936, 3584, None) == "qwen25_7b" and bench.head_name(256000, 2304, None) == "custom"
+    for sweep in ("ce", "simpo", "accuracy"):
+        args = bench._parser().parse_args([sweep, "--head", "gemma2", "--workload", "dense", "masked_70"])
+        assert args.workload == ["dense", "masked_70"]
+    with pytest.raises(SystemExit):
+        bench._parser().parse_args(["ce", "--workload", "masked_x"])
+
+
+SOFTCAP = 3.0  # small enough to bend logits of std LOGIT_STD
+
+
+def test_softcapped_ce_providers_and_truth():
+    rows = bench.run_sweep("ce", [8], providers=["huggingface_bf16", "torch_fp32_upcast", "cublas_3gemm_real_grad"]
+                           + (["torch_linear_cross_entropy"] if HAS_TORCH_LCE_OPTIONS else []),
+                           modes=["full"], softcap=SOFTCAP, **CPU_ONE_REP)
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    x, w = inputs.x.detach(), inputs.w.detach()
+    expected = float(reference.linear_cross_entropy_fp64(x, w, inputs.target, softcap=SOFTCAP))
+    plain = float(reference.linear_cross_entropy_fp64(x, w, inputs.target))
+    assert abs(expected - plain) > 1e-2  # the softcap matters at this scale
+    losses = {r["provider"]: r["loss"] for r in rows}
+    assert set(losses) == {"huggingface_bf16", "torch_fp32_upcast", "cublas_3gemm_real_grad"}  # torch: no softcap
+    assert losses["huggingface_bf16"] == pytest.approx(expected, rel=1e-5)
+    assert losses["torch_fp32_upcast"] == pytest.approx(expected, rel=1e-5)
+
+    loss, dx, dw = bench.fp64_linear_cross_entropy_grads_chunked(inputs.x, inputs.w, inputs.target, chunk_tokens=3,
+                                                                 softcap=SOFTCAP)
+    x64 = inputs.x.detach().double().requires_grad_()
+    w64 = inputs.w.detach().double().requires_grad_()
+    truth = reference.linear_cross_entropy_fp64(x64, w64, inputs.target, softcap=SOFTCAP)
+    truth.backward()
+    torch.testing.assert_close(loss, truth.detach(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(dx, x64.grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(dw, w64.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_softcapped_simpo_baseline():
+    from fusedkern.reference import _simpo_from_logprobs
+
+    rows = bench.run_sweep("simpo", [2], seq=8, providers=["huggingface_fp32"], modes=["full"], softcap=SOFTCAP,
+                           workloads=["masked_30"], **CPU_ONE_REP)
+    inputs = bench.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_30")
+    logps = reference.linear_logprobs_fp64(inputs.x.detach(), inputs.w.detach(), inputs.target, softcap=SOFTCAP)
+    expected, _ = _simpo_from_logprobs(logps, inputs.target != bench.IGNORE_INDEX, beta=0.1, gamma=0.5, alpha=1.0,
+                                       label_smoothing=0.0)
+    assert [r["loss"] for r in rows] == [pytest.approx(float(expected), rel=1e-5)]
+
+
+@pytest.mark.skipif(not HAS_TORCH_LCE_OPTIONS, reason="torch without LinearCrossEntropyOptions")
+def test_torch_linear_cross_entropy_takes_the_chunked_path(monkeypatch):
+    calls = []
+    real = torch.nn.functional.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
+    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    for key, chunked in (("torch_linear_cross_entropy", True), ("torch_linear_cross_entropy_unfused", False)):
+        calls.clear()
+        bench.PROVIDERS["ce"][key].build(inputs)["loss_only"].run(None)
+        assert calls[0]["ignore_index"] == bench.IGNORE_INDEX
+        assert isinstance(calls[0].get("options"), torch.nn.LinearCrossEntropyOptions) is chunked
+
+
+def test_quack_provider_is_skipped_with_a_reason_on_cpu(capsys):
+    assert "quack" in bench.PROVIDERS["ce"]
+    rows = bench.run_sweep("ce", [8], providers=["quack", "cublas_3gemm"], modes=["full"], **CPU_ONE_REP)
+    assert {r["provider"] for r in rows} == {"cublas_3gemm"}
+    assert "skipping provider quack: ProviderUnavailable: QuACK runs only on CUDA tensors" in capsys.readouterr().err
