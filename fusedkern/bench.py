@@ -28,6 +28,11 @@ rejected row). The GEMM floors stay the dense all-token floors whatever the work
 before workloads existed (a prompt of random length in [S/8, S/2) per row). Heads (`--head`, a `head`
 column): the vocabulary, hidden size and final-logit softcap of Llama 3, Qwen2.5-7B and Gemma 2.
 
+Outputs: by default `<repository>/data/measured/<gpu>/<sweep>.csv` (anchored at the checkout this
+module lives in, never the working directory); a CPU run, or a module outside a checkout, must name
+--out. A run may write into a `data/measured/<device>/` folder only when <device> is the device it
+runs on, and never replaces an existing file, unless --append (merge) or --overwrite is given.
+
 Pieces: `PROVIDERS` (op -> name -> `Provider`, whose `build(inputs)` returns a `Step` per mode),
 `time_step` (CUDA events per rep, p20/p50/p80), `time_steps_interleaved` (the shuffled and fixed
 protocols), `measure_step` (one run: loss and peak extra memory), `run_sweep` / `run_accuracy` (rows
@@ -44,6 +49,7 @@ import gc
 import importlib.metadata
 import inspect
 import math
+import os
 import random
 import re
 import shlex
@@ -1301,6 +1307,7 @@ def _format_block(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXIT_REFUSED = 2  # the exit status of a run refused before it measured anything (as argparse's errors)
 
 
 def _device_slug(device: str | torch.device | None = None) -> str:
@@ -1313,6 +1320,51 @@ def _device_slug(device: str | torch.device | None = None) -> str:
         return device.type
     name = torch.cuda.get_device_name(device.index or 0).lower().replace("nvidia", "")
     return re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "gpu"
+
+
+def _repository_root() -> Path | None:
+    """The checkout this module lives in (its pyproject.toml beside the package), None when installed."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "fusedkern" / "bench.py").is_file() else None
+
+
+def default_output(sweep: str, device_slug: str) -> Path | None:
+    """<repository>/data/measured/<device>/<sweep>.csv for a GPU run inside a checkout (wherever the
+    command runs from); None, so --out is required, on CPU (smoke runs do not belong in
+    data/measured/) or when the package is not a checkout."""
+    root = _repository_root()
+    if device_slug == "cpu" or root is None:
+        return None
+    return root / "data" / "measured" / device_slug / f"{sweep}.csv"
+
+
+def measured_folder_device(path: Path) -> str | None:
+    """<device> when `path` lies under a `data/measured/<device>/` folder (the innermost such one), else None."""
+    parts = Path(os.path.abspath(path)).parts
+    for i in range(len(parts) - 3, 0, -1):  # parts[i+1] must be a folder: the file itself comes after it
+        if parts[i - 1] == "data" and parts[i] == "measured":
+            return parts[i + 1]
+    return None
+
+
+def check_output(out: Path, device_slug: str, *, append: bool, overwrite: bool) -> str | None:
+    """Why writing `out` (and its sidecar JSON) is refused, or None when allowed.
+
+    Refused without --overwrite: a `data/measured/<folder>/` that is not this run's device (a CPU run
+    into data/measured/h200/, a --device cpu run on a GPU host into the GPU's folder, an A100 run into
+    the H200's). Refused without --append or --overwrite: an existing CSV or sidecar."""
+    folder = measured_folder_device(out)
+    if folder is not None and folder != device_slug and not overwrite:
+        return (f"refusing to write {out}: it is in data/measured/{folder}/ but this run measures on {device_slug!r} "
+                f"(data/measured/<device>/ holds that device's measurements); pass --overwrite to write there anyway")
+    if not (append or overwrite):
+        from fusedkern.results import sidecar_path
+
+        existing = [p for p in (out, sidecar_path(out)) if p.exists()]
+        if existing:
+            return (f"refusing to replace {existing[0]}: it exists; pass --append to merge this run into it "
+                    f"or --overwrite to replace it")
+    return None
 
 
 def _softcap_arg(text: str) -> float:
@@ -1351,10 +1403,14 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--providers", nargs="+", metavar="NAME",
                         help="registry keys to run (default: all of the op, listed below)")
     common.add_argument("--out", type=Path,
-                        help="results CSV (JSON sidecar beside it); default data/measured/<gpu>/<sweep>.csv")
+                        help="results CSV (JSON sidecar beside it); default on a GPU "
+                             "<repository>/data/measured/<gpu>/<sweep>.csv (not relative to the working directory); "
+                             "required on CPU")
     common.add_argument("--append", action="store_true",
                         help="merge into an existing CSV (e.g. a second competitor version); rows with the same "
                              "op, provider, x, mode, workload and protocol are replaced")
+    common.add_argument("--overwrite", action="store_true",
+                        help="replace an existing CSV, and allow writing into another device's data/measured/<device>/")
     common.add_argument("--seed", type=int, default=0, help="inputs, and the shuffled protocol's orders")
     common.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar (the per-case log lines stay)")
@@ -1384,7 +1440,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fusedkern.bench",
         description="Benchmark the LM head + loss (fusedkern vs baselines and competitors).",
-        epilog=f"providers — {registry}. The accuracy sweep takes the ce providers without the cublas floors.",
+        epilog=f"providers — {registry}. The accuracy sweep takes the ce providers without the cublas floors. "
+               f"Exit status 2: refused before measuring (bad arguments, or an output it must not write).",
     )
     sub = parser.add_subparsers(dest="sweep", required=True)
     ce = sub.add_parser("ce", parents=[common, timing], help="cross-entropy timing and memory sweep",
@@ -1415,6 +1472,11 @@ def _resolve_head(args: argparse.Namespace) -> tuple[int, int, float | None]:
     return hidden, vocab, softcap
 
 
+def _refuse(message: str) -> int:
+    print(f"python -m fusedkern.bench: error: {message}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -1432,7 +1494,14 @@ def main(argv: list[str] | None = None) -> int:
         protocol = args.protocol or DEFAULT_PROTOCOL
 
     device_slug = _device_slug(args.device)
-    out = args.out or Path("data/measured") / device_slug / f"{args.sweep}.csv"
+    out = args.out if args.out is not None else default_output(args.sweep, device_slug)
+    if out is None:
+        why = "on CPU" if device_slug == "cpu" else "outside a checkout of the repository"
+        return _refuse(f"give --out {why}: the default data/measured/<gpu>/{args.sweep}.csv holds GPU measurements "
+                       f"of this repository")
+    refusal = check_output(out, device_slug, append=args.append, overwrite=args.overwrite)
+    if refusal:
+        return _refuse(refusal)
 
     meta: dict[str, Any] = {"sweep": args.sweep, "hidden": hidden, "vocab": vocab, "softcap": softcap, "head": head,
                             "dtype": args.dtype, "seed": args.seed, "logit_std": LOGIT_STD, "device": device_slug,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -663,3 +664,60 @@ def test_quack_provider_is_skipped_with_a_reason_on_cpu(capsys):
     rows = bench.run_sweep("ce", [8], providers=["quack", "cublas_3gemm"], modes=["full"], **CPU_ONE_REP)
     assert {r["provider"] for r in rows} == {"cublas_3gemm"}
     assert "skipping provider quack: ProviderUnavailable: QuACK runs only on CUDA tensors" in capsys.readouterr().err
+
+
+def test_cli_refuses_another_devices_measured_folder(tmp_path, capsys):
+    out = tmp_path / "data" / "measured" / "h200" / "ce.csv"  # a CPU run must not land among the H200's files
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "data/measured/h200/" in err and "'cpu'" in err and "--overwrite" in err
+    assert not out.parent.exists()
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out), "--append"]) == 2  # appending is writing too
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out), "--overwrite"]) == 0
+    assert out.exists() and sidecar_path(out).exists()
+    own = tmp_path / "data" / "measured" / "cpu" / "ce.csv"  # the run's own device folder is fine
+    assert bench.main([*TINY_CE_ARGV, "--out", str(own)]) == 0
+
+
+def test_cli_refuses_a_cpu_run_into_a_gpu_folder_on_a_gpu_host(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    assert bench._device_slug() == "h200" and bench._device_slug("cpu") == "cpu"
+    out = tmp_path / "data" / "measured" / "h200" / "ce.csv"
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 2  # TINY_CE_ARGV has --device cpu
+    assert "data/measured/h200/" in capsys.readouterr().err and not out.parent.exists()
+    # the GPU's default output is anchored at the repository, not the working directory
+    monkeypatch.chdir(tmp_path)
+    default = bench.default_output("ce", "h200")
+    assert default.is_absolute() and default == Path(bench.__file__).resolve().parents[1] / "data/measured/h200/ce.csv"
+
+
+def test_cli_never_replaces_an_existing_file_unasked(tmp_path, capsys):
+    out = tmp_path / "runs" / "ce.csv"
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--append" in err and "--overwrite" in err
+    assert out.read_bytes() == before
+    out.unlink()  # a sidecar left alone counts as an existing output too
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 2
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out), "--overwrite"]) == 0
+    assert bench.main([*TINY_CE_ARGV, "--out", str(out), "--append", "--workload", "masked_50"]) == 0
+    assert set(load_results(out)["workload"]) == {"dense", "masked_50"}
+
+
+def test_cli_on_cpu_needs_out_and_leaves_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(TINY_CE_ARGV) == 2
+    assert "--out" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("path, folder", [("a/data/measured/h200/ce.csv", "h200"),
+                                          ("data/measured/cpu/sub/x.csv", "cpu"),
+                                          ("a/data/measured/ce.csv", None), ("a/measured/h200/ce.csv", None),
+                                          ("a/data/other/h200/ce.csv", None)])
+def test_measured_folder_device(path, folder):
+    assert bench.measured_folder_device(Path(path)) == folder
