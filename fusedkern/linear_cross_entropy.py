@@ -182,9 +182,9 @@ class _PerTokenLoss(torch.autograd.Function):
 # validation and dispatch
 
 
-def _validate(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
+def validate_call(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
-              weight_grad_accum="fp32", chunk_tokens=None) -> V_.TargetRangeCheck:
+              weight_grad_accum="fp32", chunk_tokens=None, num_valid_tokens=None) -> V_.TargetRangeCheck:
     """Every argument check; the target range check comes back pending: call its `raise_if_failed()`
     after queuing the kernels and before returning (see `TargetRangeCheck`)."""
     V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
@@ -205,6 +205,9 @@ def _validate(input, linear_weight, target, linear_bias, *, weight=None, reducti
         V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
     target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
     validate_strategy(impl, weight_grad_accum, chunk_tokens)
+    if num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets) or None, "
+                         f"got {num_valid_tokens}")
     return target_range
 
 
@@ -286,6 +289,28 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     return loss_tok.sum() / _denominator(y, class_weight, opts.ignore_index), lse
 
 
+def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
+                     chunk_tokens, num_valid_tokens: int | None, need_lse: bool):
+    """(loss, lse [T] or None, pending count check or None) for flat, validated inputs.
+
+    With `num_valid_tokens` (and no lse asked for) only the valid rows are computed: gathered here
+    (autograd scatters dX back, zero in ignored rows); the mean's denominator is the same over them, and
+    "none" puts them back among zeros. The count check must be read before returning the loss."""
+    if num_valid_tokens is None:
+        return (*_loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens),
+                None)
+    count_check = V_.CountCheck(y, opts.ignore_index, num_valid_tokens)
+    if need_lse or not 0 < num_valid_tokens < y.shape[0]:
+        return (*_loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens),
+                count_check)
+    rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
+    loss, _ = _loss_and_lse(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts, reduction,
+                            impl, weight_grad_accum, chunk_tokens)
+    if reduction == "none":
+        loss = loss.new_zeros(y.shape[0]).index_copy(0, rows, loss)
+    return loss, None, count_check
+
+
 @torch.compiler.disable  # a graph break: the launcher reads the target range check on the host and runs Triton
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
@@ -329,12 +354,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
         `return_lse`. All targets ignored with "mean" gives NaN and zero gradients, like torch.
     """
-    target_range = _validate(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
-                            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                            impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    if num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
-        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets) or None, "
-                         f"got {num_valid_tokens}")
+    target_range = validate_call(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
+                                 ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                                 softcap=softcap, impl=impl, weight_grad_accum=weight_grad_accum,
+                                 chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
     lead_shape = input.shape[:-1]
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
@@ -343,22 +366,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
-    count_check, valid_rows = None, None
-    if num_valid_tokens is not None:
-        count_check = V_.CountCheck(y, ignore_index, num_valid_tokens)
-        if 0 < num_valid_tokens < y.shape[0] and not return_lse:
-            valid_rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
-    if valid_rows is None:
-        loss, lse = _loss_and_lse(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
-                                  weight_grad_accum, chunk_tokens)
-    else:
-        # Only the valid rows are computed: gathered here (autograd scatters dX back, zero in ignored rows),
-        # the mean's denominator is the same over them, and "none" puts them back among zeros
-        loss, lse = _loss_and_lse(x2d.index_select(0, valid_rows), linear_weight, linear_bias,
-                                  y.index_select(0, valid_rows), class_weight, opts, reduction, impl,
-                                  weight_grad_accum, chunk_tokens)
-        if reduction == "none":
-            loss = loss.new_zeros(y.shape[0]).index_copy(0, valid_rows, loss)
+    loss, lse, count_check = loss_over_tokens(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
+                                              weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=return_lse)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
     if count_check is not None:

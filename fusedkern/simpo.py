@@ -18,7 +18,7 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import _validate, resolve_impl, validate_strategy
+from fusedkern.linear_cross_entropy import resolve_impl, validate_call, validate_strategy
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -93,8 +93,8 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     wants_grad = torch.is_grad_enabled() and (
         input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
     # validated once for every path; the range check is read after the kernels are queued
-    target_range = _validate(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
-                             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    target_range = validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     if wants_grad and impl != "fused":
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)

@@ -99,6 +99,25 @@ def test_lse_of_every_token_is_still_returned():
     assert torch.equal(loss, ref_loss) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_logprobs_with_the_count_match_the_dense_ones(impl):
+    x, w, y, b, _ = make_inputs(21, 16, 37, torch.float32, ignore_frac=0.0, bias=True)
+    y[_ignore_runs(21, LAYOUTS["at_chunk_edges"]).to(y.device)] = -100
+    n = int((y != -100).sum())
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    dense = fusedkern.linear_logprobs(*leaves[:2], y, linear_bias=leaves[2], impl=impl, chunk_tokens=4)
+    upstream = torch.randn(21, device=x.device)
+    grads_dense = torch.autograd.grad(dense, leaves, upstream)
+    counted = fusedkern.linear_logprobs(*leaves[:2], y, linear_bias=leaves[2], impl=impl, chunk_tokens=4,
+                                        num_valid_tokens=n)
+    grads = torch.autograd.grad(counted, leaves, upstream)
+    assert torch.allclose(counted, dense, rtol=1e-6, atol=1e-6) and torch.all(counted[y == -100] == 0)
+    for g, gd in zip(grads, grads_dense):
+        assert torch.allclose(g, gd, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        fusedkern.linear_logprobs(x, w, y, num_valid_tokens=n - 1)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 
