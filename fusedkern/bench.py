@@ -406,11 +406,15 @@ def _ce_upcast(inp: Inputs) -> dict[str, Step]:
     return _loss_steps(lambda: upcast_linear_cross_entropy(inp.x, inp.w, inp.target, softcap=inp.softcap))
 
 
-def _ce_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+def _ce_fusedkern(counted: bool = False, **options) -> Callable[[Inputs], dict[str, Step]]:
+    """counted: pass `num_valid_tokens`, counted once per case outside the timed steps, as a trainer's
+    data collator counts it on the CPU copy of the labels (only the valid rows are then computed)."""
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern import linear_cross_entropy
 
         kwargs = {**options, **_softcap_kwargs(linear_cross_entropy, inp, "fusedkern.linear_cross_entropy")}
+        if counted:
+            kwargs["num_valid_tokens"] = int((inp.target != IGNORE_INDEX).sum())
         return _loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
 
     return build
@@ -670,6 +674,11 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
                 _key_label("fusedkern_chunked_lean"),
             ),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
+            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted=True, impl="chunked"),
+                     _key_label("fusedkern_chunked_counted")),
+            Provider("fusedkern_chunked_lean_counted",
+                     _ce_fusedkern(counted=True, impl="chunked", weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_counted")),
             # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
             *(
                 Provider(f"fusedkern_chunked{suffix}_c{c}", _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum),
