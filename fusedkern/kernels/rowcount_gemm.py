@@ -1,0 +1,686 @@
+"""Row-count GEMMs: the chunked strategy's three GEMMs on only the first `n` rows of a chunk, where
+`n` is a device scalar that the kernels read themselves — no host synchronization.
+
+Why: the caller compacts a chunk's valid (non-ignored) tokens to the front of its buffers; how many
+there are is known on the device only. cuBLAS needs the row count on the host (a device→host read
+that stalls the stream, or the whole chunk's work including the ignored rows). These Triton GEMMs
+load `count` from device memory and do only the valid rows' work:
+
+    logits_rows(x, w, b, count, out)          out[:n] = x[:n] @ wᵀ (+ b)     x [C, H], w [V, H], out [C, V]
+    dx_rows(g, w, count, out)                 out[:n] = g[:n] @ w            g [C, V], w [V, H], out [C, H]
+    dw_rows(g, x, count, out, accumulate)     out (+)= g[:n]ᵀ @ x[:n]        g [C, V], x [C, H], out [V, H]
+
+with n = clamp(count, 0, C) read on the device (int32 or int64, one element, on the inputs' device).
+Every product accumulates in fp32 and is rounded once to the output's dtype.
+
+Contract for the rows beyond n: `logits_rows` and `dx_rows` do NOT write out[n:] — those rows keep
+whatever they held (not zeroed: zeroing would cost a write of the ignored rows, the work this module
+exists to skip). Their inputs' rows beyond n are never used either (masked / zero-padded loads), so
+they may hold anything, NaN included. `dw_rows` reduces over the tokens t < n only: with
+accumulate=False it writes every element of out (zeros when n = 0), with accumulate=True it adds to
+out, which may be fp32 (the chunked strategy's accumulator: β = 1 without precision loss) or the
+inputs' dtype (each call rounds the sum once); with n = 0 and accumulate=True no program touches out.
+
+Kernels: persistent (grid = number of SMs; each program walks tiles tile_id, tile_id + grid, ... of
+the tiles that the valid rows need; tiles of rows beyond n do not exist in that count, so a short
+chunk costs proportionally less and count = 0 costs a launch), grouped tile order (GROUP_M row
+blocks side by side, so the programs in flight share operand blocks in L2), fp32 accumulation.
+Autotuned (≤ 4 configs each, keyed on the buffer shapes, tuned at the first call's count); on the
+H200 all four picked 128 × 256 × 64 tiles, 8 warps, 3 stages (GROUP_M 8 or 16; dW's epilogue in
+quarter slices). Two load paths, chosen per call:
+  * TMA (sm_90+, fp16/bf16 operands, 16-byte aligned bases and row strides, unit inner stride):
+    device-side tensor descriptors (`tl.make_tensor_descriptor`) whose token extent is n itself, so
+    the TMA unit zero-fills the rows beyond n and clips the output stores there — no masks in the K
+    loop. Output tiles leave through a descriptor in EPI_SLICES column slices (one slice of shared
+    memory staged at a time, leaving room for the operand pipeline); dW's β = 1 into fp32 is a TMA
+    reduce-add (`desc.atomic_add`: the add happens in L2, no load round trip; each element has one
+    writer, so it is deterministic and rounds exactly like load + add + store); into a 16-bit dW
+    it is load + add in fp32 + one rounding. Device-side descriptors need Triton's global scratch
+    allocator: if none is set, the first TMA launch installs one backed by `torch.empty`
+    (`triton.set_allocator`; an allocator the user set is kept).
+  * pointers (everything else — e.g. a bf16 [C, V] buffer with V % 8 ≠ 0 — and Triton's interpreter
+    on CPU, where the tests run): masked `tl.load`/`tl.store` with int64 row offsets (row × row
+    stride can exceed 2^31 at LM sizes: e.g. 32768 × 128256 for a [T, V] buffer, or a view into a
+    larger buffer).
+`impl="tma"` forces the TMA kernels (they also run in the interpreter, which checks the descriptor
+extents and offsets; the interpreter has no reduce-add, so there β = 1 takes load + add + store),
+`impl="pointer"` the pointer kernels.
+
+dX has few tiles (H / 256 per 128-row block), so the last wave of the persistent grid can be mostly
+idle (n = 1229: 160 tiles for 132 SMs, two waves, the second a fifth full). `dx_rows` therefore
+launches the tuned kernel and a half-width partner; both read n and the one that needs fewer
+whole waves does the work, the other's programs exit at once (`_narrow_wins`; measured: 3.15 →
+2.49 ms at n = 1229). logits (V / 256 = 501 tiles per row block) and dW (16032 tiles) need no pair.
+
+Trade-off: a Triton GEMM can be slower per FLOP than cuBLAS — no warp specialization on Hopper
+(Triton 3.6's `tl.range(warp_specialize=True)` crashes its Hopper pass, WSDataPartition, on these
+kernels: tried on sm_90 by compiling), so the epilogue does not overlap the next tile's
+mainloop, and fixed tile shapes leave part of a last wave idle — but it skips the ignored rows
+with no host sync. Measured on the H200 (scripts/bench_rowcount_gemm.py, bf16, C = H = 4096,
+V = 128256, p50 ms of 20 shuffled rounds; triton / cuBLAS on exactly n rows (the ideal, needs n on
+the host) / cuBLAS on all C rows):
+
+    n      logits               dX                   dW += (fp32 acc)     dW = (bf16)
+    4096   6.34 / 6.34 / 6.43   6.26 / 6.25 / 6.25   7.04 / 6.76 / 6.72   6.46 / 6.45 / 6.51
+    2867   4.58 / 4.43 / 6.34   4.70 / 4.42 / 6.26   5.46 / 4.98 / 6.75   4.65 / 4.60 / 6.47
+    2048   3.18 / 3.19 / 6.34   3.20 / 3.09 / 6.24   4.32 / 3.93 / 6.75   3.38 / 3.34 / 6.40
+    1229   1.98 / 1.95 / 6.34   2.49 / 1.91 / 6.30   3.30 / 2.46 / 6.75   2.26 / 2.18 / 6.45
+
+A default-mode chunk (logits + dX + dW into fp32) at 30 % ignored (n = 2867): 14.7 ms against 19.4
+for cuBLAS on all rows (1.31× faster) and 13.8 for the ideal (6 % slower); at n = 1229: 7.8 against
+19.4 (2.5×) and 6.3 (23 % slower: dW's fp32 epilogue, 4 GB of accumulator traffic that cuBLAS hides
+behind its mainloop and this kernel does not, 0.84 ms; dX's waves 0.58 ms); at n = C: 19.6 against
+19.4 (1 % slower).
+Maximum errors against fp32 torch.mm equal cuBLAS's in every cell. Caveat: the cuBLAS-on-all-rows
+runs see random values in the ignored rows; in the chunked strategy G's ignored rows are zero,
+which can make the tensor cores a little faster (lower power) than measured here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedkern._runtime import autotune_configs, interpreting, sm_count
+
+__all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible"]
+
+# Triton's interpreter computes tl.dot on bf16 operands wrongly: there the operands are widened to
+# fp32 first (bf16 × bf16 and fp16 × fp16 products are exact in fp32, accumulated in fp32 as the
+# tensor cores do). The GPU path is untouched.
+_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, slices: int = 1) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPI_SLICES": slices},
+                         num_warps=warps, num_stages=stages)
+
+
+def _configs(kernel: str, fp32: bool) -> list:
+    """Autotune candidates (≤ 4 each: the benchmark must tune within its time limit). Shared memory
+    on sm_90 (≤ 227 KiB): stages × (BLOCK_M + BLOCK_N) × BLOCK_K × 2 B for the operand pipeline plus
+    one epilogue slice, BLOCK_M × BLOCK_N / EPI_SLICES × the output's element size (TMA path)."""
+    if fp32:  # ieee fp32 dots run on the FMA units: small tiles, or the operands spill
+        return [_cfg(64, 64, 32, 4, 3), _cfg(64, 128, 32, 8, 2)]
+    if kernel == "dw":
+        # fp32 output tiles (the accumulator): at 128 × 256 × 64 and 3 stages (147 KB of operand
+        # pipeline), half slices (64 KB) fit 227 KiB for a store or reduce-add but not for the
+        # 16-bit β = 1 path's load + store (two staging buffers): quarter slices first
+        return [_cfg(128, 256, 64, 8, 3, slices=4), _cfg(128, 256, 64, 8, 3, group=16, slices=4),
+                _cfg(128, 128, 64, 8, 4, slices=2), _cfg(128, 128, 64, 8, 4, group=16, slices=4)]
+    return [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4, slices=4),
+            _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3, group=16)]
+
+
+# The interpreter runs only the first config: a small one, so that the tiny test shapes span several
+# tiles in every dimension (masked tails, several tiles per program of the persistent loop), with a
+# sliced epilogue.
+_INTERP_CONFIG = _cfg(16, 32, 16, 4, 1, group=2, slices=2)
+
+
+def _config_list(kernel: str, fp32: bool) -> list:
+    return autotune_configs([_INTERP_CONFIG] if interpreting() else _configs(kernel, fp32))
+
+
+# ----------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (see `_WIDEN_DOT_OPERANDS`)."""
+    if _WIDEN_DOT_OPERANDS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _valid_rows(count_ptr, C):
+    """n = clamp(count, 0, C) as int32, read from device memory (count may be int32 or int64)."""
+    n = tl.load(count_ptr)
+    n = tl.minimum(tl.maximum(n, 0), C)
+    return n.to(tl.int32)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row blocks side by side, row block fastest within a group."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) → its left and right (BLOCK_M, BLOCK_N // 2) column halves."""
+    t = tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2))
+    return tl.split(tl.permute(t, (0, 2, 1)))
+
+
+# epilogue modes of `_store_tile`
+_STORE, _LOAD_ADD_STORE, _REDUCE_ADD = 0, 1, 2
+
+
+@triton.jit
+def _store_slice(desc, acc, off_m, off_n, MODE: tl.constexpr):
+    if MODE == 2:  # β = 1 by a TMA reduce-add (fp32 adds in L2, asynchronous: no load round trip)
+        desc.atomic_add([off_m, off_n], acc)
+    else:
+        if MODE == 1:  # β = 1 through registers: the old tile comes in by a TMA load (one rounding)
+            acc += desc.load([off_m, off_n]).to(tl.float32)
+        desc.store([off_m, off_n], acc.to(desc.dtype))
+
+
+@triton.jit
+def _store_tile(desc, acc, off_m, off_n, MODE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SLICES: tl.constexpr):
+    """TMA store (MODE 0), load-add-store (1) or reduce-add (2) of an fp32 (BLOCK_M, BLOCK_N) tile in
+    EPI_SLICES column slices (1, 2 or 4): the shared-memory staging buffer is one slice, which
+    leaves room for more pipeline stages. The descriptor's block is (BLOCK_M, BLOCK_N // EPI_SLICES);
+    its extents clip the store."""
+    if EPI_SLICES == 1:
+        _store_slice(desc, acc, off_m, off_n, MODE)
+    elif EPI_SLICES == 2:
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        _store_slice(desc, a0, off_m, off_n, MODE)
+        _store_slice(desc, a1, off_m, off_n + BLOCK_N // 2, MODE)
+    else:
+        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+        _store_slice(desc, a00, off_m, off_n, MODE)
+        _store_slice(desc, a01, off_m, off_n + BLOCK_N // 4, MODE)
+        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+        _store_slice(desc, a10, off_m, off_n + BLOCK_N // 2, MODE)
+        _store_slice(desc, a11, off_m, off_n + 3 * (BLOCK_N // 4), MODE)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) logits: Z[:n] = X[:n] @ Wᵀ (+ b)
+
+
+@triton.jit
+def _logits_kernel(
+    x_ptr,  # (C, H) input dtype
+    w_ptr,  # (V, H)
+    b_ptr,  # (V,) bias (HAS_BIAS)
+    z_ptr,  # (C, V) output; rows ≥ n untouched
+    count_ptr,  # (1,) int32/int64 valid rows
+    C, V, H,
+    stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_zc, stride_zv,
+    HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SLICES: tl.constexpr,
+):
+    n = _valid_rows(count_ptr, C)
+    num_pid_m = tl.cdiv(n, BLOCK_M)
+    num_pid_n = tl.cdiv(V, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    if USE_TMA:
+        # token extent n: the TMA unit zero-fills rows ≥ n (never read from memory) and clips stores
+        # there. max(n, 1): a descriptor's extents must be positive (with n = 0 no tile runs anyway).
+        n_desc = tl.maximum(n, 1)
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_desc, H], strides=[stride_xc, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_wv, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        z_desc = tl.make_tensor_descriptor(z_ptr, shape=[n_desc, V], strides=[stride_zc, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < V
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                a = x_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                b = w_desc.load([off_n, ki * BLOCK_K])  # (BLOCK_N, BLOCK_K)
+                acc = _dot(a, b.T, acc, DOT_PRECISION)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < n
+            offs_k = tl.arange(0, BLOCK_K)
+            # int64 row offsets: row × stride can exceed 2^31
+            x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xc + offs_k[None, :] * stride_xh
+            w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wv + offs_k[None, :] * stride_wh
+            for ki in range(k_tiles):
+                mask_k = offs_k < H - ki * BLOCK_K
+                a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                acc = _dot(a, tl.trans(b), acc, DOT_PRECISION)
+                x_ptrs += BLOCK_K * stride_xh
+                w_ptrs += BLOCK_K * stride_wh
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        if USE_TMA:
+            _store_tile(z_desc, acc, off_m, off_n, 0, BLOCK_M, BLOCK_N, EPI_SLICES)
+        else:
+            z_ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zc + offs_n[None, :] * stride_zv
+            tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) dX: DX[:n] = G[:n] @ W
+
+
+#: time of a (BLOCK_M, BLOCK_N / 2) tile relative to a (BLOCK_M, BLOCK_N) one, in percent: H200, bf16,
+#: 128 × 128 tiles ran at 0.96 of the 128 × 256 tiles' FLOP rate on the full chunk (0.5 / 0.96 =
+#: 52 %, scripts/bench_rowcount_gemm.py --sweep), rounded up so that near-ties stay wide
+_NARROW_COST_PCT = tl.constexpr(54)
+
+
+@triton.jit
+def _narrow_wins(n, C, H, NUM_SMS, BLOCK_M: tl.constexpr, WIDE_N: tl.constexpr):
+    """dX's tile width for n valid rows: whether (BLOCK_M, WIDE_N / 2) tiles finish before
+    (BLOCK_M, WIDE_N) ones, counting whole waves of the persistent grid (the grid sizes the host
+    launches, recomputed here). dX has few tiles (H / WIDE_N per row block), so the last wave's
+    fill matters: at n = 1229, 128 × 256 tiles make 160 tiles for 132 SMs (2 waves, the second
+    one fifth full), 128 × 128 tiles 320 (3 waves of half the work each)."""
+    m_tiles = tl.cdiv(n, BLOCK_M)
+    m_max = tl.cdiv(C, BLOCK_M)
+    p_wide = tl.minimum(NUM_SMS, m_max * tl.cdiv(H, WIDE_N))
+    p_narrow = tl.minimum(NUM_SMS, m_max * tl.cdiv(H, WIDE_N // 2))
+    waves_wide = tl.cdiv(m_tiles * tl.cdiv(H, WIDE_N), p_wide)
+    waves_narrow = tl.cdiv(m_tiles * tl.cdiv(H, WIDE_N // 2), p_narrow)
+    return waves_narrow * _NARROW_COST_PCT < waves_wide * 100
+
+
+@triton.jit
+def _dx_kernel(
+    g_ptr,  # (C, V)
+    w_ptr,  # (V, H)
+    dx_ptr,  # (C, H) output; rows ≥ n untouched
+    count_ptr,
+    C, V, H,
+    stride_gc, stride_gv, stride_wv, stride_wh, stride_dxc, stride_dxh,
+    NUM_SMS,  # the SM count the host sizes both grids of a wide/narrow pair with (PICK > 0)
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PICK: tl.constexpr,  # 0: always run; 1: the wide kernel of a pair; 2: its narrow partner
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SLICES: tl.constexpr,
+):
+    n = _valid_rows(count_ptr, C)
+    num_pid_m = tl.cdiv(n, BLOCK_M)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    # a wide/narrow pair: both kernels read n and agree which of them does the work; the other one's
+    # programs exit at once (one launch of empty programs, still no host sync)
+    if PICK == 1:
+        num_tiles = tl.where(_narrow_wins(n, C, H, NUM_SMS, BLOCK_M, BLOCK_N), 0, num_tiles)
+    elif PICK == 2:
+        num_tiles = tl.where(_narrow_wins(n, C, H, NUM_SMS, BLOCK_M, 2 * BLOCK_N), num_tiles, 0)
+    k_tiles = tl.cdiv(V, BLOCK_K)
+    if USE_TMA:
+        n_desc = tl.maximum(n, 1)
+        g_desc = tl.make_tensor_descriptor(g_ptr, shape=[n_desc, V], strides=[stride_gc, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_wv, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        dx_desc = tl.make_tensor_descriptor(dx_ptr, shape=[n_desc, H], strides=[stride_dxc, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                a = g_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                b = w_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
+                acc = _dot(a, b, acc, DOT_PRECISION)
+            _store_tile(dx_desc, acc, off_m, off_n, 0, BLOCK_M, BLOCK_N, EPI_SLICES)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            mask_m = offs_m < n
+            mask_n = offs_n < H
+            g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gc + offs_k[None, :] * stride_gv
+            w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wv + offs_n[None, :] * stride_wh
+            for ki in range(k_tiles):
+                mask_k = offs_k < V - ki * BLOCK_K
+                a = tl.load(g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = _dot(a, b, acc, DOT_PRECISION)
+                g_ptrs += BLOCK_K * stride_gv
+                w_ptrs += BLOCK_K * stride_wv  # pointer arithmetic: int64 already
+            dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxc + offs_n[None, :] * stride_dxh
+            tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) dW: DW (+)= G[:n]ᵀ @ X[:n]
+
+
+@triton.jit
+def _dw_kernel(
+    g_ptr,  # (C, V)
+    x_ptr,  # (C, H)
+    dw_ptr,  # (V, H) output, fp32 or the inputs' dtype
+    count_ptr,
+    C, V, H,
+    stride_gc, stride_gv, stride_xc, stride_xh, stride_dwv, stride_dwh,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EPI_MODE: tl.constexpr,  # TMA path: 0 store (β = 0), 1 load-add-store, 2 reduce-add (β = 1)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SLICES: tl.constexpr,
+):
+    # M = V (vocabulary rows of dW), N = H, K = the n valid tokens
+    n = _valid_rows(count_ptr, C)
+    num_pid_m = tl.cdiv(V, BLOCK_M)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if ACCUMULATE:
+        num_tiles = tl.where(n == 0, 0, num_tiles)  # adding an empty sum: touch nothing
+    k_tiles = tl.cdiv(n, BLOCK_K)
+    if USE_TMA:
+        n_desc = tl.maximum(n, 1)
+        g_desc = tl.make_tensor_descriptor(g_ptr, shape=[n_desc, V], strides=[stride_gc, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_desc, H], strides=[stride_xc, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        dw_desc = tl.make_tensor_descriptor(dw_ptr, shape=[V, H], strides=[stride_dwv, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < V
+        mask_n = offs_n < H
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                a = g_desc.load([ki * BLOCK_K, off_m])  # (BLOCK_K, BLOCK_M), tokens ≥ n zero-filled
+                b = x_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
+                acc = _dot(a.T, b, acc, DOT_PRECISION)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            g_ptrs = g_ptr + offs_k.to(tl.int64)[:, None] * stride_gc + offs_m[None, :] * stride_gv
+            x_ptrs = x_ptr + offs_k.to(tl.int64)[:, None] * stride_xc + offs_n[None, :] * stride_xh
+            for ki in range(k_tiles):
+                # both operands masked: a token row ≥ n may hold NaN, and NaN × 0 is NaN
+                mask_k = offs_k < n - ki * BLOCK_K
+                a = tl.load(g_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+                b = tl.load(x_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = _dot(tl.trans(a), b, acc, DOT_PRECISION)
+                g_ptrs += BLOCK_K * stride_gc
+                x_ptrs += BLOCK_K * stride_xc
+        if USE_TMA:
+            _store_tile(dw_desc, acc, off_m, off_n, EPI_MODE, BLOCK_M, BLOCK_N, EPI_SLICES)
+        else:
+            dw_ptrs = dw_ptr + offs_m.to(tl.int64)[:, None] * stride_dwv + offs_n[None, :] * stride_dwh
+            mask = mask_m[:, None] & mask_n[None, :]
+            if ACCUMULATE:
+                acc += tl.load(dw_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# autotuned kernels (one per operand width: fp32 gets FMA-friendly tiles). The autotune keys hold
+# the buffer shapes, never the count: it is not known on the host, and one tuned config serves all.
+
+def _tuned(kernel, name: str, fp32: bool, key: list, restore: list):
+    return triton.autotune(configs=_config_list(name, fp32), key=key, restore_value=restore)(kernel)
+
+
+_LOGITS = {fp32: _tuned(_logits_kernel, "logits", fp32, ["C", "V", "H", "HAS_BIAS", "USE_TMA"], [])
+           for fp32 in (False, True)}
+_DX = {fp32: _tuned(_dx_kernel, "dx", fp32, ["C", "V", "H", "USE_TMA"], []) for fp32 in (False, True)}
+# β = 1: the autotuner runs every candidate on the real output, so it restores it after each run
+_DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA"], ["dw_ptr"] if acc else [])
+       for fp32 in (False, True) for acc in (False, True)}
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: unit inner stride, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0 and min(t.shape) > 0)
+
+
+def tma_eligible(operands: tuple, outputs: tuple = ()) -> bool:
+    """True when `impl="auto"` takes the TMA kernels: a CUDA device of sm_90 or newer, fp16/bf16
+    operands, and every tensor (operands and outputs) addressable by a descriptor (unit inner stride,
+    16-byte aligned base and row stride; e.g. a bf16 [C, V] buffer needs V % 8 == 0)."""
+    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    dev = operands[0].device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    return all(t.dtype in _HALF for t in operands) and all(_tma_ok(t) for t in (*operands, *outputs))
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors live in Triton's global scratch: install a torch-backed allocator
+    unless one is already set (an allocator the user set is kept)."""
+    try:
+        from triton.runtime import _allocation
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_torch_scratch)
+
+
+def _use_tma(impl: str, operands: tuple, outputs: tuple) -> bool:
+    """impl: 'auto' (TMA where `tma_eligible`), 'tma' (forced; alignment checked), 'pointer'."""
+    if impl == "pointer":
+        return False
+    if impl == "tma":
+        for t in (*operands, *outputs):
+            if not _tma_ok(t):
+                raise ValueError(f"impl='tma' needs 2-D tensors with unit inner stride and 16-byte aligned "
+                                 f"base and row stride; got shape {tuple(t.shape)}, strides {t.stride()}, "
+                                 f"{t.dtype}")
+        use = True
+    elif impl == "auto":
+        use = tma_eligible(operands, outputs)
+    else:
+        raise ValueError(f"impl must be 'auto', 'tma' or 'pointer', got {impl!r}")
+    if use and not interpreting():
+        _ensure_allocator()
+    return use
+
+
+def _check_count(count: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(count, torch.Tensor) or count.numel() != 1:
+        raise ValueError("count must be a one-element int32/int64 tensor")
+    if count.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"count must be int32 or int64, got {count.dtype}")
+    if count.device != device:
+        raise ValueError(f"count must live on {device} (the kernel reads it), got {count.device}")
+    return count.reshape(1)
+
+
+def _check_2d(name: str, t: torch.Tensor, shape: tuple, device: torch.device, dtypes=_FLOAT) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 2 or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be one of {dtypes}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must live on {device}, got {t.device}")
+
+
+def _launch(tuned, rows: int, cols: int, device: torch.device, args: tuple, flags: dict,
+            config: triton.Config | None) -> None:
+    """Persistent launch: one program per SM, or fewer when the largest possible problem (all rows
+    valid) has fewer tiles. `config` bypasses the autotuner (benchmarks, reproducibility)."""
+    sms = sm_count(device)
+
+    def grid(meta):
+        return (max(1, min(sms, triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]))),)
+
+    if config is None:
+        tuned[grid](*args, **flags)
+    else:
+        meta = {**flags, **config.kwargs}
+        tuned.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 means nothing to 16-bit operands
+
+
+def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count: torch.Tensor, out: torch.Tensor,
+                *, impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
+    """out[:n] = x[:n] @ wᵀ (+ b) with n = clamp(count, 0, C) read on the device; out[n:] is not written.
+
+    x: [C, H] fp32/fp16/bf16 · w: [V, H], x's dtype · b: [V] (any float dtype) or None ·
+    count: one-element int32/int64 tensor on x's device · out: [C, V], x's dtype or fp32 (fp32
+    accumulation, one rounding) · impl: 'auto' | 'tma' | 'pointer' (module docstring) · config:
+    a `triton.Config` to run instead of autotuning. Returns out."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a 2-D tensor [C, H]")
+    C, H = x.shape
+    dev = x.device
+    _check_2d("x", x, (C, H), dev)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError("w must be a 2-D tensor [V, H]")
+    V = w.shape[0]
+    _check_2d("w", w, (V, H), dev, (x.dtype,))
+    _check_2d("out", out, (C, V), dev, (x.dtype, torch.float32))
+    count = _check_count(count, dev)
+    if b is not None:
+        if not isinstance(b, torch.Tensor) or b.dim() != 1 or b.shape[0] != V or b.device != dev:
+            raise ValueError(f"b must be a [{V}] tensor on {dev}")
+        if not b.is_floating_point():
+            raise TypeError(f"b must be a float tensor, got {b.dtype}")
+    if C == 0 or V == 0:
+        return out
+    fp32 = x.dtype == torch.float32
+    args = (x, w, b if b is not None else x, out, count, C, V, H,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
+            out.stride(0), out.stride(1))
+    flags = dict(HAS_BIAS=b is not None, USE_TMA=H > 0 and _use_tma(impl, (x, w), (out,)),
+                 DOT_PRECISION=_precision(x.dtype))
+    _launch(_LOGITS[fp32], C, V, dev, args, flags, config)
+    return out
+
+
+#: dX configs the autotuner chose, per problem key (see `dx_rows`)
+_DX_CHOSEN: dict = {}
+
+
+def _narrow_partner(config: triton.Config) -> triton.Config | None:
+    """The (BLOCK_M, BLOCK_N / 2) partner of a wide dX config, or None when BLOCK_N / 2 would be
+    narrower than a useful tile (128 on the GPU; 16 in the interpreter, so the tests run pairs)."""
+    kw = config.kwargs
+    if kw["BLOCK_N"] // 2 < (16 if interpreting() else 128):
+        return None
+    return _cfg(kw["BLOCK_M"], kw["BLOCK_N"] // 2, kw["BLOCK_K"], config.num_warps,
+                min(config.num_stages + 1, 4) if not interpreting() else 1, group=kw["GROUP_M"], slices=1)
+
+
+def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Tensor, *,
+            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
+    """out[:n] = g[:n] @ w with n = clamp(count, 0, C) read on the device; out[n:] is not written.
+
+    g: [C, V] fp32/fp16/bf16 · w: [V, H], g's dtype · count: one-element int32/int64 tensor on g's
+    device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows`. Returns out.
+
+    Tile width follows n without a sync: the first call for a problem key autotunes and runs the
+    tuned kernel alone; later calls launch the tuned (wide) kernel and its half-width partner, and
+    the one that finishes in fewer whole waves for this n does the work (`_narrow_wins`). With an
+    explicit `config` only that kernel runs."""
+    if not isinstance(g, torch.Tensor) or g.dim() != 2 or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError("g [C, V] and w [V, H] must be 2-D tensors")
+    C, V = g.shape
+    H = w.shape[1]
+    dev = g.device
+    _check_2d("g", g, (C, V), dev)
+    _check_2d("w", w, (V, H), dev, (g.dtype,))
+    _check_2d("out", out, (C, H), dev, (g.dtype, torch.float32))
+    count = _check_count(count, dev)
+    if C == 0 or H == 0:
+        return out
+    if V == 0:  # an empty sum: the pointer kernel writes zeros into the valid rows
+        impl = "pointer"
+    fp32 = g.dtype == torch.float32
+    sms = sm_count(dev)
+    args = (g, w, out, count, C, V, H,
+            g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms)
+    use_tma = _use_tma(impl, (g, w), (out,))
+    flags = dict(USE_TMA=use_tma, DOT_PRECISION=_precision(g.dtype))
+    tuned = _DX[fp32]
+    if config is not None:
+        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), config)
+        return out
+    key = (C, V, H, use_tma, g.dtype, out.dtype, dev)
+    chosen = _DX_CHOSEN.get(key)
+    if chosen is None:  # first call: autotune (at this call's n) and run the tuned kernel alone
+        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), None)
+        _DX_CHOSEN[key] = getattr(tuned, "best_config", None) or tuned.configs[0]
+        return out
+    partner = _narrow_partner(chosen)
+    if partner is None:
+        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), chosen)
+    else:
+        _launch(tuned, C, H, dev, args, dict(flags, PICK=1), chosen)
+        _launch(tuned, C, H, dev, args, dict(flags, PICK=2), partner)
+    return out
+
+
+def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Tensor, accumulate: bool, *,
+            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
+    """out (+)= g[:n]ᵀ @ x[:n] with n = clamp(count, 0, C) read on the device.
+
+    g: [C, V] fp32/fp16/bf16 · x: [C, H], g's dtype · count: one-element int32/int64 tensor on g's
+    device · out: [V, H], fp32 or g's dtype · accumulate: False writes every element of out (zeros
+    when n = 0); True adds to it (β = 1, the sum formed in fp32 and rounded once to out's dtype;
+    untouched when n = 0) · impl, config: as `logits_rows`. Returns out."""
+    if not isinstance(g, torch.Tensor) or g.dim() != 2 or not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("g [C, V] and x [C, H] must be 2-D tensors")
+    C, V = g.shape
+    H = x.shape[1]
+    dev = g.device
+    _check_2d("g", g, (C, V), dev)
+    _check_2d("x", x, (C, H), dev, (g.dtype,))
+    _check_2d("out", out, (V, H), dev, (g.dtype, torch.float32))
+    count = _check_count(count, dev)
+    if V == 0 or H == 0:
+        return out
+    accumulate = bool(accumulate)
+    if C == 0:  # n = 0 for certain, known on the host
+        if not accumulate:
+            out.zero_()
+        return out
+    fp32 = g.dtype == torch.float32
+    args = (g, x, out, count, C, V, H,
+            g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1))
+    if not accumulate:
+        mode = _STORE
+    elif out.dtype == torch.float32 and not interpreting():  # the interpreter has no reduce-add
+        mode = _REDUCE_ADD
+    else:
+        mode = _LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
+    flags = dict(ACCUMULATE=accumulate, USE_TMA=_use_tma(impl, (g, x), (out,)), DOT_PRECISION=_precision(g.dtype),
+                 EPI_MODE=mode)
+    _launch(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
+    return out
