@@ -103,7 +103,7 @@ class CountCheck:
     after the kernels are queued): a wrong count raises before anything is returned, without a sync in
     the step. The kernels only ever see rows that exist, so a wrong count cannot read out of bounds."""
 
-    def __init__(self, target: torch.Tensor, ignore_index: int, claimed: int):
+    def __init__(self, target: torch.Tensor, ignore_index: int, claimed: int | torch.Tensor):
         self._claimed = claimed
         self._count = (target != ignore_index).sum()
         differs = self._count != claimed
@@ -119,7 +119,8 @@ class CountCheck:
         if self._event is not None:
             self._event.synchronize()
         if bool(self._flag):
-            raise ValueError(f"num_valid_tokens={self._claimed} but target holds {self._count.item()} tokens that "
+            claimed = self._claimed.item() if isinstance(self._claimed, torch.Tensor) else self._claimed
+            raise ValueError(f"num_valid_tokens={claimed} but target holds {self._count.item()} tokens that "
                              "are not ignore_index; pass (target != ignore_index).sum() computed where it is "
                              "free (e.g. on the CPU copy of the labels), or None")
 

@@ -406,15 +406,19 @@ def _ce_upcast(inp: Inputs) -> dict[str, Step]:
     return _loss_steps(lambda: upcast_linear_cross_entropy(inp.x, inp.w, inp.target, softcap=inp.softcap))
 
 
-def _ce_fusedkern(counted: bool = False, **options) -> Callable[[Inputs], dict[str, Step]]:
-    """counted: pass `num_valid_tokens`, counted once per case outside the timed steps, as a trainer's
-    data collator counts it on the CPU copy of the labels (only the valid rows are then computed)."""
+def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], dict[str, Step]]:
+    """counted: pass `num_valid_tokens` so that only the valid rows are computed — "host": an int counted
+    once per case outside the timed steps, as a trainer's data collator counts it on the CPU copy of the
+    labels; "device": `(target != ignore_index).sum()` on the device, inside the timed step."""
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern import linear_cross_entropy
 
         kwargs = {**options, **_softcap_kwargs(linear_cross_entropy, inp, "fusedkern.linear_cross_entropy")}
-        if counted:
+        if counted == "host":
             kwargs["num_valid_tokens"] = int((inp.target != IGNORE_INDEX).sum())
+        if counted == "device":
+            return _loss_steps(lambda: linear_cross_entropy(
+                inp.x, inp.w, inp.target, num_valid_tokens=(inp.target != IGNORE_INDEX).sum(), **kwargs))
         return _loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
 
     return build
@@ -674,11 +678,16 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
                 _key_label("fusedkern_chunked_lean"),
             ),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
-            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted=True, impl="chunked"),
+            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked"),
                      _key_label("fusedkern_chunked_counted")),
             Provider("fusedkern_chunked_lean_counted",
-                     _ce_fusedkern(counted=True, impl="chunked", weight_grad_accum="weight_dtype"),
+                     _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype"),
                      _key_label("fusedkern_chunked_lean_counted")),
+            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="chunked"),
+                     _key_label("fusedkern_chunked_device_count")),
+            Provider("fusedkern_chunked_lean_device_count",
+                     _ce_fusedkern(counted="device", impl="chunked", weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_device_count")),
             # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
             *(
                 Provider(f"fusedkern_chunked{suffix}_c{c}", _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum),

@@ -86,7 +86,7 @@ def _accumulate_weight_grad(acc: torch.Tensor, g: torch.Tensor, x_c: torch.Tenso
             acc.addmm_(gt.float(), x_c.float())
 
 
-def _row_kernel_args(class_weight: torch.Tensor | None, opts: LossOptions) -> dict:
+def row_kernel_args(class_weight: torch.Tensor | None, opts: LossOptions) -> dict:
     return dict(
         class_weight=class_weight,
         class_weight_sum=None if class_weight is None else class_weight.sum().reshape(1),
@@ -108,7 +108,7 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
     scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it."""
     T, V = x.shape[0], w.shape[0]
     buf = logits_buffer(min(C, T), V, x, scratch)
-    kernel_args = _row_kernel_args(class_weight, opts)
+    kernel_args = row_kernel_args(class_weight, opts)
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         x_c = x[c0:c1]
@@ -125,7 +125,7 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
     and partial statistics, then one merge into lse and loss (`ce_rows.merge_row_stats`)."""
     T, V = x.shape[0], w.shape[0]
     buf = torch.empty(min(C, T) * min(Vs, V), device=x.device, dtype=x.dtype)
-    kernel_args = _row_kernel_args(class_weight, opts)
+    kernel_args = row_kernel_args(class_weight, opts)
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
         x_c, y_c = x[c0:c1], target[c0:c1]

@@ -140,6 +140,33 @@ class _ChunkedScalarLoss(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+class _CountedScalarLoss(torch.autograd.Function):
+    """Chunked strategy over rows sorted valid-first, their count on the device (`compacted.py`): mean/sum
+    with gradients formed in the forward pass, like `_ChunkedScalarLoss`, and no work on ignored rows."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, class_weight, opts, reduction, weight_grad_accum, chunk_tokens, count):
+        from fusedkern.compacted import counted_loss_and_grads
+
+        if reduction == "mean":
+            denom = _denominator(target, class_weight, opts.ignore_index)
+            grad_scale = (1.0 / denom).reshape(1)
+        else:
+            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
+        loss_tok, dx, dw, dw_out = counted_loss_and_grads(
+            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=x.requires_grad,
+            need_dw=w.requires_grad, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
+        save_precomputed_grads(ctx, x, w, None, dx, dw, None, dw_out)
+        return loss
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss):
+        dx, dw, _ = rescaled_grads(ctx, grad_loss, "linear_cross_entropy (chunked, counted rows)")
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
 class _PerTokenLoss(torch.autograd.Function):
     """Per-token loss ℓ_t with the row statistics saved; backward recomputes the logits (four GEMMs in all) and
     accepts any upstream ∂L/∂ℓ_t. Used by reduction='none', by impl='fused', and by linear_logprobs."""
@@ -205,9 +232,14 @@ def validate_call(input, linear_weight, target, linear_bias, *, weight=None, red
         V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
     target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
     validate_strategy(impl, weight_grad_accum, chunk_tokens)
-    if num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
-        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets) or None, "
-                         f"got {num_valid_tokens}")
+    if isinstance(num_valid_tokens, torch.Tensor):
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in V_.INDEX_DTYPES:
+            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
+                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
+        V_.check_same_device("target", target, num_valid_tokens=num_valid_tokens)
+    elif num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
+                         f"tensor holding it, or None; got {num_valid_tokens}")
     return target_range
 
 
@@ -290,19 +322,34 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
 
 
 def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
-                     chunk_tokens, num_valid_tokens: int | None, need_lse: bool):
+                     chunk_tokens, num_valid_tokens: int | torch.Tensor | None, need_lse: bool):
     """(loss, lse [T] or None, pending count check or None) for flat, validated inputs.
 
-    With `num_valid_tokens` (and no lse asked for) only the valid rows are computed: gathered here
-    (autograd scatters dX back, zero in ignored rows); the mean's denominator is the same over them, and
+    `num_valid_tokens` (see `linear_cross_entropy`), when no lse is asked for: an int gathers exactly the
+    valid rows (cuBLAS over them; autograd scatters dX back, zero in ignored rows); a device tensor sorts
+    them first and lets the row-count kernels skip the rest (`compacted.py`; chunked mean/sum with
+    gradients, else the dense computation). The mean's denominator is the same over the valid rows, and
     "none" puts them back among zeros. The count check must be read before returning the loss."""
+    def dense():
+        return _loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens)
+
     if num_valid_tokens is None:
-        return (*_loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens),
-                None)
+        return (*dense(), None)
     count_check = V_.CountCheck(y, opts.ignore_index, num_valid_tokens)
-    if need_lse or not 0 < num_valid_tokens < y.shape[0]:
-        return (*_loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens),
-                count_check)
+    if need_lse:
+        return (*dense(), count_check)
+    if isinstance(num_valid_tokens, torch.Tensor):
+        wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad)
+        counted = (impl == "chunked" and reduction != "none" and wants_grad
+                   and not (b is not None and b.requires_grad and torch.is_grad_enabled()))
+        if not counted:
+            return (*dense(), count_check)
+        rows = valid_rows_first(y, opts.ignore_index)
+        loss = _CountedScalarLoss.apply(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight,
+                                        opts, reduction, weight_grad_accum, chunk_tokens, num_valid_tokens)
+        return loss, None, count_check
+    if not 0 < num_valid_tokens < y.shape[0]:
+        return (*dense(), count_check)
     rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
     loss, _ = _loss_and_lse(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts, reduction,
                             impl, weight_grad_accum, chunk_tokens)
@@ -343,12 +390,15 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
             all tokens in one chunk while the buffer fits the accumulator's allowance (9216 tokens at
             V = 128256, H = 4096), else chunks of H tokens inside dW's own storage; in lean mode, for an
             fp32 weight or without dW, the largest multiple of 64 keeping the buffer ≤ 256 MiB.
-        num_valid_tokens: how many targets are not `ignore_index`, if the caller knows it on the host
-            without a sync (a data collator counts it on the CPU copy of the labels). Then only those
-            rows are computed: gathered on the device, three GEMMs over them instead of over every
-            token, dX zero at ignored rows, same loss and gradients. The count is checked against the
-            target on the device behind an event (a wrong one raises ValueError before returning,
-            without a sync in the step). Ignored with `return_lse=True` (every token's lse is asked for).
+        num_valid_tokens: how many targets are not `ignore_index`, so that only those rows are computed
+            (same loss and gradients, dX zero at ignored rows). An int, when the caller has it on the
+            host without a sync (a data collator counts it on the CPU copy of the labels): those rows
+            are gathered and cuBLAS runs the three GEMMs over them alone. A one-element int tensor on
+            the device, e.g. `(target != -100).sum()`: the rows are sorted valid-first on the device and
+            Triton GEMMs that read the count skip the rest (chunked strategy, mean/sum, no bias
+            gradient; other calls compute densely). Either is checked against the target on the device
+            behind an event: a wrong count raises ValueError before returning, with no sync in the
+            step. Not used with `return_lse=True` (every token's lse is asked for).
 
     Returns:
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when

@@ -26,7 +26,7 @@ from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import (
     LossOptions,
     _logits_into,
-    _row_kernel_args,
+    row_kernel_args,
     chunk_grads,
     chunked_loss,
     grad_buffers,
@@ -103,7 +103,7 @@ class ChunkedSimPO(torch.autograd.Function):
         n_tokens = mask.sum(-1)  # [2B]
         n_chosen_total = n_tokens[:n_pairs].sum()
         logp = torch.empty(two_b * seq, device=x.device, dtype=torch.float32)
-        kernel_args = _row_kernel_args(None, opts)
+        kernel_args = row_kernel_args(None, opts)
         common = dict(seq=seq, hp=hp, n_pairs=n_pairs)
 
         def rows(r0, r1):  # token rows of responses r0..r1−1

@@ -1,5 +1,6 @@
-"""`num_valid_tokens`: only the rows whose target is not ignore_index are computed (gathered on the device,
-dX scattered back), with the same loss and gradients as the dense computation, judged against fp64."""
+"""`num_valid_tokens`: only the rows whose target is not ignore_index are computed — an int gathers them for
+cuBLAS, a device tensor lets the row-count kernels skip the rest (`compacted.py`) — with the same loss and
+gradients as the dense computation, judged against fp64."""
 
 from __future__ import annotations
 
@@ -7,22 +8,30 @@ import pytest
 import torch
 
 import fusedkern
-from tests.conftest import DEVICE
+from fusedkern import compacted
 from tests.test_linear_cross_entropy import IMPLS, check_against_reference, make_inputs
 
 
 class _WithCount:
-    """`fusedkern.linear_cross_entropy` with the count passed, for `check_against_reference`."""
+    """`fusedkern.linear_cross_entropy` with the count passed (an int, or a device tensor when
+    `on_device`), for `check_against_reference`; records whether the row-count path ran."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, on_device: bool = False):
         real = fusedkern.linear_cross_entropy
+        real_counted = compacted.counted_loss_and_grads
 
         def with_count(input, linear_weight, target, **kw):
-            n = int((target != kw.get("ignore_index", -100)).sum())
+            n = (target != kw.get("ignore_index", -100)).sum()
             self.calls.append(n)
-            return real(input, linear_weight, target, num_valid_tokens=n, **kw)
-        self.calls: list[int] = []
+            return real(input, linear_weight, target, num_valid_tokens=n if on_device else int(n), **kw)
+
+        def counted(*args, **kw):
+            self.row_count_runs += 1
+            return real_counted(*args, **kw)
+        self.calls: list = []
+        self.row_count_runs = 0
         monkeypatch.setattr(fusedkern, "linear_cross_entropy", with_count)
+        monkeypatch.setattr(compacted, "counted_loss_and_grads", counted)
 
 
 def _ignore_runs(T: int, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -50,6 +59,50 @@ def test_matches_fp64_on_masked_batches(monkeypatch, impl, reduction, layout):
     counter = _WithCount(monkeypatch)
     check_against_reference(x, w, y, b, cw, reduction=reduction, impl=impl, chunk_tokens=4, label_smoothing=0.1)
     assert counter.calls, "the count was not passed"
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("accum,dtype", [("fp32", torch.float32), ("fp32", torch.float16),
+                                         ("weight_dtype", torch.float16)])
+def test_device_count_skips_ignored_rows_and_matches_fp64(monkeypatch, reduction, layout, accum, dtype):
+    """The row-count kernels (GEMMs and row kernels reading the count on the device) on sorted rows:
+    chunks wholly valid, partly valid and wholly ignored; a class weight and label smoothing."""
+    x, w, y, _, cw = make_inputs(21, 16, 37, dtype, ignore_frac=0.0, weight=layout == "prompt_spans")
+    y[_ignore_runs(21, LAYOUTS[layout]).to(y.device)] = -100
+    counter = _WithCount(monkeypatch, on_device=True)
+    check_against_reference(x, w, y, None, cw, reduction=reduction, impl="chunked", chunk_tokens=4,
+                            weight_grad_accum=accum, label_smoothing=0.1, z_loss=1e-3)
+    assert counter.row_count_runs == 1
+
+
+def test_device_count_with_a_frozen_bias_and_one_chunk(monkeypatch):
+    x, w, y, b, _ = make_inputs(21, 16, 37, torch.float32, ignore_frac=0.5, bias=True)
+    counter = _WithCount(monkeypatch, on_device=True)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    loss = fusedkern.linear_cross_entropy(*leaves, y, linear_bias=b, softcap=3.0)
+    ref = fusedkern.reference.linear_cross_entropy_fp64(x.double(), w.double(), y, linear_bias=b.double(), softcap=3.0)
+    assert counter.row_count_runs == 1 and abs(loss.item() - ref.item()) < 1e-5
+    grads = torch.autograd.grad(loss, leaves)
+    leaves64 = [t.double().requires_grad_() for t in (x, w)]
+    ref = fusedkern.reference.linear_cross_entropy_fp64(*leaves64, y, linear_bias=b.double(), softcap=3.0)
+    for g, gr in zip(grads, torch.autograd.grad(ref, leaves64)):
+        assert torch.allclose(g.double(), gr, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["none", "bias_grad", "fused", "no_grad"])
+def test_device_count_elsewhere_computes_densely(monkeypatch, case):
+    x, w, y, b, _ = make_inputs(12, 16, 37, torch.float32, ignore_frac=0.5, bias=True)
+    counter = _WithCount(monkeypatch, on_device=True)
+    kw = dict(reduction="none" if case == "none" else "mean", impl="fused" if case == "fused" else "chunked")
+    x.requires_grad_()
+    bias = b.clone().requires_grad_() if case == "bias_grad" else b
+    with torch.set_grad_enabled(case != "no_grad"):
+        got = fusedkern.linear_cross_entropy(x, w, y, linear_bias=bias, **kw)
+    expected = fusedkern.reference.linear_cross_entropy_fp64(x.double(), w.double(), y, linear_bias=b.double(),
+                                                             reduction=kw["reduction"])
+    assert counter.row_count_runs == 0
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -84,11 +137,21 @@ def test_count_out_of_range_is_refused(bad, error, match):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_wrong_count_raises_after_the_work(impl):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_wrong_count_raises_after_the_work(impl, on_device):
     x, w, y, _, _ = make_inputs(12, 16, 37, torch.float32, ignore_frac=0.0)
     y[:4] = -100
+    x.requires_grad_()
+    count = torch.tensor(7, device=x.device) if on_device else 7
     with pytest.raises(ValueError, match="num_valid_tokens=7 but target holds 8"):
-        fusedkern.linear_cross_entropy(x, w, y, impl=impl, num_valid_tokens=7)
+        fusedkern.linear_cross_entropy(x, w, y, impl=impl, num_valid_tokens=count)
+
+
+@pytest.mark.parametrize("count,error", [(torch.tensor([1, 2]), TypeError), (torch.tensor(2.0), TypeError)])
+def test_count_tensor_must_hold_one_int(count, error):
+    x, w, y, _, _ = make_inputs(12, 16, 37, torch.float32)
+    with pytest.raises(error, match="num_valid_tokens"):
+        fusedkern.linear_cross_entropy(x, w, y, num_valid_tokens=count.to(x.device))
 
 
 def test_lse_of_every_token_is_still_returned():
@@ -132,11 +195,23 @@ def test_gpu_masked_bf16_matches_fp64(monkeypatch, impl, reduction):
 
 
 @pytest.mark.gpu
-def test_gpu_masked_step_never_waits_for_the_gpu():
-    """The gather, the count check and the scatter of dX add no synchronizing call to a training step."""
-    x, w, y, _, _ = make_inputs(2048, 256, 4099, torch.bfloat16, ignore_frac=0.0, device="cuda", seed=5)
+@pytest.mark.parametrize("accum", ["fp32", "weight_dtype"])
+@pytest.mark.parametrize("V", [4099, 4096])  # the row-count GEMMs' pointer path and their TMA path
+def test_gpu_device_count_bf16_matches_fp64(monkeypatch, accum, V):
+    x, w, y, _, _ = make_inputs(2048, 256, V, torch.bfloat16, ignore_frac=0.0, device="cuda")
+    y.view(4, 512)[:, :300] = -100  # chunks of 512 rows: full, partial and empty ones after sorting
+    counter = _WithCount(monkeypatch, on_device=True)
+    check_against_reference(x, w, y, None, None, impl="chunked", chunk_tokens=512, weight_grad_accum=accum)
+    assert counter.row_count_runs == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [False, True])
+def test_gpu_masked_step_never_waits_for_the_gpu(on_device):
+    """The sort, the gather, the count check and the scatter of dX add no synchronizing call to a step."""
+    x, w, y, _, _ = make_inputs(2048, 256, 4096, torch.bfloat16, ignore_frac=0.0, device="cuda", seed=5)
     y.view(4, 512)[:, :256] = -100
-    n = int((y != -100).sum())
+    n = (y != -100).sum() if on_device else int((y != -100).sum())
     x.requires_grad_(); w.requires_grad_()
 
     def step():

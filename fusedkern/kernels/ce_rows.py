@@ -130,7 +130,7 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
 
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),
-                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET"])
+                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT"])
 @triton.jit
 def _row_stats_kernel(
     # pointers
@@ -141,6 +141,7 @@ def _row_stats_kernel(
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
     target_ptr,  # (C,) class indices (FIND_TARGET)
     target_logit_ptr,  # (C,) fp32 out: s of the target column, where it falls in this tile (FIND_TARGET)
+    row_count_ptr,  # (1,) int: rows at or past it are skipped (HAS_ROW_COUNT; see `ce_rows`)
     # shapes and strides
     V, stride_row, span,  # span = columns per slice (the last slice ends at V)
     partial_stride,  # partials per row in the output arrays (≥ SPLIT; a tile writes its SPLIT of them)
@@ -149,9 +150,12 @@ def _row_stats_kernel(
     softcap,
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FIND_TARGET: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    FIND_TARGET: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_COUNT:
+        if row >= tl.load(row_count_ptr):
+            return
     split = tl.program_id(1)
     # int64 offsets: row · stride reaches 32768 · 128256 > 2^31 when a caller passes a big chunk
     row_ptr = logits_ptr + row * stride_row
@@ -185,7 +189,8 @@ def _row_stats_kernel(
             tl.store(target_logit_ptr + row, s_y)
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD"],
+@triton.autotune(configs=autotune_configs(_CONFIGS),
+                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "HAS_ROW_COUNT"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
 @triton.jit
@@ -201,6 +206,7 @@ def _row_finish_kernel(
     class_weight_ptr,  # (V,) fp32 class weights w_v (HAS_WEIGHT)
     class_weight_sum_ptr,  # (1,) fp32 Σ_v w_v (HAS_WEIGHT)
     grad_ptr,  # fp32 upstream ∂L/∂ℓ_t: (C,) if PER_TOKEN_GRAD else (1,) shared by all tokens
+    row_count_ptr,  # (1,) int: rows at or past it are skipped (HAS_ROW_COUNT)
     # shapes and strides
     V, stride_row, span,
     # options
@@ -210,10 +216,13 @@ def _row_finish_kernel(
     softcap,  # c in s = c·tanh(z/c) (HAS_SOFTCAP)
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, HAS_ROW_COUNT: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if HAS_ROW_COUNT:
+        if row >= tl.load(row_count_ptr):
+            return
     split = tl.program_id(1)
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -318,6 +327,7 @@ def ce_rows(
     softcap: float | None,
     compute_stats: bool,
     per_token_grad: bool = False,
+    row_count: torch.Tensor | None = None,
 ) -> None:
     """Per-row statistics and (optionally) the in-place logits gradient of a logits chunk.
 
@@ -325,7 +335,9 @@ def ce_rows(
     stats [2, C] fp32 = (row max m, log Σ exp(s − m)); lse = m + log Σ; written when compute_stats,
     else read · grad: None (no gradient), or fp32 upstream
     ∂L/∂ℓ: [C] when per_token_grad, else a [1] scalar shared by all tokens. When grad is given the
-    logits are overwritten with ∂L/∂z.
+    logits are overwritten with ∂L/∂z. row_count: a one-element int tensor on the device, or None: rows
+    at or past it are not read and their loss, stats and gradient are not written (the valid rows
+    compacted to the front of a chunk, counted on the device: `compacted.py`).
     """
     C, V = logits.shape
     assert logits.stride(1) == 1 and C > 0
@@ -342,7 +354,8 @@ def ce_rows(
         # raises on) are left unwritten: their loss is masked to 0 by `is_valid`, so no fill is needed.
         target_logit = torch.empty(C, device=logits.device, dtype=torch.float32)
         _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
-                      class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing)
+                      class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing,
+                      row_count=row_count)
     else:  # no loss: s_y is not needed
         parts = (dummy, dummy, dummy)
         target_logit = None
@@ -350,7 +363,7 @@ def ce_rows(
     _launch_finish(logits, target, target_logit, parts, (C, split if write_grad else 1), split, span, loss=loss,
                    stats=stats, class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
                    ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                   compute_stats=compute_stats, per_token_grad=per_token_grad)
+                   compute_stats=compute_stats, per_token_grad=per_token_grad, row_count=row_count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,22 +426,24 @@ def _span(V: int, split: int) -> int:
 
 
 def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit, class_weight, softcap,
-                  label_smoothing, partial_stride=None) -> None:
+                  label_smoothing, partial_stride=None, row_count=None) -> None:
     C, V = logits.shape
     dummy = parts[0]
     find_target = target is not None
     _row_stats_kernel[(C, split)](
         parts[0], parts[1], parts[2], logits, dummy if class_weight is None else class_weight,
         target if find_target else dummy, target_logit if find_target else dummy,
+        dummy if row_count is None else row_count,
         V, logits.stride(0), span, split if partial_stride is None else partial_stride, col_base,
         float(softcap or 1.0),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=label_smoothing > 0,
-        HAS_SOFTCAP=softcap is not None, FIND_TARGET=find_target, USE_LIBDEVICE=not interpreting())
+        HAS_SOFTCAP=softcap is not None, FIND_TARGET=find_target, HAS_ROW_COUNT=row_count is not None,
+        USE_LIBDEVICE=not interpreting())
 
 
 def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
                    class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
-                   per_token_grad, vocab=None) -> None:
+                   per_token_grad, vocab=None, row_count=None) -> None:
     """logits: the [C, V] chunk, or None when merging tile partials (then `vocab` gives V).
     target_logit: s_y per row from the statistics kernel, needed when the loss is computed (never read
     from the logits: see `ce_rows`); None otherwise."""
@@ -439,8 +454,9 @@ def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, lo
         dummy if logits is None else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
         parts[2], target, dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
+        dummy if row_count is None else row_count,
         vocab if logits is None else logits.shape[1], 0 if logits is None else logits.stride(0), span,
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
         COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
-        USE_LIBDEVICE=not interpreting())
+        HAS_ROW_COUNT=row_count is not None, USE_LIBDEVICE=not interpreting())
