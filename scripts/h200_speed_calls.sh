@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The speed study's H200 measurements (masked workloads, real heads, QuACK beside every provider),
+# over two device calls made back to back, because QuACK's CUDA library (an 88 MB wheel, 58 MiB as
+# tar.xz) does not fit in one call's 64 MiB beside the working tree:
+#
+#   scripts/h200_speed_calls.sh OUTDIR a    # carry .whl/qa .whl/liger085 .whl/cce: GPU tests, SimPO, CE masked 30/70
+#   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
+#
+# Call a leaves the first half of the tarball in /tmp/quack_parts; call b adds the second half and
+# installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
+# one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
+# with the shuffled protocol (a new provider order every round). Wheels: scripts/fetch_wheels.sh.
+set -uo pipefail
+outdir="${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
+part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$outdir" && outdir="$(cd "$outdir" && pwd)"
+cd "$repo" || exit 1
+export PYTHONUNBUFFERED=1
+start=$SECONDS
+failures=()
+
+site=/tmp/site_speed
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/liger085/*.whl .whl/cce/*.whl
+parts_dir=/tmp/quack_parts
+mkdir -p "$parts_dir"
+for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
+quack_path=""
+if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
+    qsite=/tmp/site_quack
+    mkdir -p "$qsite"
+    cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
+        && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
+fi
+export PYTHONPATH="$repo:$site${quack_path:+:$quack_path}${PYTHONPATH:+:$PYTHONPATH}"
+{
+    echo "h200_speed_calls.sh part=$part commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"
+    echo "quack installed: ${quack_path:-no}"
+    nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$outdir/environment_$part.log"
+
+# step NAME CAP_S COMMAND...: one capped step, logged; a failure does not stop the rest
+step() {
+    local name="$1" cap="$2"
+    shift 2
+    local t0=$SECONDS
+    echo "== $name (cap $cap s): $*" | tee -a "$outdir/$name.log"
+    timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$outdir/$name.log"
+    local status=${PIPESTATUS[0]}
+    echo "== $name: exit $status after $((SECONDS - t0)) s (total $((SECONDS - start)) s)" | tee -a "$outdir/$name.log"
+    [ "$status" -eq 0 ] || failures+=("$name:$status")
+}
+timing="--warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress --modes full"
+
+if [ "$part" = a ]; then
+    step gpu_tests 230 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_input_hazards.py \
+        tests/test_num_valid_tokens.py tests/test_rowcount_gemm.py tests/test_linear_cross_entropy.py \
+        -k "not weight_grad_precision"
+    # shellcheck disable=SC2086
+    step simpo 150 python3 -m fusedkern.bench simpo --batch 2 4 8 16 --seq 1024 $timing --workload dense \
+        --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean huggingface_fp32 liger \
+        --out "$outdir/simpo_shuffled.csv"
+    # shellcheck disable=SC2086
+    step ce_masked 90 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 32768 $timing \
+        --workload masked_30 masked_70 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
+        fusedkern_chunked_device_count huggingface_bf16 liger --out "$outdir/ce_llama3_masked_30_70.csv"
+else
+    # shellcheck disable=SC2086
+    step ce_llama3 330 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
+        --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
+        fusedkern_chunked_device_count fusedkern_chunked_lean fusedkern_chunked_lean_counted huggingface_bf16 \
+        liger cut_cross_entropy quack --out "$outdir/ce_llama3_shuffled.csv"
+    for head in qwen25_7b gemma2; do
+        # shellcheck disable=SC2086
+        step "ce_$head" 75 python3 -m fusedkern.bench ce --head "$head" --tokens 8192 16384 $timing \
+            --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
+            fusedkern_chunked_device_count huggingface_bf16 liger quack --out "$outdir/ce_${head}_shuffled.csv"
+    done
+fi
+echo "h200_speed_calls.sh part $part done in $((SECONDS - start)) s; failures: ${failures[*]:-none}"
+ls -l "$outdir"
