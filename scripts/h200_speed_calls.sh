@@ -5,6 +5,7 @@
 #
 #   scripts/h200_speed_calls.sh OUTDIR a    # carry .whl/qa .whl/liger085 .whl/cce: GPU tests, SimPO, CE masked 30/70
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
+#   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
 #
 # Call a leaves the first half of the tarball in /tmp/quack_parts; call b adds the second half and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
@@ -21,7 +22,7 @@ start=$SECONDS
 failures=()
 
 site=/tmp/site_speed
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/liger085/*.whl .whl/cce/*.whl
+[ -d .whl/liger085 ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/liger085/*.whl .whl/cce/*.whl
 parts_dir=/tmp/quack_parts
 mkdir -p "$parts_dir"
 for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
@@ -66,6 +67,14 @@ if [ "$part" = a ]; then
     step ce_masked 90 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 32768 $timing \
         --workload masked_30 masked_70 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
         fusedkern_chunked_device_count huggingface_bf16 liger --out "$outdir/ce_llama3_masked_30_70.csv"
+elif [ "$part" = c ]; then  # the kernels' remaining GPU tests, and Gemma-2's head where part b ran out of time
+    step gpu_tests_fused 170 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_fused_ce.py
+    step gpu_tests_rest 110 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_simpo.py \
+        tests/test_linear_cross_entropy.py -k "not weight_grad_precision"
+    # shellcheck disable=SC2086
+    step ce_gemma2 80 python3 -m fusedkern.bench ce --head gemma2 --tokens 8192 $timing --workload dense masked_50 \
+        --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count \
+        huggingface_bf16 --out "$outdir/ce_gemma2_8k_shuffled.csv"
 else
     # shellcheck disable=SC2086
     step ce_llama3 330 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
