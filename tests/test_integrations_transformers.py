@@ -291,3 +291,28 @@ def test_autocast_fp16():
         out = model(input_ids=input_ids, labels=labels).loss
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("skip_ignored", [True, False])
+def test_skip_ignored_passes_the_device_count(monkeypatch, skip_ignored):
+    """By default the patch hands fusedkern the count of non-ignored targets as a device tensor (its
+    row-count path skips prompt and padding rows, no host sync); skip_ignored=False computes densely."""
+    seen = []
+    real = fk_hf.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_valid_tokens"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fk_hf, "linear_cross_entropy", spy)
+    input_ids, labels = make_batch()
+    model = make_model("Llama")
+    ref_loss = model(input_ids=input_ids, labels=labels).loss
+    fk_hf.patch(model, skip_ignored=skip_ignored)
+    loss = model(input_ids=input_ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    if skip_ignored:
+        assert torch.is_tensor(seen[0]) and seen[0].item() == 10  # 16 targets: 3 prompt, 2 padding, 1 shifted out
+    else:
+        assert seen == [None]
+    with pytest.raises(TypeError, match="skip_ignored"):
+        fk_hf.patch(model, skip_ignored="yes")
