@@ -59,7 +59,9 @@ def check_same_device(reference_name: str, reference: torch.Tensor, **others: to
 def check_same_dtype(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, t in others.items():
         if t is not None and t.dtype != reference.dtype:
-            raise TypeError(f"{name} must have the same dtype as {reference_name} ({reference.dtype}), got {t.dtype}")
+            raise TypeError(f"{name} must have the same dtype as {reference_name} ({reference.dtype}), got {t.dtype}; "
+                            f"call inside torch.autocast(device_type, dtype) to compute in one dtype with gradients "
+                            f"in each parameter's own, or cast the operands first")
 
 
 def check_shape(name: str, value: torch.Tensor, expected: Sequence[int], what: str) -> None:

@@ -83,7 +83,9 @@ def first_order_only(backward):
                 "fusedkern's losses support first-order gradients only: backward with create_graph=True "
                 "(double backward, e.g. a gradient penalty) is not supported; compute such a term on "
                 "materialized logits with torch.nn.functional.cross_entropy")
-        return backward(ctx, *grads)
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):  # the saved operands already are in the compute dtype
+            return backward(ctx, *grads)
 
     return wrapper
 
@@ -207,6 +209,29 @@ class _PerTokenLoss(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------
 # validation and dispatch
+
+
+def follows_autocast(fn):
+    """A public entry point `fn(input, linear_weight, ..., linear_bias=...)` under `torch.autocast`: inside an
+    autocast region on the input's device the floating operands are cast to the autocast dtype, as
+    `F.linear` would (a differentiable cast: each gradient comes back in its parameter's own dtype, as with
+    torch's own autocast), and the call runs with autocast off, so that its GEMMs, fp32 dW accumulation
+    and kernels run exactly as outside. Outside autocast nothing changes (mixed dtypes are refused)."""
+
+    @functools.wraps(fn)
+    def wrapper(input, linear_weight, *args, **kwargs):
+        if not isinstance(input, torch.Tensor) or not torch.is_autocast_enabled(input.device.type):
+            return fn(input, linear_weight, *args, **kwargs)
+        dtype = torch.get_autocast_dtype(input.device.type)
+
+        def cast(t):
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        if "linear_bias" in kwargs:
+            kwargs["linear_bias"] = cast(kwargs["linear_bias"])
+        with torch.autocast(input.device.type, enabled=False):
+            return fn(cast(input), cast(linear_weight), *args, **kwargs)
+
+    return wrapper
 
 
 def validate_call(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
@@ -359,6 +384,7 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
 
 
 @torch.compiler.disable  # a graph break: the launcher reads the target range check on the host and runs Triton
+@follows_autocast
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                          reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,

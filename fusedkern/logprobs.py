@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import loss_over_tokens, resolve_impl, validate_call
+from fusedkern.linear_cross_entropy import follows_autocast, loss_over_tokens, resolve_impl, validate_call
 
 
 @torch.compiler.disable
+@follows_autocast
 def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                     linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
                     softcap: float | None = None, impl: str = "auto", chunk_tokens: int | None = None,

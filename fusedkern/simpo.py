@@ -18,7 +18,7 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import resolve_impl, validate_call, validate_strategy
+from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call, validate_strategy
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -75,6 +75,7 @@ def _validate_simpo(input, target, beta, gamma, alpha, label_smoothing):
 
 
 @torch.compiler.disable
+@follows_autocast
 def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                       linear_bias: torch.Tensor | None = None, beta: float = DEFAULT_BETA,
                       gamma: float = DEFAULT_GAMMA, alpha: float = DEFAULT_ALPHA, label_smoothing: float = 0.0,
