@@ -220,7 +220,8 @@ def follows_autocast(fn):
 
     @functools.wraps(fn)
     def wrapper(input, linear_weight, *args, **kwargs):
-        if not isinstance(input, torch.Tensor) or not torch.is_autocast_enabled(input.device.type):
+        if not isinstance(input, torch.Tensor) or input.device.type not in ("cuda", "cpu") \
+                or not torch.is_autocast_enabled(input.device.type):  # (other devices are refused later)
             return fn(input, linear_weight, *args, **kwargs)
         dtype = torch.get_autocast_dtype(input.device.type)
 
