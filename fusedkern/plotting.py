@@ -48,12 +48,27 @@ __all__ = [
     "error_bound",
     "load_measured",
     "floor_provider",
+    "WORKLOAD_COLUMNS",
+    "workloads_in",
+    "select_workload",
+    "check_one_workload",
+    "ignored_share",
     "pivot",
     "latency_figure",
     "modes_figure",
     "annotate_ratio",
     "label_line_ends",
+    "ignored_share_figure",
+    "grouped_ratio_bars",
+    "rowcount_table",
+    "rowcount_figure",
 ]
+
+# Columns that tell apart rows of the same provider, x and mode in one file (`fusedkern.bench` writes
+# both): `workload` (dense, masked_30, ...: which share of the targets is ignored) and `protocol`
+# (sequential, interleaved, shuffled). A file without them holds one workload under one protocol.
+WORKLOAD_COLUMNS = ("workload", "protocol")
+
 
 DPI = 120  # fixed: PNG bytes depend on it; 120 keeps a 10-inch figure readable on GitHub
 
@@ -85,7 +100,10 @@ PROVIDER_ORDER = (
     "liger-kernel 0.8.5",
     "cut_cross_entropy",
     "fusedkern_chunked",
+    "fusedkern_chunked_counted",
+    "fusedkern_chunked_device_count",
     "fusedkern_chunked_lean",
+    "fusedkern_chunked_lean_counted",
     "fusedkern_fused",
     "fusedkern_generic",
     "torch_linear_cross_entropy",
@@ -105,6 +123,13 @@ _STYLES: dict[str, dict] = {
     "cut_cross_entropy": dict(color="#2ca02c", marker="v", label="Cut Cross-Entropy"),
     "fusedkern_chunked": dict(color="#d62728", marker="o", label="fusedkern chunked", linewidth=2.2),
     "fusedkern_chunked_lean": dict(color="#ff9896", marker="o", label="fusedkern chunked (lean dW)"),
+    # num_valid_tokens passed: as a host int (only the valid rows are computed) or as a device tensor
+    # (the row-count GEMMs read it on the GPU: no host sync)
+    "fusedkern_chunked_counted": dict(color="#7b0d1e", marker="D", label="fusedkern, count as host int",
+                                      linewidth=2.0),
+    "fusedkern_chunked_device_count": dict(color="#e6550d", marker="*", label="fusedkern, count as device tensor",
+                                           linewidth=2.0),
+    "fusedkern_chunked_lean_counted": dict(color="#fdae6b", marker="d", label="fusedkern lean, host count"),
     "fusedkern_fused": dict(color="#9467bd", marker="P", label="fusedkern fused"),
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
@@ -258,6 +283,7 @@ def plot_quantiles(
     skipped. The x axis gets the actual sizes as ticks.
     """
     df = df[df[y].notna()]
+    _check_one_row_each(df, (by, x), "plot_quantiles")
     drawn = []
     for provider in providers if providers is not None else sort_providers(df[by]):
         part = df[df[by] == provider].sort_values(x)
@@ -306,13 +332,16 @@ def draw_floor(ax, xs: Sequence[float], ys: Sequence[float], *, label: str = "fl
 
 
 def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
-             keys: Sequence[str] = ("op", "x_name", "x", "mode")) -> pd.DataFrame:
+             keys: Sequence[str] = ("op", "x_name", "x", "mode", *WORKLOAD_COLUMNS)) -> pd.DataFrame:
     """`value` of every row divided by the `baseline` provider's at the same keys.
 
     Returns columns keys + provider, value, baseline value and `ratio`, sorted; rows whose keys have
     no baseline row are dropped. To compare modes with different floors, select before calling.
+    The keys include workload and protocol where the data have them: each row is divided by the
+    floor timed in its own workload's rounds. Two baseline rows at the same keys raise ValueError.
     """
     keys = [k for k in keys if k in df.columns]
+    _check_one_row_each(df[df["provider"] == baseline], keys, f"ratio_to({baseline!r})")
     base = df[df["provider"] == baseline][[*keys, value]].rename(columns={value: f"{value}_baseline"})
     out = df[[*keys, "provider", value]].merge(base, on=keys, how="inner")
     out["ratio"] = out[value] / out[f"{value}_baseline"]
@@ -323,17 +352,24 @@ def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
 
 def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str = "floor (= 1)",
                 annotate: Sequence[str] | bool = True, skip: Sequence[str] = (), log_y: bool = True,
-                direct_labels: bool = True) -> None:
+                direct_labels: bool = True, guides: Mapping[str, float] | None = None,
+                ylim: tuple[float, float] | None = None, labels: Mapping[str, str] | None = None) -> None:
     """Ratio to the baseline vs x per provider, a line at 1 with the region below shaded.
 
     annotate: providers whose every point gets its ratio written next to it (True: all).
     log_y: a log ratio axis (1×…1.5× keeps room when another provider sits at 4×).
     direct_labels: name each line at its right end with its last ratio, spaced so that close
     lines stay legible (then no legend is needed).
+    guides: {label: ratio} drawn as dotted grey lines, labelled at the left (e.g. the ideal 0.5× of
+    a workload that ignores half the targets); the y range includes them.
+    ylim: fixed y limits (panels that should compare at a glance share them).
+    labels: {provider: label} for this panel only (e.g. "fusedkern, no count" where counts matter).
     """
     shown = ratios[~ratios["provider"].isin(skip) & ratios["ratio"].notna()]
     if shown.empty:
         return
+    _check_one_row_each(shown, ("provider", x), "plot_ratios")
+    guides = dict(guides or {})
     # successive annotated providers alternate above / below their points so close lines stay legible
     offsets = [(0, 6, "bottom"), (0, -8, "top")]
     n_annotated = 0
@@ -341,6 +377,8 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
     for provider in sort_providers(shown["provider"]):
         part = shown[shown["provider"] == provider].sort_values(x)
         style = style_for(provider)
+        if labels and provider in labels:
+            style = {**style, "label": labels[provider]}
         ax.plot(part[x], part["ratio"], color=style["color"], marker=style["marker"] or "o",
                 linestyle=style["linestyle"], linewidth=style["linewidth"], label=style["label"], markersize=5)
         ends.append((float(part[x].iloc[-1]), float(part["ratio"].iloc[-1]), style))
@@ -351,12 +389,19 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
                 ax.annotate(f"{r:.2f}×", (xv, r), textcoords="offset points", xytext=(dx, dy), fontsize=7.5,
                             ha="center", va=va, color=style["color"], fontweight="bold")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label=baseline_label)
-    lo = min(0.95, float(shown["ratio"].min()) * 0.97)
+    lo = min(0.95, float(shown["ratio"].min()) * 0.97, *(g * 0.97 for g in guides.values()))
     hi = float(shown["ratio"].max()) * (1.08 if log_y else 1.12)
+    if ylim is not None:
+        lo, hi = ylim
     ax.axhspan(lo, 1.0, color="0.85", alpha=0.6, linewidth=0, zorder=0)
+    for name, value in guides.items():
+        ax.axhline(value, color="0.35", linestyle=":", linewidth=1.3, zorder=1)
+        ax.annotate(name, (0.01, value), xycoords=("axes fraction", "data"), textcoords="offset points",
+                    xytext=(0, 3), fontsize=7.5, color="0.3", va="bottom", ha="left")
     if log_y:
         ax.set_yscale("log")
-        candidates = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 15.0, 20.0)
+        candidates = (0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 15.0,
+                      20.0)
         ticks = [t for t in candidates if lo <= t <= hi]
         ax.yaxis.set_major_locator(FixedLocator(ticks))
         ax.yaxis.set_major_formatter(FixedFormatter([f"{t:g}×" for t in ticks]))
@@ -577,11 +622,70 @@ def floor_provider(mode: str) -> str:
     return _FLOORS[mode]
 
 
-def load_measured(path: str | Path) -> pd.DataFrame | None:
+def workloads_in(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The distinct (workload, protocol) pairs of `df`, sorted; "" for a column the file lacks."""
+    if df.empty:
+        return []
+    cols = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
+    return sorted(set(zip(*cols)))
+
+
+def select_workload(df: pd.DataFrame, workload: str | None = None, protocol: str | None = None) -> pd.DataFrame:
+    """The rows of one workload and/or protocol (None: that column is not filtered). Asking for a
+    value that `df` does not hold, or filtering on a column it lacks, raises ValueError: an empty
+    selection would otherwise draw an empty figure without a word."""
+    out = df
+    for column, wanted in zip(WORKLOAD_COLUMNS, (workload, protocol)):
+        if wanted is None:
+            continue
+        if column not in out:
+            raise ValueError(f"cannot select {column} = {wanted!r}: the data have no {column!r} column")
+        have = sorted(set(out[column].fillna("")))
+        out = out[out[column].fillna("") == wanted]
+        if out.empty:
+            raise ValueError(f"no rows with {column} = {wanted!r} (the data hold {have})")
+    return out
+
+
+def check_one_workload(df: pd.DataFrame, what: str = "this table") -> None:
+    """Raise ValueError when `df` mixes workloads or protocols: a table, ratio or line drawn from it
+    would silently take one of them (or zigzag between them). Select first (`select_workload`)."""
+    found = workloads_in(df)
+    if len(found) > 1:
+        listed = ", ".join(f"{w or '?'}/{p or '?'}" for w, p in found)
+        raise ValueError(f"{what} would mix {len(found)} workload/protocol pairs ({listed}): "
+                         "select one with select_workload(df, workload=..., protocol=...) or pass workload=")
+
+
+def _check_one_row_each(df: pd.DataFrame, keys: Sequence[str], what: str) -> None:
+    """Raise ValueError when two rows share `keys` (one would be dropped or both drawn as one line)."""
+    keys = [k for k in keys if k in df]
+    if not keys or df.empty:
+        return
+    duplicated = df.duplicated(keys, keep=False)
+    if duplicated.any():
+        check_one_workload(df, what)
+        first = df.loc[duplicated, keys].iloc[0].to_dict()
+        raise ValueError(f"{what}: {int(duplicated.sum())} rows share their {', '.join(keys)} (e.g. {first})")
+
+
+def ignored_share(workload: str) -> float:
+    """The share of targets a workload ignores: "dense" → 0.0, "masked_30" → 0.3."""
+    if workload in ("", "dense"):
+        return 0.0
+    match = re.fullmatch(r"masked_(\d+)", workload)
+    if not match:
+        raise ValueError(f"unknown workload {workload!r} (expected dense or masked_<percent>)")
+    return int(match.group(1)) / 100
+
+
+def load_measured(path: str | Path, *, workload: str | None = None,
+                  protocol: str | None = None) -> pd.DataFrame | None:
     """`fusedkern.results.load_results(path)`, or None after saying that the file is not there yet.
 
     The notebooks call this for every measured CSV so that a checkout without measurements still
-    renders: the plots that need the file are skipped, the rest of the notebook runs.
+    renders: the plots that need the file are skipped, the rest of the notebook runs. workload,
+    protocol: keep only those rows (`select_workload`; a value the file lacks raises).
     """
     path = Path(path)
     if not path.exists():
@@ -591,31 +695,43 @@ def load_measured(path: str | Path) -> pd.DataFrame | None:
         return None
     from fusedkern.results import load_results
 
-    return load_results(path)
+    df = load_results(path)
+    if workload is None and protocol is None:
+        return df
+    meta = df.attrs.get("meta", {})
+    out = select_workload(df, workload, protocol).reset_index(drop=True)
+    out.attrs["meta"] = meta
+    return out
+
+
+def _point_keys(df: pd.DataFrame) -> list[tuple]:
+    """Per row: (x, mode, workload, protocol), "" for a workload column the file lacks."""
+    extra = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
+    return list(zip(df["x"], df["mode"], *extra))
 
 
 def load_measured_runs(paths: Sequence[str | Path]) -> pd.DataFrame | None:
     """Several result CSVs of one sweep, measured in different device calls, as one table in which
-    every (x, mode) comes from a single run: the rows of the *last* file that measured that mode's
-    GEMM floor (`floor_provider`) at that x, "last" by the sidecars' measurement date. A later run of
-    some modes (say full and loss_only with the final code) replaces those modes and keeps the
-    others from the earlier run; a run cut short replaces only what it measured. Ratios to the floor
-    therefore never mix two runs. Adds a `source` column (the file name per row); `attrs["meta"]` is
-    the newest file's sidecar with `sources` = {file: its metadata}."""
+    every (x, mode, workload, protocol) comes from a single run: the rows of the *last* file that
+    measured that mode's GEMM floor (`floor_provider`) at that point, "last" by the sidecars'
+    measurement date. A later run of some modes (say full and loss_only with the final code)
+    replaces those modes and keeps the others from the earlier run; a run cut short replaces only
+    what it measured; a file of other workloads (say masked_30) adds to one of masked_50. Ratios to
+    the floor therefore never mix two runs. Adds a `source` column (the file name per row);
+    `attrs["meta"]` is the newest file's sidecar with `sources` = {file: its metadata}."""
     frames = [(Path(p), load_measured(p)) for p in paths]
     frames = [(p, df) for p, df in frames if df is not None]
     if not frames:
         return None
     frames.sort(key=lambda item: str(item[1].attrs.get("meta", {}).get("date_utc", "")))
-    chosen: dict = {}  # (x, mode) -> file name
+    chosen: dict = {}  # (x, mode, workload, protocol) -> file name
     for path, df in frames:
-        for mode in df["mode"].unique():
-            floor_rows = (df["mode"] == mode) & (df.provider == floor_provider(mode))
-            for x in df.loc[floor_rows, "x"].unique():
-                chosen[(x, mode)] = path.name
+        floor_rows = df[[p == floor_provider(m) for p, m in zip(df.provider, df["mode"])]]
+        for key in _point_keys(floor_rows):
+            chosen[key] = path.name
     parts = []
     for path, df in frames:
-        keep = df[[chosen.get((x, mode)) == path.name for x, mode in zip(df.x, df["mode"])]].copy()
+        keep = df[[chosen.get(key) == path.name for key in _point_keys(df)]].copy()
         keep["source"] = path.name
         parts.append(keep)
     merged = pd.concat(parts, ignore_index=True)
@@ -642,9 +758,16 @@ def runs_provenance(df: pd.DataFrame, where: str) -> tuple[list[str], str]:
     return lines, provenance(shared, f"{where}/ — " + "; ".join(runs))
 
 
-def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50") -> pd.DataFrame:
-    """provider × x table of `value` in `mode`, providers in the figures' order."""
-    part = df[df["mode"] == mode]
+def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50", *, workload: str | None = None,
+          protocol: str | None = None) -> pd.DataFrame:
+    """provider × x table of `value` in `mode`, providers in the figures' order.
+
+    workload, protocol: take only those rows (`select_workload`). Rows that would share a cell — two
+    workloads or protocols of one file, or the same point twice — raise ValueError instead of one
+    of them being kept silently."""
+    part = select_workload(df[df["mode"] == mode], workload, protocol)
+    check_one_workload(part, f"pivot(mode={mode!r})")
+    _check_one_row_each(part, ("provider", "x"), f"pivot(mode={mode!r})")
     table = part.pivot_table(index="provider", columns="x", values=value, aggfunc="first", dropna=False)
     table = table.loc[sort_providers(table.index)]
     table.columns.name = str(part["x_name"].iloc[0]) if len(part) else "x"
@@ -652,10 +775,12 @@ def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50") -> pd.DataFrame:
 
 
 def latency_figure(df: pd.DataFrame, *, mode: str = "full", x_label: str, title: str, caption: str,
-                   annotate: Sequence[str] = ()):
+                   annotate: Sequence[str] = (), guides: Mapping[str, float] | None = None):
     """Two panels: median ms vs x per provider with the mode's GEMM floor drawn as a line over a
-    shaded band (left), and every provider's time divided by the floor's (right)."""
+    shaded band (left), and every provider's time divided by the floor's (right; `guides` as in
+    `plot_ratios`). `df` must hold one workload and protocol (`select_workload`)."""
     part = df[(df["mode"] == mode) & df["ms_p50"].notna()]
+    check_one_workload(part, "latency_figure")
     floor = floor_provider(mode)
     fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(13, 5), layout="constrained")
     plotting_rows = part[part["provider"] != floor]
@@ -672,7 +797,8 @@ def latency_figure(df: pd.DataFrame, *, mode: str = "full", x_label: str, title:
         ax_ratio.set_axis_off()
     else:
         ratios = ratio_to(part, floor)
-        plot_ratios(ax_ratio, ratios, annotate=annotate, skip=[floor], baseline_label=label_for(floor) + " (= 1)")
+        plot_ratios(ax_ratio, ratios, annotate=annotate, skip=[floor], baseline_label=label_for(floor) + " (= 1)",
+                    guides=guides)
         ax_ratio.set_xlabel(x_label)
         ax_ratio.set_ylabel(f"× {floor} (median ms)")
         ax_ratio.set_title("time ÷ the GEMM floor (lower is better; 1 = the floor)")
@@ -682,6 +808,7 @@ def latency_figure(df: pd.DataFrame, *, mode: str = "full", x_label: str, title:
 
 def modes_figure(df: pd.DataFrame, *, modes: Sequence[str], x_label: str, title: str, caption: str):
     """One panel per mode: median ms vs x per provider, with that mode's GEMM floor."""
+    check_one_workload(df, "modes_figure")
     modes = [m for m in modes if (df["mode"] == m).any()]
     ncols = 2 if len(modes) > 1 else 1
     nrows = max(1, math.ceil(len(modes) / ncols))
@@ -727,11 +854,15 @@ def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x:
 _CHUNK_VARIANT = re.compile(r"fusedkern_chunked(?P<lean>_lean)?(?:_c(?P<chunk>\d+))?")
 
 
-def ratio_tables(df: pd.DataFrame, modes: Sequence[str]) -> dict[str, pd.DataFrame]:
-    """Per mode, provider × x of ms_p50 ÷ that mode's floor (`floor_provider`), where the floor ran."""
+def ratio_tables(df: pd.DataFrame, modes: Sequence[str], *, workload: str | None = None,
+                 protocol: str | None = None) -> dict[str, pd.DataFrame]:
+    """Per mode, provider × x of ms_p50 ÷ that mode's floor (`floor_provider`), where the floor ran
+    (of one workload and protocol: `pivot` raises on a mix)."""
     out = {}
     for mode in modes:
-        table = pivot(df, mode)
+        if not (df["mode"] == mode).any():
+            continue
+        table = pivot(df, mode, workload=workload, protocol=protocol)
         floor = floor_provider(mode)
         if floor in table.index:
             out[mode] = table / table.loc[floor]
@@ -740,8 +871,9 @@ def ratio_tables(df: pd.DataFrame, modes: Sequence[str]) -> dict[str, pd.DataFra
 
 def failed_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The rows the harness could not measure (out of memory, errors), with their note."""
-    notes = df[df["note"].fillna("") != ""][["provider", "x", "mode", "note"]]
-    return notes.sort_values(["provider", "x", "mode"]).reset_index(drop=True)
+    columns = ["provider", "x", "mode", *(c for c in WORKLOAD_COLUMNS if c in df), "note"]
+    notes = df[df["note"].fillna("") != ""][columns]
+    return notes.sort_values(columns[:-1]).reset_index(drop=True)
 
 
 def anchor_comparison(df: pd.DataFrame, anchors: pd.DataFrame, op: str, names: Mapping[str, str]) -> pd.DataFrame:
@@ -751,7 +883,9 @@ def anchor_comparison(df: pd.DataFrame, anchors: pd.DataFrame, op: str, names: M
     Returns (provider, x) rows with both measurements and the ratios ours / anchor (empty when none match)."""
     anchors = anchors[(anchors.op == op) & anchors.provider.isin(names)].copy()
     anchors["provider"] = anchors.provider.map(names)
-    ours = df[df["mode"] == "full"][["provider", "x", "ms_p50", "peak_extra_mib"]]
+    ours = df[df["mode"] == "full"]
+    check_one_workload(ours, "anchor_comparison")
+    ours = ours[["provider", "x", "ms_p50", "peak_extra_mib"]]
     both = ours.merge(anchors[["provider", "x", "full_ms", "full_peak_extra_mib"]], on=["provider", "x"])
     both["ms ours / anchor"] = both.ms_p50 / both.full_ms
     both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
@@ -954,5 +1088,170 @@ def protocol_figure(sequential: pd.DataFrame, interleaved: pd.DataFrame, *, floo
                 plt.Line2D([], [], color="0.3", ls="--", label="reps interleaved")]
     axes[0][-1].legend(handles=handles, fontsize=8, loc="upper right")
     fig.suptitle("The same providers, two timing protocols: forward + backward time ÷ the floor of the same run")
+    add_caption(fig, caption)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# Ignored targets, several heads, the row-count GEMMs (notebook 08)
+# ----------------------------------------------------------------------------------------------
+
+
+def _percent_axis(ax, shares: Iterable[float], label: str) -> None:
+    ticks = sorted({float(s) for s in shares})
+    ax.xaxis.set_major_locator(FixedLocator([100 * t for t in ticks]))
+    ax.xaxis.set_major_formatter(FixedFormatter([f"{100 * t:g} %" for t in ticks]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlim(100 * ticks[0] - 4, 100 * ticks[-1] + 4)
+    ax.set_xlabel(label)
+
+
+def ignored_share_figure(ratios: pd.DataFrame, *, tokens: Sequence[int], caption: str, title: str,
+                         providers: Sequence[str] | None = None):
+    """One panel per token count: time ÷ the dense three-GEMM floor against the share of ignored
+    targets, one line per provider, with the ideal 1 − share (only the valid rows' three GEMMs) as
+    a dotted line over a shaded band, and the dense floor (= 1) dashed.
+
+    ratios: `ratio_to` rows (provider, x, workload, ratio) over several workloads; the share is read
+    from the workload's name (`ignored_share`). Each (provider, x, workload) must appear once."""
+    ratios = ratios[ratios["ratio"].notna()].copy()
+    ratios["share"] = ratios["workload"].map(ignored_share)
+    _check_one_row_each(ratios, ("provider", "x", "workload"), "ignored_share_figure")
+    if providers is not None:
+        ratios = ratios[ratios["provider"].isin(providers)]
+    fig, axes = plt.subplots(1, len(tokens), figsize=(6.6 * len(tokens), 5.0), layout="constrained",
+                             sharey=True, squeeze=False)
+    hi = float(ratios["ratio"].max()) * 1.08 if len(ratios) else 1.5
+    for ax, n in zip(axes[0], tokens):
+        at = ratios[ratios["x"] == n]
+        shares = sorted(at["share"].unique())
+        if not shares:
+            ax.text(0.5, 0.5, f"nothing measured at {n} tokens", ha="center", va="center", transform=ax.transAxes)
+            continue
+        grid = np.array([0.0, max(shares)])
+        ax.fill_between(100 * grid, 0, 1 - grid, color="0.85", alpha=0.6, linewidth=0, zorder=0)
+        ax.plot(100 * grid, 1 - grid, color="black", linestyle=":", linewidth=1.4, zorder=2)
+        ax.annotate("ideal: the valid rows' 3 GEMMs (1 − share)", (100 * grid[-1], 1 - grid[-1]),
+                    textcoords="offset points", xytext=(-4, -12), ha="right", va="top", fontsize=7.5, color="0.25")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, zorder=2)
+        ax.annotate("dense floor: 3 cuBLAS GEMMs on all tokens (= 1)", (0.7, 1.0), xycoords=("axes fraction", "data"),
+                    textcoords="offset points", xytext=(0, -4), fontsize=7.5, color="0.25", va="top", ha="center")
+        ends = []
+        for provider in sort_providers(at["provider"]):
+            part = at[at["provider"] == provider].sort_values("share")
+            style = style_for(provider)
+            ax.plot(100 * part["share"], part["ratio"], color=style["color"], marker=style["marker"] or "o",
+                    linestyle=style["linestyle"], linewidth=style["linewidth"], markersize=6, zorder=3)
+            ends.append((100 * float(part["share"].iloc[-1]), float(part["ratio"].iloc[-1]), style))
+        _percent_axis(ax, shares, "share of targets ignored (a prompt prefix of every 1024-token sequence)")
+        ax.set_ylim(0, hi)
+        ax.set_title(f"{n} tokens")
+        _label_line_ends(ax, ends, min_gap=0.045)
+    axes[0][0].set_ylabel("forward + backward ÷ the dense 3-GEMM floor (lower is better)")
+    fig.suptitle(title)
+    add_caption(fig, caption)
+    return fig
+
+
+def grouped_ratio_bars(ax, df: pd.DataFrame, *, groups: Sequence, group: str = "group", value: str = "ratio",
+                       providers: Sequence[str] | None = None, guides: Mapping[str, float] | None = None,
+                       xlim: tuple[float, float] | None = None, missing: str = "not measured") -> None:
+    """Horizontal bars: one block per entry of `groups` (top to bottom), one bar per provider in it,
+    each labelled with its value (`{:.2f}×`); a group without rows says `missing`. A dashed line at
+    1 (the floor) and dotted `guides` ({label: value})."""
+    _check_one_row_each(df, (group, "provider"), "grouped_ratio_bars")
+    providers = list(providers) if providers is not None else sort_providers(df["provider"])
+    height = 0.8 / max(1, len(providers))
+    labelled = set(ax.get_legend_handles_labels()[1])
+    for i, g in enumerate(groups):
+        part = df[df[group] == g].set_index("provider")
+        if part.empty:
+            ax.text(0.02, i, missing, transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="0.4",
+                    style="italic")
+            continue
+        for j, provider in enumerate(providers):
+            if provider not in part.index or pd.isna(part.loc[provider, value]):
+                continue
+            v = float(part.loc[provider, value])
+            y = i + (j - (len(providers) - 1) / 2) * height
+            label = label_for(provider)
+            ax.barh(y, v, height=height * 0.92, color=style_for(provider)["color"],
+                    label=label if label not in labelled else None)
+            labelled.add(label)
+            ax.text(v + 0.01, y, f"{v:.2f}×", va="center", fontsize=7.5)
+    ax.set_yticks(range(len(groups)), [str(g) for g in groups])
+    ax.set_ylim(len(groups) - 0.5, -0.5)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1.1)
+    for name, v in (guides or {}).items():
+        ax.axvline(v, color="0.35", linestyle=":", linewidth=1.3)
+        ax.annotate(name, (v, 0.0), xycoords=("data", "axes fraction"), textcoords="offset points", xytext=(3, 3),
+                    fontsize=7.5, color="0.3", va="bottom", ha="left")
+    if xlim is not None:
+        ax.set_xlim(*xlim)
+    ax.grid(axis="y", visible=False)
+
+
+_ROWCOUNT_IMPLS = (  # (impl in rowcount_gemm.csv, label, color)
+    ("triton", "row-count GEMM (Triton, n read on the device)", "#e6550d"),
+    ("cublas_exact", "cuBLAS on exactly the n valid rows (n on the host)", "#525252"),
+    ("cublas_full", "cuBLAS on all rows", "#bdbdbd"),
+)
+_ROWCOUNT_KERNELS = {"logits": "logits  X·Wᵀ", "dx": "dX  G·W", "dw_bf16": "dW  Gᵀ·X into bf16",
+                     "dw_fp32_acc": "dW  Gᵀ·X accumulated into fp32"}
+
+
+def rowcount_table(bench: pd.DataFrame) -> pd.DataFrame:
+    """`scripts/bench_rowcount_gemm.py`'s rows as one row per (kernel, valid rows n): each impl's
+    median ms and the Triton kernel's time ÷ cuBLAS on exactly n rows and ÷ cuBLAS on all rows."""
+    _check_one_row_each(bench, ("kernel", "count", "impl", "protocol", "shape"), "rowcount_table")
+    check_one_workload(bench.drop(columns="workload", errors="ignore"), "rowcount_table")
+    ms = bench.pivot_table(index=["kernel", "count", "workload"], columns="impl", values="ms_p50", aggfunc="first")
+    order = {k: i for i, k in enumerate(_ROWCOUNT_KERNELS)}
+    ms = ms.reset_index()
+    ms["_k"] = ms["kernel"].map(order)
+    ms = ms.sort_values(["_k", "count"], ascending=[True, False]).drop(columns="_k").set_index(["kernel", "count", "workload"])
+    ms = ms[[impl for impl, _, _ in _ROWCOUNT_IMPLS if impl in ms.columns]]
+    ms.columns.name = None
+    out = ms.rename(columns={impl: f"{impl} ms" for impl in ms.columns})
+    out["triton ÷ cuBLAS exact-n"] = ms["triton"] / ms["cublas_exact"]
+    out["triton ÷ cuBLAS all rows"] = ms["triton"] / ms["cublas_full"]
+    out["n ÷ all rows"] = out.index.get_level_values("count") / bench["count"].max()
+    return out
+
+
+def rowcount_figure(bench: pd.DataFrame, *, caption: str):
+    """One panel per GEMM of a chunk: median ms (p20–p80 bars) of the Triton row-count kernel, cuBLAS
+    on exactly the valid rows and cuBLAS on all rows, per valid-row count n; above each Triton bar its
+    ratio to cuBLAS on exactly n rows."""
+    kernels = [k for k in _ROWCOUNT_KERNELS if k in set(bench["kernel"])]
+    fig, axes = plt.subplots(1, len(kernels), figsize=(3.9 * len(kernels), 4.2), layout="constrained", sharey=True,
+                             squeeze=False)
+    counts = sorted(bench["count"].unique(), reverse=True)
+    total = max(counts)
+    width = 0.27
+    for ax, kernel in zip(axes[0], kernels):
+        part = bench[bench["kernel"] == kernel].set_index(["impl", "count"])
+        for j, (impl, label, color) in enumerate(_ROWCOUNT_IMPLS):
+            pos = np.arange(len(counts)) + (j - 1) * width
+            ys = np.array([part.loc[(impl, n), "ms_p50"] for n in counts])
+            lo = ys - np.array([part.loc[(impl, n), "ms_p20"] for n in counts])
+            hi = np.array([part.loc[(impl, n), "ms_p80"] for n in counts]) - ys
+            ax.bar(pos, ys, width * 0.95, color=color, label=label, yerr=np.vstack([lo, hi]).clip(min=0),
+                   error_kw=dict(elinewidth=0.8, capsize=1.5, ecolor="0.2"))
+        for i, n in enumerate(counts):
+            r = part.loc[("triton", n), "ms_p50"] / part.loc[("cublas_exact", n), "ms_p50"]
+            top = max(part.loc[(impl, n), "ms_p80"] for impl, _, _ in _ROWCOUNT_IMPLS[:2])
+            ax.text(i - width, top + 0.12, f"{r:.2f}×", ha="center", va="bottom", fontsize=7.5, fontweight="bold",
+                    color=_ROWCOUNT_IMPLS[0][2])
+        ax.set_xticks(range(len(counts)), [f"{n}\n({100 * (1 - n / total):.0f} % ign.)" for n in counts])
+        ax.set_xlabel(f"valid rows n of {total}")
+        ax.set_title(_ROWCOUNT_KERNELS[kernel], fontsize=10)
+        ax.grid(axis="x", visible=False)
+    axes[0][0].set_ylabel("ms (median, p20–p80)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    # the legend carries the title: a suptitle and an "outside upper" legend would overlap
+    fig.legend(handles, labels, loc="outside upper center", ncol=3, fontsize=8,
+               title="The row-count GEMMs against cuBLAS, one chunk (bold: Triton ÷ cuBLAS on exactly n rows)",
+               title_fontproperties={"size": 11})
     add_caption(fig, caption)
     return fig

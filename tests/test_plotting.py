@@ -237,3 +237,101 @@ def test_host_waits_and_protocol_figures_draw_what_they_are_given(tmp_path):
         "fusedkern_chunked")["color"]]
     assert dashed and all(abs(y - 1.1 / 0.9) < 1e-9 for y in dashed[0].get_ydata())
     plt.close(fig)
+
+
+def _two_workloads() -> pd.DataFrame:
+    """One file's worth of rows with two workloads (dense, masked_50) of the same providers and x:
+    the masked floor is the same dense GEMMs timed again, fusedkern's counted run takes half."""
+    dense = _results().assign(workload="dense", protocol="shuffled")
+    masked = _results().assign(workload="masked_50", protocol="shuffled")
+    masked.loc[masked.provider == "cublas_3gemm", "ms_p50"] *= 0.95
+    masked.loc[masked.provider == "fusedkern_chunked", "ms_p50"] *= 0.5
+    return pd.concat([dense, masked], ignore_index=True)
+
+
+def test_pivot_refuses_to_mix_workloads_and_selects_one_when_asked():
+    df = _two_workloads()
+    with pytest.raises(ValueError, match="mix 2 workload/protocol pairs.*dense/shuffled.*masked_50/shuffled"):
+        plotting.pivot(df, "full")  # aggfunc="first" used to keep one workload's value without a word
+    dense = plotting.pivot(df, "full", workload="dense")
+    masked = plotting.pivot(df, "full", workload="masked_50", protocol="shuffled")
+    assert dense.loc["fusedkern_chunked", 4096] == pytest.approx(1.1 * 4096 / 240)
+    assert masked.loc["fusedkern_chunked", 4096] == pytest.approx(0.5 * 1.1 * 4096 / 240)
+    with pytest.raises(ValueError, match="no rows with workload = 'masked_70'"):
+        plotting.pivot(df, "full", workload="masked_70")
+    with pytest.raises(ValueError, match="no 'workload' column"):
+        plotting.pivot(_results(), "full", workload="dense")
+    with pytest.raises(ValueError, match="mix"):
+        plotting.ratio_tables(df, ["full"])
+    assert plotting.ratio_tables(df, ["full"], workload="masked_50")["full"].loc["fusedkern_chunked", 8192] == \
+        pytest.approx(0.5 * 1.1 / 0.95)
+    # the same point twice without a workload column: also refused, not silently deduplicated
+    with pytest.raises(ValueError, match="share their provider, x"):
+        plotting.pivot(pd.concat([_results(), _results()]), "full")
+    # a file without the columns pivots as before
+    assert plotting.pivot(_results(), "full").shape == (5, 4)
+
+
+def test_ratio_to_divides_each_workload_by_its_own_floor_and_figures_refuse_a_mix():
+    df = _two_workloads()
+    ratios = plotting.ratio_to(df, "cublas_3gemm")
+    assert len(ratios) == len(df)  # no cross join of the workloads
+    at = ratios.set_index(["provider", "workload", "x"])["ratio"]
+    assert at[("fusedkern_chunked", "dense", 4096)] == pytest.approx(1.1)
+    assert at[("fusedkern_chunked", "masked_50", 4096)] == pytest.approx(0.5 * 1.1 / 0.95)
+    with pytest.raises(ValueError, match="mix"):
+        plotting.latency_figure(df, x_label="tokens", title="t", caption="c")
+    fig, ax = plt.subplots()
+    with pytest.raises(ValueError, match="mix"):
+        plotting.plot_quantiles(ax, df)
+    with pytest.raises(ValueError, match="mix"):
+        plotting.plot_ratios(ax, ratios)
+    plt.close(fig)
+    assert [w for w, _ in plotting.workloads_in(df)] == ["dense", "masked_50"]
+    assert plotting.workloads_in(_results()) == [("", "")]
+    assert [plotting.ignored_share(w) for w in ("dense", "masked_30", "masked_70")] == [0.0, 0.3, 0.7]
+
+
+def test_loaders_keep_workloads_apart(tmp_path):
+    from fusedkern.results import write_results
+
+    df = _two_workloads()
+    rows = [dict(r, loss=float("nan"), note="") for r in df.to_dict("records")]
+    meta = dict(sweep="ce", hidden=8, vocab=16, dtype="bfloat16")
+    write_results(rows, tmp_path / "both.csv", meta=meta, environment={"date_utc": "2026-12-04T00:00:00+00:00"})
+    masked_70 = [dict(r, workload="masked_70") for r in rows if r["workload"] == "masked_50"]
+    write_results(masked_70, tmp_path / "other.csv", meta=meta, environment={"date_utc": "2026-12-03T00:00:00+00:00"})
+    assert set(plotting.load_measured(tmp_path / "both.csv", workload="masked_50").workload) == {"masked_50"}
+    assert plotting.load_measured(tmp_path / "both.csv", workload="dense").attrs["meta"]["hidden"] == 8
+    # a file of another workload adds to the merge instead of replacing the newer file's points
+    merged = plotting.load_measured_runs([tmp_path / "both.csv", tmp_path / "other.csv"])
+    assert sorted(merged.workload.unique()) == ["dense", "masked_50", "masked_70"]
+    assert len(merged) == 3 * len(df) // 2
+    assert set(merged[merged.workload == "masked_70"].source) == {"other.csv"}
+
+
+def test_notebook_08_figures_draw_what_they_are_given(tmp_path):
+    df = _two_workloads()
+    ratios = plotting.ratio_to(df, "cublas_3gemm")
+    fig = plotting.ignored_share_figure(ratios[ratios.provider != "cublas_3gemm"], tokens=[4096, 32768],
+                                        caption="test", title="test")
+    ax = fig.axes[0]
+    red = plotting.style_for("fusedkern_chunked")["color"]
+    line = next(l for l in ax.get_lines() if l.get_color() == red)
+    assert list(line.get_xdata()) == [0.0, 50.0]
+    assert list(line.get_ydata()) == pytest.approx([1.1, 0.5 * 1.1 / 0.95])
+    ideal = next(l for l in ax.get_lines() if l.get_linestyle() == ":")
+    assert list(ideal.get_ydata()) == pytest.approx([1.0, 0.5])
+    plt.close(fig)
+
+    bench = pd.DataFrame([dict(kernel=k, count=n, impl=impl, ms_p20=ms * 0.99, ms_p50=ms, ms_p80=ms * 1.01,
+                               protocol="shuffled", workload=w, shape="s")
+                          for k in ("logits", "dx") for n, w in ((4096, "dense"), (2048, "masked_50"))
+                          for impl, ms in (("triton", n / 1000 * 1.1), ("cublas_exact", n / 1000),
+                                           ("cublas_full", 4.096))])
+    table = plotting.rowcount_table(bench)
+    assert table.loc[("dx", 2048, "masked_50"), "triton ÷ cuBLAS exact-n"] == pytest.approx(1.1)
+    assert table.loc[("dx", 2048, "masked_50"), "triton ÷ cuBLAS all rows"] == pytest.approx(2.048 * 1.1 / 4.096)
+    fig = plotting.rowcount_figure(bench, caption="test")
+    assert len(fig.axes[0].patches) == 6  # 3 impls × 2 counts
+    plt.close(fig)
