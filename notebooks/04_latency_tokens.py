@@ -16,7 +16,9 @@
 #
 # The floors are plain cuBLAS GEMMs timed in the same process, so a ratio to them is measured on
 # the same GPU, clocks and libraries. `full` is the comparison that matters (notebook 06 shows how
-# the seed's `forward` misled); the other modes show where each provider spends its time.
+# the seed's `forward` misled); the other modes show where each provider spends its time. The last
+# section is the later speed study's re-measurement under the shuffled protocol (a new random
+# provider order every round); notebook 08 has its workloads with ignored targets and other heads.
 
 # %% tags=["parameters"]
 quick = False  # only the full-mode figure
@@ -27,6 +29,7 @@ sweeps = ["ce", "ce_final"]  # data/measured/<gpu>/<sweep>.csv: runs from differ
 # that each (size, mode) comes from one run, the newest that measured it (`plotting.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
+shuffled_sweep = "ce_llama3_shuffled"  # the last section: shuffled protocol, workload "dense" of that file
 reference_names = {  # anchor provider -> our provider name, for the cross-check against data/reference
     "huggingface_bf16": "huggingface_bf16",
     "torch_fp32_upcast": "torch_fp32_upcast",
@@ -346,3 +349,58 @@ if recheck is not None:
     recheck_full = plotting.pivot(recheck, "full")
     display(pd.concat({f"interleaved, × {floor}": recheck_full / recheck_full.loc[floor]
                        for floor in ("cublas_3gemm", "cublas_3gemm_real_grad")}, axis=1).round(3))
+
+
+# %% [markdown]
+# ## The shuffled protocol: every provider, a new random order every round
+#
+# The speed study (data/measured/h200/README.md, last section) re-ran the cross-entropy sweep with
+# `--protocol shuffled`: each round times every provider once, in an order drawn anew (seeded), so no
+# provider always follows the same kernel and none always runs first after the floor. Its file,
+# `ce_llama3_shuffled.csv`, holds two workloads; this section reads the `dense` one (every target
+# counted, as above), notebook 08 the one with half the targets ignored. New providers there:
+# `fusedkern_chunked_counted` and `_device_count` are given the count of valid targets (here all of
+# them), as a host int or a device tensor; with nothing to skip they show what passing the count
+# costs.
+
+# %%
+shuffled = plotting.load_measured(measured_dir / f"{shuffled_sweep}.csv", workload="dense") if have else None
+if shuffled is not None:
+    shuffled_caption = plotting.provenance(shuffled.attrs["meta"],
+                                           f"data/measured/{gpu}/{shuffled_sweep}.csv (workload dense, protocol shuffled)")
+    print(shuffled_caption)
+    shuffled_ms = plotting.pivot(shuffled, "full")
+    shuffled_ratio = shuffled_ms / shuffled_ms.loc["cublas_3gemm"]
+    print("forward + backward, × the three-GEMM floor of the same rounds (shuffled protocol):")
+    display(shuffled_ratio.round(3))
+    fig = plotting.latency_figure(shuffled, mode="full", x_label=x_label, title="Cross-entropy, shuffled order",
+                                  caption=shuffled_caption)
+    display(plotting.save_figure(fig, figures_dir / "04_ce_shuffled"))
+
+# %%
+if shuffled is not None:
+    final_ratio = full_final / full_final.loc["cublas_3gemm"] if final is not None else None
+    for n in shuffled_ratio.columns:
+        at = shuffled_ratio[n].drop("cublas_3gemm").dropna().sort_values()
+        print(f"{n} tokens (floor {shuffled_ms.loc['cublas_3gemm', n]:.1f} ms): "
+              + ", ".join(f"{plotting.label_for(p)} {r:.2f}×" for p, r in at.items()))
+    default = shuffled_ratio.loc["fusedkern_chunked"]
+    others = shuffled_ratio.drop(index=[p for p in shuffled_ratio.index if p.startswith(("fusedkern", "cublas"))])
+    lowest = [n for n in shuffled_ratio.columns if default[n] <= others[n].min()]
+    print(f"The default: {default.min():.2f}–{default.max():.2f}×; a lower median than every other library at "
+          f"{', '.join(map(str, lowest)) or 'no size'} tokens.")
+    spread = plotting.pivot(shuffled, "full", value="ms_p20"), plotting.pivot(shuffled, "full", value="ms_p80")
+    for n in shuffled_ratio.columns:
+        lo_ms, hi_ms = spread[0].loc["fusedkern_chunked", n], spread[1].loc["fusedkern_chunked", n]
+        inside = [p for p in others.index if lo_ms <= shuffled_ms.loc[p, n] <= hi_ms]
+        print(f"  {n} tokens: the default's p20–p80 {lo_ms:.1f}–{hi_ms:.1f} ms; other libraries' medians inside it: "
+              + (", ".join(f"{plotting.label_for(p)} {shuffled_ms.loc[p, n]:.1f} ms" for p in inside) or "none")
+              + (" — a tie" if inside else ""))
+    passing = shuffled_ratio.loc[["fusedkern_chunked_counted", "fusedkern_chunked_device_count"]] / default
+    print("with every target valid, the count's cost ÷ the default (host int | device tensor): "
+          + "; ".join(f"{n}: {passing.loc['fusedkern_chunked_counted', n]:.3f} | "
+                      f"{passing.loc['fusedkern_chunked_device_count', n]:.3f}" for n in passing.columns))
+    if final_ratio is not None:
+        common = [p for p in shuffled_ratio.index if p in final_ratio.index and not p.startswith("cublas")]
+        print("the same providers' ratios, shuffled ÷ sequential (ce_final.csv):")
+        display((shuffled_ratio.loc[common] / final_ratio.loc[common, shuffled_ratio.columns]).round(3))

@@ -18,7 +18,9 @@
 # | `fusedkern_chunked[_lean]_c2048` | a 2048-token chunk, one pair (default mode: inside dW's storage; lean: a 501 MiB buffer) | 3 |
 #
 # Liger processes one pair at a time with its gradients formed in the forward: three GEMMs, but a
-# per-pair fp32 logits buffer and a weight-sized gradient per pair (notebook 03).
+# per-pair fp32 logits buffer and a weight-sized gradient per pair (notebook 03). The last section
+# is the later speed study's re-measurement under the shuffled protocol (a new random provider order
+# every round).
 
 # %% tags=["parameters"]
 quick = False  # only the full-mode figure
@@ -30,6 +32,7 @@ sweeps = ["simpo", "simpo_8_16", "simpo_final"]  # data/measured/<gpu>/<sweep>.c
 # (`plotting.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 seq = 1024  # tokens per row (the sidecar's value wins when present)
+shuffled_sweep = "simpo_shuffled"  # the last section: shuffled protocol, workload "dense"
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
 reference_names = {  # anchor provider -> our provider name, for the cross-check against data/reference
     # (the anchors' fp32-upcast SimPO is not our huggingface_fp32: it has no second log-softmax for
@@ -193,3 +196,50 @@ if final is not None and interleaved is not None:
         for floor in ("cublas_3gemm", "cublas_3gemm_real_grad"):
             comparison[f"{name}, × {floor}"] = table / table.loc[floor]
     display(pd.concat(comparison, axis=1).round(2))  # one rounding: the prose quotes these
+
+
+# %% [markdown]
+# ## The shuffled protocol: a new random provider order every round
+#
+# The speed study (data/measured/h200/README.md, last section) re-ran SimPO at batch 2–16 with
+# `--protocol shuffled` (`simpo_shuffled.csv`): every round times each provider once, in an order
+# drawn anew, so none always follows the same kernel — the protocol question of the section above,
+# settled by randomizing instead of alternating. Five providers: the floor, the default, the lean
+# mode, HF with fp32 logits and Liger 0.8.5.
+
+# %%
+shuffled_path = data_dir / "measured" / gpu / f"{shuffled_sweep}.csv"
+shuffled = plotting.load_measured(shuffled_path, workload="dense") if have else None
+if shuffled is not None:
+    shuffled_caption = plotting.provenance(shuffled.attrs["meta"],
+                                           f"data/measured/{gpu}/{shuffled_sweep}.csv (workload dense, protocol shuffled)")
+    print(shuffled_caption)
+    shuffled_ms = plotting.pivot(shuffled, "full")
+    shuffled_ratio = shuffled_ms / shuffled_ms.loc["cublas_3gemm"]
+    print("forward + backward, × the three-GEMM floor of the same rounds (shuffled protocol):")
+    display(shuffled_ratio.round(3))
+    fig = plotting.latency_figure(shuffled, mode="full", x_label=x_label, title="SimPO, shuffled order",
+                                  caption=shuffled_caption)
+    display(plotting.save_figure(fig, figures_dir / "05_simpo_shuffled"))
+
+# %%
+if shuffled is not None:
+    for provider in shuffled_ratio.index.drop("cublas_3gemm"):
+        row = shuffled_ratio.loc[provider]
+        print(f"{plotting.label_for(provider):<32} {' / '.join(f'{v:.2f}' for v in row)}× at batch "
+              f"{' / '.join(str(b) for b in row.index)}")
+    default = shuffled_ratio.loc["fusedkern_chunked"]
+    others = shuffled_ratio.drop(index=[p for p in shuffled_ratio.index if p.startswith(("fusedkern", "cublas"))])
+    margin = others.min() / default
+    print(f"The default is {'ahead of' if (margin > 1).all() else 'not always ahead of'} every other library at every "
+          f"batch: the next one is {margin.min():.2f}–{margin.max():.2f}× its time "
+          f"({', '.join(f'batch {b}: {plotting.label_for(others[b].idxmin())}' for b in others.columns)}).")
+    compare = {"sequential (simpo_final)": final, "interleaved": interleaved}
+    table = {"shuffled": shuffled_ratio}
+    for name, run in compare.items():
+        if run is not None:
+            ms = plotting.pivot(run, "full")
+            table[name] = ms / ms.loc["cublas_3gemm"]
+    common = [p for p in shuffled_ratio.index if all(p in t.index for t in table.values()) and p != "cublas_3gemm"]
+    print("the same providers under the three protocols, × the floor of the same run:")
+    display(pd.concat({k: t.loc[common, shuffled_ratio.columns] for k, t in table.items()}).round(2))

@@ -19,6 +19,12 @@ vocab = 128256
 seq = 1024  # SimPO tokens per row
 headline_providers = ["huggingface_bf16", "torch_fp32_upcast", "liger-kernel 0.8.5", "cut_cross_entropy",
                       "fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_fused"]
+headline_sweep = "ce_llama3_shuffled"  # the headline's H200 panels: shuffled protocol, dense and masked_50
+headline_dense = ["huggingface_bf16", "liger-kernel 0.8.5", "cut_cross_entropy", "fusedkern_chunked",
+                  "fusedkern_chunked_lean"]
+headline_masked = ["huggingface_bf16", "liger-kernel 0.8.5", "cut_cross_entropy", "fusedkern_chunked",
+                   "fusedkern_chunked_counted", "fusedkern_chunked_device_count"]
+headline_masked_workload = "masked_50"
 anchor_names = {  # reference-anchor provider -> the name our measurements use
     "cut-cross-entropy 25.1.1 (default filter_eps)": "cut_cross_entropy",
     "cublas (x@W.T, G@W, G.T@x)": "cublas_3gemm",
@@ -177,13 +183,37 @@ if not quick:
 # %% [markdown]
 # ## 5 · The headline figure
 #
-# Three panels for the README: (a) the seed's own numbers at 4096 tokens, `forward` vs `full`;
-# (b) forward + backward time on the H200 divided by the three-GEMM floor, every provider;
-# (c) peak extra memory on the H200.
+# Four panels for the README: (a) the seed's own numbers at 4096 tokens, `forward` vs `full`;
+# (b) peak extra memory on the H200; (c) forward + backward time on the H200 ÷ the three-GEMM floor,
+# every target counted (dense); (d) the same with half of every sequence's targets ignored (a prompt
+# prefix, as in SFT), still ÷ the *dense* floor — the three GEMMs on all tokens — so 0.5× (dotted)
+# is the ideal there. (c) and (d) share their y axis. Panels (b)–(d) come from the shuffled-protocol
+# run (`ce_llama3_shuffled.csv`: a new random provider order every round; notebook 08 has the other
+# shares, heads and the row-count GEMMs), each ratio to the floor timed in the same workload's
+# rounds. Without that file they fall back to the sequential run above (and (d) says it is missing).
 
 # %%
-fig, (ax_a, ax_b, ax_c) = plt.subplots(1, 3, figsize=(19, 5.4), layout="constrained",
-                                       gridspec_kw={"width_ratios": [0.8, 1.0, 1.0]})
+shuffled = plotting.load_measured(measured_dir / f"{headline_sweep}.csv")
+if shuffled is not None:
+    shuffled_full = shuffled[shuffled["mode"] == "full"]
+    head_dense = plotting.select_workload(shuffled_full, workload="dense")
+    head_masked = plotting.select_workload(shuffled_full, workload=headline_masked_workload)
+    head_label = f"{gpu.upper()}, shuffled order"
+    head_source = plotting.provenance(shuffled.attrs["meta"], f"data/measured/{gpu}/{headline_sweep}.csv")
+else:
+    head_dense, head_masked = h200_ce[h200_ce["mode"] == "full"], None
+    head_label, head_source = h200_label, ce_source or ANCHOR_CAPTION
+dense_ratios = plotting.ratio_to(head_dense, "cublas_3gemm")
+dense_ratios = dense_ratios[dense_ratios.provider.isin(headline_dense if shuffled is not None else headline_providers)]
+masked_ratios = None
+if head_masked is not None:
+    masked_ratios = plotting.ratio_to(head_masked, "cublas_3gemm")
+    masked_ratios = masked_ratios[masked_ratios.provider.isin(headline_masked)]
+masked_share = plotting.ignored_share(headline_masked_workload)
+
+# %%
+fig, ((ax_a, ax_b), (ax_c, ax_d)) = plt.subplots(2, 2, figsize=(15, 11), layout="constrained",
+                                                 gridspec_kw={"height_ratios": [1.0, 1.25]})
 
 # (a) the seed's protocol at its headline size
 at = seed_latency[(seed_latency.op == "ce") & (seed_latency.x == 4096)]
@@ -201,35 +231,63 @@ for j, mode in enumerate(bars.index):
 ax_a.set_xticks(range(len(bars)), ["forward\n(what the page ranked)", "forward + backward\n(same work)"])
 ax_a.set_ylim(0, bars.to_numpy().max() * 1.3)
 ax_a.set_ylabel("ms (median)")
-ax_a.set_title("(a) Seed, A100, 4096 tokens")
+ax_a.set_title("(a) Seed, A100, 4096 tokens: the ranking came from the forward alone")
 ax_a.legend(loc="upper right")
 
-# (b) ratio to the floor, H200
-full = h200_ce[h200_ce["mode"] == "full"]
-ratios = plotting.ratio_to(full, "cublas_3gemm")
-ratios = ratios[ratios.provider.isin(headline_providers)]
-plotting.plot_ratios(ax_b, ratios, annotate=False, baseline_label="floor: 3 cuBLAS GEMMs (= 1)")
-ax_b.set_xlabel("tokens")
-ax_b.set_ylabel("forward + backward time ÷ floor")
-ax_b.set_title(f"(b) {h200_label}: time ÷ 3-GEMM floor")
-
-# (c) peak extra memory, H200
-memory = full[full.provider.isin(headline_providers)][["provider", "x", "peak_extra_mib"]]
-plotting.plot_memory(ax_c, None, memory, measured_label="measured" if ours_ce is not None else "reference anchor",
+# (b) peak extra memory, H200 (dense)
+memory = head_dense[head_dense.provider.isin(dense_ratios.provider.unique())][["provider", "x", "peak_extra_mib"]]
+plotting.plot_memory(ax_b, None, memory, measured_label="measured" if ours_ce is not None else "reference anchor",
                      legend_loc=None)
 for provider in plotting.sort_providers(memory.provider):
     part = memory[memory.provider == provider].sort_values("x")
-    ax_c.plot(part.x, part.peak_extra_mib.clip(lower=0.01), color=plotting.style_for(provider)["color"],
+    ax_b.plot(part.x, part.peak_extra_mib.clip(lower=0.01), color=plotting.style_for(provider)["color"],
               linewidth=1.0, alpha=0.6)
-ax_c.set_xlabel("tokens")
-ax_c.set_title(f"(c) {h200_label}: peak extra memory")
-plotting.label_line_ends(ax_c, memory.assign(peak_extra_mib=memory.peak_extra_mib.clip(lower=0.01)),
+ax_b.set_xlabel("tokens")
+ax_b.set_title(f"(b) {head_label}: peak extra memory")
+plotting.label_line_ends(ax_b, memory.assign(peak_extra_mib=memory.peak_extra_mib.clip(lower=0.01)),
                          value="peak_extra_mib", fmt=lambda v: f"{v:,.0f} MiB" if v >= 100 else f"{v:.1f} MiB")
 
-caption = ("Cross-entropy, H = 4096, V = 128256, bf16. (a) " + SEED_CAPTION + " (b, c) "
-           + (ce_source or ANCHOR_CAPTION).rstrip(".") + ". Peak extra = peak allocation above inputs and gradients.")
-plotting.add_caption(fig, caption, width=190)
+# (c), (d) ratio to the dense floor, on one y axis
+shown = [r for r in (dense_ratios, masked_ratios) if r is not None]
+lo = min(0.95, 0.93 * min(float(r.ratio.min()) for r in shown), 0.9 * (1 - masked_share))
+hi = 1.08 * max(float(r.ratio.max()) for r in shown)
+plotting.plot_ratios(ax_c, dense_ratios, annotate=False, baseline_label="floor: 3 cuBLAS GEMMs (= 1)", ylim=(lo, hi))
+ax_c.set_title(f"(c) {head_label}: every target counted")
+if masked_ratios is not None:
+    plotting.plot_ratios(ax_d, masked_ratios, annotate=False, baseline_label="floor: 3 cuBLAS GEMMs (= 1)",
+                         ylim=(lo, hi), guides={f"ideal: {1 - masked_share:g}× (the valid rows' GEMMs)": 1 - masked_share},
+                         labels={"fusedkern_chunked": "fusedkern, no count given"})
+    ax_d.set_title(f"(d) {head_label}: {100 * masked_share:.0f} % of the targets ignored")
+else:
+    ax_d.text(0.5, 0.5, f"{headline_sweep}.csv not measured: no ignored-target panel", ha="center", va="center",
+              transform=ax_d.transAxes)
+    ax_d.set_axis_off()
+for ax in (ax_c, ax_d):
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("forward + backward ÷ the dense 3-GEMM floor")
+
+caption = ("Cross-entropy, H = 4096, V = 128256, bf16. (a) " + SEED_CAPTION + " (b–d) " + head_source.rstrip(".")
+           + ". Peak extra = peak allocation above inputs and gradients. Every ratio is to the three cuBLAS GEMMs on "
+           "all tokens timed in the same rounds.")
+plotting.add_caption(fig, caption, width=200)
 display(plotting.save_figure(fig, figures_dir / "headline"))
+
+# %% [markdown]
+# The headline's numbers, computed from the same rows:
+
+# %%
+for name, ratios in (("every target counted", dense_ratios), (f"{100 * masked_share:.0f} % ignored", masked_ratios)):
+    if ratios is None:
+        continue
+    table = ratios.pivot_table(index="provider", columns="x", values="ratio", aggfunc="first")
+    print(f"{name}: forward + backward ÷ the dense 3-GEMM floor")
+    display(table.loc[plotting.sort_providers(table.index)].round(2))
+if masked_ratios is not None:
+    table = masked_ratios.pivot_table(index="provider", columns="x", values="ratio", aggfunc="first")
+    counted = table.loc[[p for p in ("fusedkern_chunked_counted", "fusedkern_chunked_device_count") if p in table.index]]
+    others = table.drop(index=[p for p in table.index if p.startswith("fusedkern")])
+    print(f"{100 * masked_share:.0f} % ignored: fusedkern with the count {counted.min().min():.2f}–{counted.max().max():.2f}× "
+          f"the dense floor; the other libraries {others.min().min():.2f}–{others.max().max():.2f}×.")
 
 # %% [markdown]
 # ## 6 · SimPO on the H200
