@@ -3,15 +3,27 @@
 
 Scalar reductions with `impl="chunked"` form the gradient in the forward pass (three GEMMs in all) and
 the backward only rescales it by the upstream gradient; `reduction="none"` and `impl="fused"` save the
-per-token lse and recompute the logits in backward, which lets any per-token upstream gradient flow.
+per-token statistics and recompute the logits in backward, which lets any per-token upstream gradient flow.
+
+The kernels run inside custom operators (`torch.library.custom_op`, namespace `fusedkern`), each with a
+fake implementation (output shapes and dtypes) and an autograd formula, so that `torch.compile` traces
+a call as one node per operator with no graph break (`fullgraph=True` works). The argument checks stay
+in Python before the operator call (they read only shapes, dtypes and Python values); the target range
+and count checks, which read the device, run inside the operator bodies: started before the kernels
+are queued and read after them (`_validation.TargetRangeCheck`), so that no step waits for the GPU.
+Outside tracing (`call_op`) the same implementations and formulas run through a plain autograd.Function,
+which costs less host time than the dispatcher, and the backward rescales the saved gradients in place.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import (
@@ -30,16 +42,27 @@ WEIGHT_GRAD_ACCUMS = ("fp32", "weight_dtype")
 
 
 # ----------------------------------------------------------------------------------------------
-# helpers shared by the autograd Functions
+# helpers shared by the autograd formulas
+
+
+def _traced(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile / export may be tracing this code rather than running it: compiling, a
+    dispatch mode, or tensors that are not plain (fake, functional). Traced code must stay functional
+    and reach the kernels only through the registered operators."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors))
 
 
 def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype,
               out: torch.Tensor | None = None):
     """grad · scale in `out_dtype`, with no device→host sync: in place when the dtype already matches
     (the buffer is ours; skipped on the device when scale == 1, as after `loss.backward()`), else
-    into `out` (storage of that dtype we own) or a new tensor, in one pass (read, scale, cast, write)."""
+    into `out` (storage of that dtype we own) or a new tensor, in one pass (read, scale, cast, write).
+    While torch.compile traces the backward, an out-of-place multiply (computed in fp32, rounded once)."""
     if grad is None:
         return None
+    if _traced(grad, scale):  # torch.compile traces the backward: no in-place Triton launch, same rounding
+        return (grad * scale).to(out_dtype)
     if grad.dtype == out_dtype:
         return scale_unless_one_(grad, scale)
     if out is None:
@@ -111,100 +134,247 @@ def _fused_ops():
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd Functions
+# custom operators: the kernels behind `torch.library.custom_op`, each with a fake implementation
+# (shapes and dtypes only, for tracing) and an autograd formula. A gradient that is not asked for
+# comes back as an empty [0] tensor (an operator returns tensors, never None). Outside tracing,
+# `call_op` applies the same implementation and formula through a plain autograd.Function.
 
 
-class _ChunkedScalarLoss(torch.autograd.Function):
-    """Chunked strategy, reduction mean/sum: gradients formed in the forward pass (three GEMMs)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, target, class_weight, opts, reduction, weight_grad_accum, chunk_tokens):
-        need_dx, need_dw = x.requires_grad, w.requires_grad
-        need_db = b is not None and b.requires_grad
-        if reduction == "mean":
-            denom = _denominator(target, class_weight, opts.ignore_index)
-            grad_scale = (1.0 / denom).reshape(1)
-        else:
-            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw,
-            need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-        lse = lse_of(stats)
-        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
-        save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss, grad_lse):
-        return (*rescaled_grads(ctx, grad_loss, "linear_cross_entropy (chunked, mean/sum)"),
-                None, None, None, None, None, None)
+class _OpSpec(NamedTuple):
+    impl: Callable
+    setup_context: Callable | None  # None: an operator with no gradient (a backward's)
+    backward: Callable | None
 
 
-class _CountedScalarLoss(torch.autograd.Function):
-    """Chunked strategy over rows sorted valid-first, their count on the device (`compacted.py`): mean/sum
-    with gradients formed in the forward pass, like `_ChunkedScalarLoss`, and no work on ignored rows."""
+_EAGER: dict = {}
+
+
+def register_op(op, impl: Callable, setup_context: Callable, backward: Callable) -> None:
+    """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _EAGER[op] = _OpSpec(impl, setup_context, backward)
+
+
+class _EagerOp(torch.autograd.Function):
+    """An operator's implementation and autograd formula applied directly: the same computation as the
+    registered operator, without the dispatcher's host time (~50 µs a call, measured on CPU)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, class_weight, opts, reduction, weight_grad_accum, chunk_tokens, count):
+    def forward(ctx, spec: _OpSpec, *args):
+        output = spec.impl(*args)
+        spec.setup_context(ctx, args, output)
+        ctx.backward_fn = spec.backward
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the formula sees them: the operator's inputs
+        return (None, *ctx.backward_fn(ctx, *grads))
+
+
+def call_op(op, *args):
+    """`op(*args)` while torch.compile (or export) traces, so that the graph holds the operator; else the
+    same implementation and formula through `_EagerOp` (no autograd node when no gradient is asked for)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if _traced(*tensors):
+        return op(*args)
+    spec = _EAGER[op]
+    if spec.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _EagerOp.apply(spec, *args)
+    return spec.impl(*args)
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return like.new_empty((0,), dtype=dtype)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _empty(like, dtype) if t is None else t
+
+
+def start_checks(target: torch.Tensor, num_classes: int, ignore_index: int, check_target: torch.Tensor | None,
+                 count: torch.Tensor | None, count_int: int) -> list:
+    """The device-side checks of a call, started (flag copied behind an event) before its kernels are
+    queued; `finish_checks` reads them after. check_target: the call's whole target when the operator
+    sees only some of its rows (num_valid_tokens as an int), else None (= target). count / count_int:
+    the caller's num_valid_tokens as a device tensor / an int (−1: none). The count check raises first."""
+    full = target if check_target is None else check_target
+    checks = []
+    if count is not None:
+        checks.append(V_.CountCheck(full, ignore_index, count))
+    elif count_int >= 0:
+        checks.append(V_.CountCheck(full, ignore_index, count_int))
+    checks.append(V_.check_target(full, full.shape, num_classes, ignore_index))
+    return checks
+
+
+def finish_checks(checks: list) -> None:
+    for check in checks:
+        check.raise_if_failed()
+
+
+def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                    class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
+                    softcap: float | None, reduction: str, weight_grad_accum: str, chunk_tokens: int | None,
+                    need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool, skip_ignored: bool,
+                    check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunked strategy, reduction mean/sum: loss and gradients in one pass (three GEMMs).
+
+    x [T, H] · w [V, H] · b [V] | None · target [T] · class_weight [V] fp32 | None. Returns (loss 0-d fp32,
+    lse [T] fp32, dx [T, H], dw [V, H]: the fp32 accumulator or dW in the weight's dtype (`chunked.grad_buffers`),
+    db [V] fp32, dw_out [V, H]: dW's storage, content undefined, when dw is the accumulator and `return_dw_out`
+    (eager: the backward writes dW into it)), the gradients of the loss itself, rescaled by the upstream
+    gradient in backward. skip_ignored: rows sorted valid-first,
+    `count` of them valid: the row-count kernels skip the rest (`compacted.py`; no lse, no db)."""
+    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
+    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
+    if reduction == "mean":
+        denom = _denominator(target, class_weight, ignore_index)
+        grad_scale = (1.0 / denom).reshape(1)
+    else:
+        grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
+    if skip_ignored:
         from fusedkern.compacted import counted_loss_and_grads
 
-        if reduction == "mean":
-            denom = _denominator(target, class_weight, opts.ignore_index)
-            grad_scale = (1.0 / denom).reshape(1)
-        else:
-            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
         loss_tok, dx, dw, dw_out = counted_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=x.requires_grad,
-            need_dw=w.requires_grad, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
-        save_precomputed_grads(ctx, x, w, None, dx, dw, None, dw_out)
-        return loss
+            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=need_dx, need_dw=need_dw,
+            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        lse, db = _empty(x, torch.float32), None
+    else:
+        loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
+            x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        lse = lse_of(stats)
+    loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
+    finish_checks(checks)
+    return (loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, w, torch.float32),
+            _or_empty(dw_out if return_dw_out else None, w))
 
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss):
-        dx, dw, _ = rescaled_grads(ctx, grad_loss, "linear_cross_entropy (chunked, counted rows)")
-        return dx, dw, None, None, None, None, None, None, None, None
+
+ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chunked_scalar, mutates_args=())
 
 
-class _PerTokenLoss(torch.autograd.Function):
-    """Per-token loss ℓ_t with the row statistics saved; backward recomputes the logits (four GEMMs in all) and
-    accepts any upstream ∂L/∂ℓ_t. Used by reduction='none', by impl='fused', and by linear_logprobs."""
+@ce_chunked_scalar.register_fake
+def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, weight_grad_accum,
+      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, skip_ignored, check_target, count, count_int):
+    (T, H), V = x.shape, w.shape[0]
+    fp32_accumulator = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
+    f32 = torch.float32
+    return (x.new_empty((), dtype=f32), x.new_empty((0,) if skip_ignored else (T,), dtype=f32),
+            x.new_empty((T, H)) if need_dx else _empty(x),
+            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else _empty(w),
+            w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else _empty(w, f32),
+            w.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else _empty(w))
 
-    @staticmethod
-    def forward(ctx, x, w, b, target, class_weight, opts, impl, weight_grad_accum, chunk_tokens):
-        if impl == "fused":
-            loss_tok, saved_stats = _fused_ops().fused_ce_forward(
-                x, w, b, target, class_weight, ignore_index=opts.ignore_index,
-                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap, return_stats=True)
-        else:
-            loss_tok, saved_stats = chunked_loss(x, w, b, target, class_weight, opts)
-        lse = lse_of(saved_stats)
-        ctx.save_for_backward(x, w, b, target, class_weight, saved_stats)
-        ctx.opts, ctx.impl, ctx.chunk_tokens, ctx.accum = opts, impl, chunk_tokens, weight_grad_accum
-        ctx.mark_non_differentiable(lse)
-        return loss_tok, lse
 
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss_tok, grad_lse):
-        x, w, b, target, class_weight, saved_stats = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        opts = ctx.opts
-        grad_tok = grad_loss_tok.float().contiguous()
-        if ctx.impl == "fused":
-            dx, dw, db = _fused_ops().fused_ce_backward(
-                x, w, b, target, class_weight, saved_stats, grad_tok, ignore_index=opts.ignore_index,
-                label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap,
-                need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-        else:
-            dx, dw, db = chunked_grads(
-                x, w, b, target, class_weight, opts, saved_stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
-                need_db=need_db, weight_grad_accum=ctx.accum, chunk_tokens=ctx.chunk_tokens)
-        return (_cast(dx, x.dtype), _cast(dw, w.dtype), _cast(db, None if b is None else b.dtype),
-                None, None, None, None, None, None)
+def save_output_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, need_dx: bool, need_dw: bool,
+                      need_db: bool, dx, dw, db, dw_out) -> None:
+    """`save_precomputed_grads` for an operator that returned (dx, dw, db, dw_out) as outputs, empty where
+    not computed (dw_out is 2-D when it holds dW's storage)."""
+    save_precomputed_grads(ctx, x, w, b, dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                           dw_out if dw_out.dim() == 2 else None)
+
+
+def _setup_chunked_scalar(ctx, inputs, output):
+    x, w, b = inputs[:3]
+    need_dx, need_dw, need_db, _, skip_ignored = inputs[12:17]
+    save_output_grads(ctx, x, w, b, need_dx, need_dw, need_db and not skip_ignored, *output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.what = f"linear_cross_entropy (chunked, {'counted rows' if skip_ignored else 'mean/sum'})"
+
+
+@first_order_only
+def _backward_chunked_scalar(ctx, grad_loss, *_):
+    return (*rescaled_grads(ctx, grad_loss, ctx.what), *([None] * 17))
+
+
+register_op(ce_chunked_scalar, _chunked_scalar, _setup_chunked_scalar, _backward_chunked_scalar)
+
+
+def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+               class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
+               softcap: float | None, impl: str, weight_grad_accum: str, chunk_tokens: int | None,
+               forward_chunk_tokens: int | None, check_target: torch.Tensor | None, count: torch.Tensor | None,
+               count_int: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
+    recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
+    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call.
+    forward_chunk_tokens: whole-row chunks of the loss-only pass (None: its 64 MiB tiles); chunk_tokens:
+    the backward's chunks."""
+    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
+    if impl == "fused":
+        loss_tok, stats = _fused_ops().fused_ce_forward(
+            x, w, b, target, class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, return_stats=True)
+    else:
+        loss_tok, stats = chunked_loss(x, w, b, target, class_weight,
+                                       LossOptions(ignore_index, label_smoothing, z_loss, softcap), forward_chunk_tokens)
+    finish_checks(checks)
+    return loss_tok, stats
+
+
+ce_per_token = torch.library.custom_op("fusedkern::ce_per_token", _per_token, mutates_args=())
+
+
+@ce_per_token.register_fake
+def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, impl, weight_grad_accum,
+      chunk_tokens, forward_chunk_tokens, check_target, count, count_int):
+    T = x.shape[0]
+    return x.new_empty((T,), dtype=torch.float32), x.new_empty((2, T), dtype=torch.float32)
+
+
+def _setup_per_token(ctx, inputs, output):
+    x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, impl, accum, chunk_tokens = inputs[:12]
+    ctx.save_for_backward(x, w, b, target, class_weight, output[1])
+    ctx.options = (ignore_index, label_smoothing, z_loss, softcap, impl, accum, chunk_tokens)
+    ctx.mark_non_differentiable(output[1])
+
+
+@first_order_only
+def _backward_per_token(ctx, grad_loss_tok, _grad_stats):
+    x, w, b, target, class_weight, stats = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = call_op(ce_per_token_backward, x, w, b, target, class_weight, stats,
+                         grad_loss_tok.float().contiguous(), *ctx.options, need_dx, need_dw, need_db and b is not None)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db and b is not None else None,
+            *([None] * 13))
+
+
+register_op(ce_per_token, _per_token, _setup_per_token, _backward_per_token)
+
+
+def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                        class_weight: torch.Tensor | None, stats: torch.Tensor, grad_tok: torch.Tensor,
+                        ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
+                        impl: str, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool,
+                        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_t grad_tok[t]·ℓ_t (grad_tok [T] fp32), recomputing the logits from the saved
+    statistics: (dx [T, H], dw [V, H], db [V]) in the dtypes of x, w, b; empty where not needed."""
+    if impl == "fused":
+        dx, dw, db = _fused_ops().fused_ce_backward(
+            x, w, b, target, class_weight, stats, grad_tok, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+    else:
+        dx, dw, db = chunked_grads(
+            x, w, b, target, class_weight, LossOptions(ignore_index, label_smoothing, z_loss, softcap), stats,
+            grad_tok, need_dx=need_dx, need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+            chunk_tokens=chunk_tokens)
+    return (_or_empty(_cast(dx, x.dtype), x), _or_empty(_cast(dw, w.dtype), w),
+            _empty(w) if db is None else db.to(b.dtype))
+
+
+ce_per_token_backward = torch.library.custom_op("fusedkern::ce_per_token_backward", _per_token_backward,
+                                              mutates_args=())
+_EAGER[ce_per_token_backward] = _OpSpec(_per_token_backward, None, None)  # no gradient of its own
+
+
+@ce_per_token_backward.register_fake
+def _(x, w, b, target, class_weight, stats, grad_tok, ignore_index, label_smoothing, z_loss, softcap, impl,
+      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db):
+    return (torch.empty_like(x) if need_dx else _empty(x), torch.empty_like(w) if need_dw else _empty(w),
+            torch.empty_like(b) if need_db and b is not None else _empty(w))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,9 +407,10 @@ def follows_autocast(fn):
 
 def validate_call(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
               ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
-              weight_grad_accum="fp32", chunk_tokens=None, num_valid_tokens=None) -> V_.TargetRangeCheck:
-    """Every argument check; the target range check comes back pending: call its `raise_if_failed()`
-    after queuing the kernels and before returning (see `TargetRangeCheck`)."""
+              weight_grad_accum="fp32", chunk_tokens=None, num_valid_tokens=None) -> None:
+    """Every argument check that needs only shapes, dtypes and Python values (torch.compile traces them
+    into guards). The checks that read the device — targets in range, the count — run inside the
+    operators (`start_checks`)."""
     V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
     V_.check_tensor("linear_weight", linear_weight, ndim=2, dtypes=V_.FLOAT_DTYPES)
     V_.check_kernel_device("input", input)
@@ -256,7 +427,7 @@ def validate_call(input, linear_weight, target, linear_bias, *, weight=None, red
                           label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     if weight is not None:
         V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
-    target_range = V_.check_target(target, input.shape[:-1], vocab, ignore_index)
+    check_target_type(target, input.shape[:-1])
     validate_strategy(impl, weight_grad_accum, chunk_tokens)
     if isinstance(num_valid_tokens, torch.Tensor):
         if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in V_.INDEX_DTYPES:
@@ -266,7 +437,15 @@ def validate_call(input, linear_weight, target, linear_bias, *, weight=None, red
     elif num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
         raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
                          f"tensor holding it, or None; got {num_valid_tokens}")
-    return target_range
+
+
+def check_target_type(target, expected_shape) -> None:
+    """`_validation.check_target` without its range check (which reads the device: the operators run it)."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in V_.INDEX_DTYPES:
+        raise TypeError(f"target must hold class indices with dtype int64 or int32, got {target.dtype}")
+    V_.check_shape("target", target, expected_shape, "the leading dimensions of input")
 
 
 def validate_loss_options(*, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
@@ -297,10 +476,11 @@ def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
 
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str) -> str:
     """'auto' → 'chunked' (the faster strategy), unless its buffers do not fit the free GPU memory:
-    then 'fused', which needs only O(tokens) extra."""
+    then 'fused', which needs only O(tokens) extra. Under torch.compile 'auto' is 'chunked': the free
+    memory is a driver query, not something a graph can hold."""
     if impl != "auto":
         return impl
-    if x2d.is_cuda:
+    if x2d.is_cuda and not torch.compiler.is_compiling():
         vocab, hidden = w.shape
         plan = plan_for_grads(x2d.shape[0], w, w.requires_grad, weight_grad_accum, None)
         need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * x2d.element_size()
@@ -325,21 +505,22 @@ def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
-                  chunk_tokens):
-    """(loss: 0-d for mean/sum, [T] for "none"; lse [T]) for flat inputs: the strategy dispatch."""
-    wants_grad = torch.is_grad_enabled() and (
-        x2d.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+                  chunk_tokens, checks=(None, None, -1)):
+    """(loss: 0-d for mean/sum, [T] for "none"; lse [T]) for flat inputs: the strategy dispatch.
+    checks: (check_target, count, count_int) of `start_checks`."""
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
+    need_db = grad and b is not None and b.requires_grad
+    wants_grad = need_dx or need_dw or need_db
+    loss_options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap)
     if impl == "chunked" and reduction != "none" and wants_grad:
-        return _ChunkedScalarLoss.apply(x2d, w, b, y, class_weight, opts, reduction, weight_grad_accum, chunk_tokens)
-    if wants_grad:
-        loss_tok, lse = _PerTokenLoss.apply(x2d, w, b, y, class_weight, opts, impl, weight_grad_accum, chunk_tokens)
-    elif impl == "fused":
-        loss_tok, lse = _fused_ops().fused_ce_forward(
-            x2d, w, b, y, class_weight, ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
-            z_loss=opts.z_loss, softcap=opts.softcap)
-    else:
-        loss_tok, stats = chunked_loss(x2d, w, b, y, class_weight, opts, chunk_tokens)
-        lse = lse_of(stats)
+        loss, lse, *_ = call_op(ce_chunked_scalar, x2d, w, b, y, class_weight, *loss_options, reduction,
+                                weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+                                not torch.compiler.is_compiling(), False, *checks)
+        return loss, lse
+    loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
+                              chunk_tokens, None if wants_grad else chunk_tokens, *checks)
+    lse = lse_of(stats)
     if reduction == "none":
         return loss_tok, lse
     if reduction == "sum":
@@ -349,42 +530,46 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
 
 def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
                      chunk_tokens, num_valid_tokens: int | torch.Tensor | None, need_lse: bool):
-    """(loss, lse [T] or None, pending count check or None) for flat, validated inputs.
+    """(loss, lse [T] or None) for flat, validated inputs; the operators check the targets (and the count).
 
     `num_valid_tokens` (see `linear_cross_entropy`), when no lse is asked for: an int gathers exactly the
     valid rows (cuBLAS over them; autograd scatters dX back, zero in ignored rows); a device tensor sorts
     them first and lets the row-count kernels skip the rest (`compacted.py`; chunked mean/sum with
     gradients, else the dense computation). The mean's denominator is the same over the valid rows, and
-    "none" puts them back among zeros. The count check must be read before returning the loss."""
-    def dense():
-        return _loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens)
+    "none" puts them back among zeros."""
+    def dense(count=None, count_int=-1):
+        return _loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens,
+                             (None, count, count_int))
 
     if num_valid_tokens is None:
-        return (*dense(), None)
-    count_check = V_.CountCheck(y, opts.ignore_index, num_valid_tokens)
+        return dense()
+    on_device = isinstance(num_valid_tokens, torch.Tensor)
+    count, count_int = (num_valid_tokens, -1) if on_device else (None, num_valid_tokens)
     if need_lse:
-        return (*dense(), count_check)
-    if isinstance(num_valid_tokens, torch.Tensor):
-        wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad)
-        counted = (impl == "chunked" and reduction != "none" and wants_grad
-                   and not (b is not None and b.requires_grad and torch.is_grad_enabled()))
+        return dense(count, count_int)
+    if on_device:
+        grad = torch.is_grad_enabled()
+        need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
+        counted = (impl == "chunked" and reduction != "none" and (need_dx or need_dw)
+                   and not (b is not None and b.requires_grad and grad))
         if not counted:
-            return (*dense(), count_check)
+            return dense(count)
         rows = valid_rows_first(y, opts.ignore_index)
-        loss = _CountedScalarLoss.apply(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight,
-                                        opts, reduction, weight_grad_accum, chunk_tokens, num_valid_tokens)
-        return loss, None, count_check
+        loss, *_ = call_op(
+            ce_chunked_scalar, x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
+            opts.label_smoothing, opts.z_loss, opts.softcap, reduction, weight_grad_accum, chunk_tokens, need_dx,
+            need_dw, False, not torch.compiler.is_compiling(), True, None, num_valid_tokens, -1)
+        return loss, None
     if not 0 < num_valid_tokens < y.shape[0]:
-        return (*dense(), count_check)
+        return dense(count_int=count_int)
     rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
     loss, _ = _loss_and_lse(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts, reduction,
-                            impl, weight_grad_accum, chunk_tokens)
+                            impl, weight_grad_accum, chunk_tokens, (y, None, count_int))
     if reduction == "none":
         loss = loss.new_zeros(y.shape[0]).index_copy(0, rows, loss)
-    return loss, None, count_check
+    return loss, None
 
 
-@torch.compiler.disable  # a graph break: the launcher reads the target range check on the host and runs Triton
 @follows_autocast
 def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                          linear_bias: torch.Tensor | None = None, weight: torch.Tensor | None = None,
@@ -397,7 +582,8 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     Computes `F.cross_entropy(input @ linear_weight.T + linear_bias, target, weight=weight,
     reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing)` plus
     `z_loss · lse²` per token, with optional softcap z → c·tanh(z/c) before the softmax
-    (docs/design.md has the exact formula and its gradient).
+    (docs/design.md has the exact formula and its gradient). Traceable by torch.compile with no graph
+    break (the kernels are custom operators; docs/usage.md says what differs from eager there).
 
     Args:
         input: [..., H] activations, float32 / float16 / bfloat16.
@@ -431,10 +617,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
         `return_lse`. All targets ignored with "mean" gives NaN and zero gradients, like torch.
     """
-    target_range = validate_call(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
-                                 ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                                 softcap=softcap, impl=impl, weight_grad_accum=weight_grad_accum,
-                                 chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
+    validate_call(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
+                  ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                  impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                  num_valid_tokens=num_valid_tokens)
     lead_shape = input.shape[:-1]
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
@@ -443,13 +629,10 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
-    loss, lse, count_check = loss_over_tokens(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
-                                              weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=return_lse)
+    loss, lse = loss_over_tokens(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
+                                 weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=return_lse)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
-    if count_check is not None:
-        count_check.raise_if_failed()
-    target_range.raise_if_failed()
     return (loss, lse.reshape(lead_shape)) if return_lse else loss
 
 

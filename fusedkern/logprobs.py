@@ -14,7 +14,6 @@ from fusedkern.chunked import LossOptions
 from fusedkern.linear_cross_entropy import follows_autocast, loss_over_tokens, resolve_impl, validate_call
 
 
-@torch.compiler.disable
 @follows_autocast
 def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                     linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
@@ -28,28 +27,23 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
     num_valid_tokens: the count of non-ignored targets, when the caller has it on the host: only those
     rows are computed (see `linear_cross_entropy`).
     """
-    target_range = validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index,
-                                 softcap=softcap, impl=impl, weight_grad_accum=weight_grad_accum,
-                                 chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
-    logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
-                               softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
-                               weight_grad_accum=weight_grad_accum, num_valid_tokens=num_valid_tokens)
-    target_range.raise_if_failed()
-    return logps
+    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
+                  weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
+    return logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
+                              softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
+                              weight_grad_accum=weight_grad_accum, num_valid_tokens=num_valid_tokens)
 
 
 def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_index, softcap, impl, chunk_tokens,
                        weight_grad_accum, num_valid_tokens=None) -> torch.Tensor:
-    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy.validate_call`),
-    whose pending target range check the caller still has to read."""
+    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy.validate_call`);
+    the operator it calls checks the targets' range (and the count)."""
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
     impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
-    nll_tok, _, count_check = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", impl,
-                                               weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=False)
-    if count_check is not None:
-        count_check.raise_if_failed()
+    nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", impl, weight_grad_accum,
+                                  chunk_tokens, num_valid_tokens, need_lse=False)
     return (-nll_tok).reshape(input.shape[:-1])

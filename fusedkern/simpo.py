@@ -6,7 +6,8 @@ log-probabilities of the [2B, S] batch; everything after that is an O(B·S) func
 chosen token g = −β·σ(−z_i)/(B·n_w,i) − α/N_w, rejected token g = +β·σ(−z_i)/(B·n_l,i) (ε = 0).
 That generic path costs four GEMMs (logits recomputed in backward). With the chunked strategy and
 responses that fit a chunk, `fusedkern/simpo_chunked.py` forms the same gradient in the forward pass
-(three GEMMs when a chunk holds a whole pair, 3.5 otherwise).
+(three GEMMs when a chunk holds a whole pair, 3.5 otherwise), inside the custom operator
+`fusedkern::simpo_chunked` (traceable by torch.compile, like the cross-entropy operators).
 Semantics follow TRL's CPOTrainer with loss_type="simpo" (docs/design.md).
 """
 
@@ -18,7 +19,21 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call, validate_strategy
+from fusedkern.linear_cross_entropy import (
+    _empty,
+    _or_empty,
+    call_op,
+    finish_checks,
+    first_order_only,
+    follows_autocast,
+    register_op,
+    rescaled_grads,
+    resolve_impl,
+    save_output_grads,
+    start_checks,
+    validate_call,
+    validate_strategy,
+)
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -74,7 +89,76 @@ def _validate_simpo(input, target, beta, gamma, alpha, label_smoothing):
     _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
 
 
-@torch.compiler.disable
+class _Saved:
+    """What `ChunkedSimPO.forward` hands its autograd context, kept: the operator below runs that forward
+    as a plain function and returns the gradients it saved as outputs."""
+
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
+                  beta: float, gamma: float, alpha: float, label_smoothing: float, weight_grad_accum: str,
+                  chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO over chunks of whole responses with the gradient formed in the forward pass (`ChunkedSimPO`).
+
+    x [2B, S, H] · w [V, H] · b [V] | None · target [2B, S]. Returns (loss 0-d fp32, logp [2B, S] fp32,
+    dx [2B·S, H], dw, db, dw_out as `linear_cross_entropy.ce_chunked_scalar` returns them)."""
+    checks = start_checks(target, w.shape[0], ignore_index, None, None, -1)
+    two_b, seq, _ = x.shape
+    hp = dict(beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing)
+    ctx = _Saved()
+
+    def loss_fn(logp, mask):
+        return simpo_loss_from_logps(logp, mask, **hp)[0]
+    with torch.no_grad():  # ChunkedSimPO reads which gradients to form from requires_grad
+        loss, logp = ChunkedSimPO.forward(
+            ctx, x.detach().requires_grad_(need_dx), w.detach().requires_grad_(need_dw),
+            None if b is None else b.detach().requires_grad_(need_db), target, LossOptions(ignore_index=ignore_index),
+            hp, weight_grad_accum, plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens), loss_fn)
+    dx, dw, db, dw_out = ctx.saved
+    finish_checks(checks)
+    return (loss, logp, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, w, torch.float32),
+            _or_empty(dw_out if return_dw_out else None, w))
+
+
+simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=())
+
+
+@simpo_chunked.register_fake
+def _(x, w, b, target, ignore_index, beta, gamma, alpha, label_smoothing, weight_grad_accum, chunk_tokens, need_dx,
+      need_dw, need_db, return_dw_out):
+    two_b, seq, hidden = x.shape
+    V = w.shape[0]
+    fp32_accumulator = plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens)[2].fp32_accumulator
+    f32 = torch.float32
+    need_db = need_db and b is not None
+    return (x.new_empty((), dtype=f32), x.new_empty((two_b, seq), dtype=f32),
+            x.new_empty((two_b * seq, hidden)) if need_dx else _empty(x),
+            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else _empty(w),
+            w.new_empty((V,), dtype=f32) if need_db else _empty(w, f32),
+            w.new_empty((V, hidden)) if need_dw and fp32_accumulator and return_dw_out else _empty(w))
+
+
+def _setup_simpo(ctx, inputs, output):
+    x, w, b = inputs[:3]
+    need_dx, need_dw, need_db = inputs[11:14]
+    save_output_grads(ctx, x, w, b, need_dx, need_dw, need_db and b is not None, *output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+@first_order_only
+def _backward_simpo(ctx, grad_loss, *_):
+    return (*rescaled_grads(ctx, grad_loss, "linear_simpo_loss (chunked)"), *([None] * 12))
+
+
+register_op(simpo_chunked, _simpo_chunked, _setup_simpo, _backward_simpo)
+
+
 @follows_autocast
 def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                       linear_bias: torch.Tensor | None = None, beta: float = DEFAULT_BETA,
@@ -91,31 +175,27 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     """
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
-    wants_grad = torch.is_grad_enabled() and (
-        input.requires_grad or linear_weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))
-    # validated once for every path; the range check is read after the kernels are queued
-    target_range = validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
-                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    if wants_grad and impl != "fused":
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and input.requires_grad, grad and linear_weight.requires_grad
+    need_db = grad and linear_bias is not None and linear_bias.requires_grad
+    # validated once for every path; the operators check the targets' range
+    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+                  weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    if (need_dx or need_dw or need_db) and impl != "fused":
         two_b, seq, _ = input.shape
-        plan = plan_for(two_b, seq, linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)
+        plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
         if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
                 and plan[0] != "generic":
             # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)
-            def loss_fn(logp, mask):
-                return simpo_loss_from_logps(logp, mask, **hp)[0]
-            opts = LossOptions(ignore_index=ignore_index)
-            loss, logps = ChunkedSimPO.apply(input, linear_weight, linear_bias, target, opts, hp,
-                                             weight_grad_accum, plan, loss_fn)
+            loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,
+                                      *hp.values(), weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+                                      not torch.compiler.is_compiling())
             _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
-            target_range.raise_if_failed()
             return loss, metrics
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                                softcap=None, impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
-    result = simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,
-                                   label_smoothing=label_smoothing)
-    target_range.raise_if_failed()
-    return result
+    return simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,
+                                 label_smoothing=label_smoothing)
 
 
 class LinearSimPOLoss(nn.Module):

@@ -269,14 +269,15 @@ def test_module_matches_function_and_double_backward_is_refused():
 
 
 def test_works_under_torch_compile():
-    """A compiled model that calls the op: one graph break around it, gradients as in eager."""
+    """A compiled model that calls the op: one graph, no break (`fullgraph=True`; the kernels are custom
+    operators), gradients as in eager. tests/test_compile.py covers every path and option."""
     torch._dynamo.reset()
     x, w, y, _, _ = make_inputs(12, 16, 40, torch.float32)
     proj = torch.nn.Linear(16, 16).to(x.device)
 
     def model(x, w, y):
         return fusedkern.linear_cross_entropy(torch.tanh(proj(x)), w, y, label_smoothing=0.05)
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     wc = w.clone().requires_grad_()
     loss_c = compiled(x, wc, y)
     loss_c.backward()
