@@ -252,7 +252,11 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
             _or_empty(dw_out if return_dw_out else None, w))
 
 
-ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chunked_scalar, mutates_args=())
+# the forward operators read their checks' host flags behind an event: no CUDA graph may capture them
+# (under mode="reduce-overhead" inductor leaves a graph holding one uncaptured, or partitions around it)
+CHECKING_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
+ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chunked_scalar, mutates_args=(),
+                                            tags=CHECKING_OP_TAGS)
 
 
 @ce_chunked_scalar.register_fake
@@ -314,7 +318,7 @@ def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target:
     return loss_tok, stats
 
 
-ce_per_token = torch.library.custom_op("fusedkern::ce_per_token", _per_token, mutates_args=())
+ce_per_token = torch.library.custom_op("fusedkern::ce_per_token", _per_token, mutates_args=(), tags=CHECKING_OP_TAGS)
 
 
 @ce_per_token.register_fake

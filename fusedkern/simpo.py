@@ -20,6 +20,7 @@ from torch import nn
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.linear_cross_entropy import (
+    CHECKING_OP_TAGS,
     _empty,
     _or_empty,
     call_op,
@@ -126,7 +127,8 @@ def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tar
             _or_empty(dw_out if return_dw_out else None, w))
 
 
-simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=())
+simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=(),
+                                        tags=CHECKING_OP_TAGS)
 
 
 @simpo_chunked.register_fake

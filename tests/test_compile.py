@@ -149,6 +149,8 @@ def test_one_graph_with_the_operators_in_it():
     code = explained.graphs[0].code
     for op in ("ce_chunked_scalar", "ce_per_token", "simpo_chunked"):
         assert f"fusedkern.{op}" in code
+        # they read host flags behind an event: CUDA graphs (mode="reduce-overhead") must leave them out
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.fusedkern, op).default.tags
 
 
 def test_dynamic_shapes_recompile_once_and_match():
