@@ -172,7 +172,7 @@ def grad_buffers(x, w, b, need_dx, need_dw, need_db, plan: GradChunkPlan):
     if need_dw:
         dw = torch.empty(w.shape, device=w.device, dtype=torch.float32 if plan.fp32_accumulator else w.dtype)
         if plan.fp32_accumulator:
-            dw_out = torch.empty_like(w)
+            dw_out = torch.empty_like(w, memory_format=torch.contiguous_format)  # also the logits buffer's home: viewed flat
     db = torch.zeros(w.shape[0], device=w.device, dtype=torch.float32) if need_db else None
     return dx, dw, db, dw_out
 

@@ -194,3 +194,12 @@ def test_gpu_double_backward_raises(name, fn):
     x.requires_grad_()
     with pytest.raises(RuntimeError, match="first-order gradients only"):
         torch.autograd.grad(fn(x, w, y), x, create_graph=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_column_major_half_weight_with_fp32_dw_accumulation(reduction):
+    """A [H, V] head passed as .t() (column-major): dW's own storage, which also holds the logits buffer
+    while the fp32 accumulator collects dW, must be allocated row-major (it was a RuntimeError)."""
+    x, w, y, _, _ = make_inputs(12, 8, 16, torch.float16)
+    w = w.t().contiguous().t()
+    check_against_reference(x, w, y, None, None, reduction=reduction, impl="chunked", chunk_tokens=4)
