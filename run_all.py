@@ -3,7 +3,7 @@
 
     python run_all.py                      # every notebook, rendered into notebooks/, figures into figures/
     python run_all.py --notebooks 02 04    # a selection, by number or name
-    python run_all.py --quick --output-dir /tmp/nb --figures-dir /tmp/fig   # fast smoke run
+    python run_all.py --quick --output-dir smoke/nb --figures-dir smoke/fig   # fast smoke run
 
 The notebooks' sources are jupytext py:percent files (`notebooks/NN_name.py`). Each is converted to
 a notebook, executed with papermill (its `parameters` cell receives quick, data_dir, figures_dir
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="run_all.py",
         description="Execute the study notebooks with papermill and write rendered copies and figures.",
-        epilog="Example: python run_all.py --notebooks 02 04 --quick --output-dir /tmp/nb --figures-dir /tmp/fig",
+        epilog="Example: python run_all.py --notebooks 02 04 --quick --output-dir smoke/nb --figures-dir smoke/fig",
     )
     parser.add_argument("--notebooks", nargs="+", metavar="NN", default=None,
                         help="which notebooks to run, by number (02) or name (02_correctness); default: all")

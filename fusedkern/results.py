@@ -104,6 +104,20 @@ def _run(command: list[str], cwd: Path | None = None) -> str | None:
     return done.stdout.strip()
 
 
+def _portable_arg(arg: str) -> str:
+    """A command-line argument as provenance records it: an absolute path inside the repository becomes
+    relative to it, any other absolute path only its file name (the measuring machine's folders mean
+    nothing elsewhere)."""
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return path.name
+
+
 def _git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout this package lives in.
 
@@ -158,7 +172,7 @@ def collect_environment(command: str | None = None) -> dict[str, Any]:
         triton_version = None
     commit, dirty = _git_state()
     if command is None:
-        command = shlex.join([Path(sys.executable).name, *sys.argv])
+        command = shlex.join([Path(sys.executable).name, *(_portable_arg(a) for a in sys.argv)])
     return {
         **_gpu_facts(),
         "cuda_version": torch.version.cuda,

@@ -16,7 +16,7 @@
 # `ce` runs 1–2 and the chunk study (everything a cross-entropy ratio is divided by stays in one
 # call), `simpo` runs 3–4.
 #
-# Time budget (H200 anchors of /work/shared/reference/README.md §4; fusedkern's own times are
+# Time budget (H200 anchors of the shared reference notes, §4; fusedkern's own times are
 # guesses): a case costs (warmup + reps + 1 memory run) × its wall time, reps sized to ~1 s per
 # case. ce ≈ 130 s of timed work (CCE's 622 ms full at 32768 tokens is the largest single cost,
 # HF bf16 170 ms, three GEMMs 154 ms), Liger 0.4.2 ≈ 25 s, simpo ≈ 50 s + Liger's torch.compile,
@@ -61,8 +61,8 @@ script_start=$SECONDS
 } 2>&1 | tee "$outdir/environment.log"
 
 # Pure-Python wheels, no dependency resolution (torch, triton, transformers are already here).
-site085=/tmp/site_liger085
-site042=/tmp/site_liger042
+site085="${TMPDIR:-/tmp}"/site_liger085
+site042="${TMPDIR:-/tmp}"/site_liger042
 rm -rf "$site085" "$site042"
 "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site085" \
     .whl/liger085/*.whl .whl/cce/*.whl || exit 1

@@ -7,7 +7,7 @@
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
 #   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
 #
-# Call a leaves the first half of the tarball in /tmp/quack_parts; call b adds the second half and
+# Call a leaves the first half of the tarball in $TMPDIR/quack_parts; call b adds the second half and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
 # with the shuffled protocol (a new provider order every round). Wheels: scripts/fetch_wheels.sh.
@@ -21,14 +21,14 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 failures=()
 
-site=/tmp/site_speed
+site="${TMPDIR:-/tmp}"/site_speed
 [ -d .whl/liger085 ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/liger085/*.whl .whl/cce/*.whl
-parts_dir=/tmp/quack_parts
+parts_dir="${TMPDIR:-/tmp}"/quack_parts
 mkdir -p "$parts_dir"
 for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
 quack_path=""
 if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
-    qsite=/tmp/site_quack
+    qsite="${TMPDIR:-/tmp}"/site_quack
     mkdir -p "$qsite"
     cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
         && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \

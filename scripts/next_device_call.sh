@@ -26,7 +26,7 @@ timeout 300 python3 -m pytest -m gpu tests/test_fused_ce.py -q -p no:xdist -o ad
     | tail -20 | tee "$out/gpu_tests_fused.log"
 timeout 240 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" --ignore=tests/test_fused_ce.py 2>&1 \
     | tail -20 | tee "$out/gpu_tests_rest.log"
-site_liger=/tmp/site_liger085  # the competitors travel as wheels (scripts/fetch_wheels.sh)
+site_liger="${TMPDIR:-/tmp}"/site_liger085  # the competitors travel as wheels (scripts/fetch_wheels.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site_liger" .whl/liger085/*.whl .whl/cce/*.whl
 PYTHONPATH="$site_liger:$PYTHONPATH" timeout 120 python3 -m fusedkern.bench simpo --batch 8 16 --modes full --interleave --no-progress \
     --providers cublas_3gemm cublas_3gemm_real_grad fusedkern_chunked fusedkern_chunked_lean fusedkern_chunked_lean_c2048 \

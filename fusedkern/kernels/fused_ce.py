@@ -85,6 +85,7 @@ from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default,
 # shared with the row kernels: tanh in fp32 (libdevice on the GPU, exact forms in the interpreter), and
 # exp(u) − 1 without cancellation near 0 (the target's p − 1 of a confident prediction)
 from fusedkern.kernels.ce_rows import _expm1, _tanh
+from fusedkern.kernels.dot import dot_fp32_acc
 
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
 _V_GRANULE = 256
@@ -95,19 +96,6 @@ __all__ = ["fused_ce_forward", "fused_ce_backward", "workspace_bytes"]
 # ----------------------------------------------------------------------------------------------
 # device helpers
 
-# Triton's interpreter computes tl.dot on bf16 operands wrongly (values off by 1e9): there the
-# operands are widened to fp32 first, which gives the same products (bf16 × bf16 is exact in fp32)
-# with fp32 accumulation, as the tensor cores do. The GPU path is untouched.
-_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """tl.dot(a, b, acc) with fp32 accumulation (see `_WIDEN_DOT_OPERANDS`)."""
-    if _WIDEN_DOT_OPERANDS:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -128,7 +116,7 @@ def _logit_tile(
         mask_h = offs_h < H
         x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
         w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
-        acc = _dot(x_tile, tl.trans(w_tile), acc, DOT_PRECISION)  # (BLOCK_T, BLOCK_V)
+        acc = dot_fp32_acc(x_tile, tl.trans(w_tile), acc, DOT_PRECISION)  # (BLOCK_T, BLOCK_V)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_v * stride_b, mask=mask_v, other=0.0).to(tl.float32)  # (BLOCK_V,)
         acc += bias[None, :]
@@ -406,11 +394,11 @@ def _fused_ce_bwd_kernel(
         mask_h = offs_h < H
         if COMPUTE_DX:
             w_tile = tl.load(w_rows + offs_h[None, :] * stride_wh, mask=mask_v[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_V, BLOCK_H)
-            dx_part = _dot(gc, w_tile, None, DOT_PRECISION)  # (BLOCK_T, BLOCK_H) fp32
+            dx_part = dot_fp32_acc(gc, w_tile, None, DOT_PRECISION)  # (BLOCK_T, BLOCK_H) fp32
             tl.atomic_add(dx_rows + offs_h[None, :], dx_part, mask=valid[:, None] & mask_h[None, :], sem="relaxed")
         if COMPUTE_DW:
             x_tile = tl.load(x_rows + offs_h[None, :] * stride_xh, mask=mask_t[:, None] & mask_h[None, :], other=0.0)  # (BLOCK_T, BLOCK_H)
-            dw_part = _dot(tl.trans(gc), x_tile, None, DOT_PRECISION)  # (BLOCK_V, BLOCK_H) fp32
+            dw_part = dot_fp32_acc(tl.trans(gc), x_tile, None, DOT_PRECISION)  # (BLOCK_V, BLOCK_H) fp32
             if GRAD_W_STORE:
                 tl.store(dw_rows + offs_h[None, :], dw_part.to(dw_ptr.dtype.element_ty), mask=mask_v[:, None] & mask_h[None, :])
             else:

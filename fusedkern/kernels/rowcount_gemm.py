@@ -83,13 +83,10 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting, sm_count
+from fusedkern.kernels.dot import dot_fp32_acc
 
 __all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible"]
 
-# Triton's interpreter computes tl.dot on bf16 operands wrongly: there the operands are widened to
-# fp32 first (bf16 × bf16 and fp16 × fp16 products are exact in fp32, accumulated in fp32 as the
-# tensor cores do). The GPU path is untouched.
-_WIDEN_DOT_OPERANDS = tl.constexpr(interpreting())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,15 +126,6 @@ def _config_list(kernel: str, fp32: bool) -> list:
 
 # ----------------------------------------------------------------------------------------------
 # device helpers
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """acc + a @ b with fp32 accumulation (see `_WIDEN_DOT_OPERANDS`)."""
-    if _WIDEN_DOT_OPERANDS:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -247,7 +235,7 @@ def _logits_kernel(
             for ki in range(k_tiles):
                 a = x_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
                 b = w_desc.load([off_n, ki * BLOCK_K])  # (BLOCK_N, BLOCK_K)
-                acc = _dot(a, b.T, acc, DOT_PRECISION)
+                acc = dot_fp32_acc(a, b.T, acc, DOT_PRECISION)
         else:
             offs_m = off_m + tl.arange(0, BLOCK_M)
             mask_m = offs_m < n
@@ -259,7 +247,7 @@ def _logits_kernel(
                 mask_k = offs_k < H - ki * BLOCK_K
                 a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                acc = _dot(a, tl.trans(b), acc, DOT_PRECISION)
+                acc = dot_fp32_acc(a, tl.trans(b), acc, DOT_PRECISION)
                 x_ptrs += BLOCK_K * stride_xh
                 w_ptrs += BLOCK_K * stride_wh
         if HAS_BIAS:
@@ -340,7 +328,7 @@ def _dx_kernel(
             for ki in range(k_tiles):
                 a = g_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
                 b = w_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
-                acc = _dot(a, b, acc, DOT_PRECISION)
+                acc = dot_fp32_acc(a, b, acc, DOT_PRECISION)
             _store_tile(dx_desc, acc, off_m, off_n, 0, BLOCK_M, BLOCK_N, EPI_SLICES)
         else:
             offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -354,7 +342,7 @@ def _dx_kernel(
                 mask_k = offs_k < V - ki * BLOCK_K
                 a = tl.load(g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = _dot(a, b, acc, DOT_PRECISION)
+                acc = dot_fp32_acc(a, b, acc, DOT_PRECISION)
                 g_ptrs += BLOCK_K * stride_gv
                 w_ptrs += BLOCK_K * stride_wv  # pointer arithmetic: int64 already
             dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxc + offs_n[None, :] * stride_dxh
@@ -407,7 +395,7 @@ def _dw_kernel(
             for ki in range(k_tiles):
                 a = g_desc.load([ki * BLOCK_K, off_m])  # (BLOCK_K, BLOCK_M), tokens ≥ n zero-filled
                 b = x_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
-                acc = _dot(a.T, b, acc, DOT_PRECISION)
+                acc = dot_fp32_acc(a.T, b, acc, DOT_PRECISION)
         else:
             offs_k = tl.arange(0, BLOCK_K)
             g_ptrs = g_ptr + offs_k.to(tl.int64)[:, None] * stride_gc + offs_m[None, :] * stride_gv
@@ -417,7 +405,7 @@ def _dw_kernel(
                 mask_k = offs_k < n - ki * BLOCK_K
                 a = tl.load(g_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
                 b = tl.load(x_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = _dot(tl.trans(a), b, acc, DOT_PRECISION)
+                acc = dot_fp32_acc(tl.trans(a), b, acc, DOT_PRECISION)
                 g_ptrs += BLOCK_K * stride_gc
                 x_ptrs += BLOCK_K * stride_xc
         if USE_TMA:
