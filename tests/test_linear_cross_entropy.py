@@ -364,6 +364,36 @@ def test_gpu_chunked_step_never_waits_for_the_gpu(accum):
     assert torch.isfinite(w.grad).all()
 
 
+@pytest.mark.parametrize("weight_grad_accum, chunk_tokens", [("weight_dtype", 8), ("fp32", 8), ("fp32", None)])
+@pytest.mark.parametrize("loss", ["cross_entropy", "simpo"])
+def test_chunked_grads_become_dot_grad_without_a_copy(monkeypatch, loss, weight_grad_accum, chunk_tokens):
+    """The gradients formed in the forward pass are handed to autograd as the only reference, so `.grad`
+    is the op's own buffer: a copy would add a whole [V, H] dW to the peak (found on the H200: +1 GiB)."""
+    import fusedkern.chunked
+    import fusedkern.simpo_chunked
+
+    formed = []
+    grad_buffers = fusedkern.chunked.grad_buffers
+
+    def recording(*args, **kwargs):
+        buffers = grad_buffers(*args, **kwargs)
+        formed.extend(t.data_ptr() for t in buffers if t is not None)
+        return buffers
+
+    monkeypatch.setattr(fusedkern.chunked, "grad_buffers", recording)
+    monkeypatch.setattr(fusedkern.simpo_chunked, "grad_buffers", recording)
+    H, V = 16, 40
+    x = torch.randn(4, 8, H, dtype=torch.float16, device=DEVICE).requires_grad_()
+    w = (torch.randn(V, H, device=DEVICE) / 4).to(torch.float16).requires_grad_()
+    y = torch.randint(0, V, (4, 8), device=DEVICE)
+    opts = dict(weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    if loss == "simpo":
+        fusedkern.linear_simpo_loss(x, w, y, impl="chunked", **opts)[0].backward()
+    else:
+        fusedkern.linear_cross_entropy(x, w, y, impl="chunked", **opts).backward()
+    assert w.grad.data_ptr() in formed and x.grad.data_ptr() in formed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl, budget_mib", [("fused", 16), ("chunked", 256)])
 def test_gpu_extra_memory_within_budget(impl, budget_mib):
