@@ -35,6 +35,7 @@ from fusedkern.chunked import (
     plan_for_grads,
 )
 from fusedkern.kernels.scale import scale_unless_one_
+from fusedkern.integrations.fsdp import full_weights
 
 IMPLS = ("auto", "chunked", "fused")
 REDUCTIONS = ("mean", "sum", "none")
@@ -621,6 +622,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         the loss (float32; 0-d for mean/sum, input's leading shape for "none"), and the lse when
         `return_lse`. All targets ignored with "mean" gives NaN and zero gradients, like torch.
     """
+    linear_weight, linear_bias, weight = full_weights(input, linear_weight, target, linear_bias, weight)  # DTensors
     validate_call(input, linear_weight, target, linear_bias, weight=weight, reduction=reduction,
                   ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                   impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fusedkern.chunked import LossOptions
+from fusedkern.integrations.fsdp import full_weights
 from fusedkern.linear_cross_entropy import follows_autocast, loss_over_tokens, resolve_impl, validate_call
 
 
@@ -27,6 +28,7 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
     num_valid_tokens: the count of non-ignored targets, when the caller has it on the host: only those
     rows are computed (see `linear_cross_entropy`).
     """
+    linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
     return logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,

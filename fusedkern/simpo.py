@@ -19,6 +19,7 @@ from torch import nn
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
+from fusedkern.integrations.fsdp import full_weights
 from fusedkern.linear_cross_entropy import (
     CHECKING_OP_TAGS,
     _empty,
@@ -175,6 +176,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     Returns (loss, metrics) with TRL's metric names (rewards/chosen, rewards/rejected,
     rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, nll_loss).
     """
+    linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
     grad = torch.is_grad_enabled()

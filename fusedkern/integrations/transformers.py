@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - older Transformers
     _hf_slice_logits_to_keep = None
 
 from fusedkern import _validation as V_
+from fusedkern.integrations.fsdp import call_as_forward
 from fusedkern.linear_cross_entropy import linear_cross_entropy, validate_strategy
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "SUPPORTED_ARCHITECTURES"]
@@ -207,8 +208,11 @@ def _make_forward(original: Callable, options: dict[str, Any], softcap_attr: str
         outputs = self.model(**arguments, **extra, return_dict=True)
         hidden_states = _keep_positions(outputs[0], logits_to_keep)
         softcap = getattr(self.config, softcap_attr, None) if softcap_attr else None
-        loss = _causal_lm_loss(hidden_states, self.lm_head, labels, shift_labels, num_items_in_batch,
-                               ignore_index, softcap, options)
+        # as lm_head's forward, under its hooks: FSDP2 (fully_shard(lm_head)) gathers the weight only there
+        loss = call_as_forward(self.lm_head, functools.partial(
+            _causal_lm_loss, lm_head=self.lm_head, labels=labels, shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, softcap=softcap, options=options),
+            hidden_states)
         result = CausalLMOutputWithPast(loss=loss, logits=None,
                                         **{name: getattr(outputs, name, None) for name in output_fields})
         if return_dict is None:
