@@ -151,9 +151,18 @@ _EAGER: dict = {}
 
 
 def register_op(op, impl: Callable, setup_context: Callable, backward: Callable) -> None:
-    """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`."""
-    op.register_autograd(backward, setup_context=setup_context)
-    _EAGER[op] = _OpSpec(impl, setup_context, backward)
+    """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`.
+
+    The operators return their precomputed gradients as (non-differentiable) outputs; autograd would hand
+    the backward a zero-filled gradient of each — a transient dX + dW (+1 GiB at V·H = 128256·4096, found
+    on the H200) — so the formula sees None for outputs nothing flowed into."""
+
+    def setup_without_zero_grads(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+        setup_context(ctx, inputs, output)
+
+    op.register_autograd(backward, setup_context=setup_without_zero_grads)
+    _EAGER[op] = _OpSpec(impl, setup_without_zero_grads, backward)
 
 
 class _EagerOp(torch.autograd.Function):
