@@ -488,21 +488,29 @@ def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
 
 
-def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str) -> str:
-    """'auto' → 'chunked' (the faster strategy), unless its buffers do not fit the free GPU memory:
-    then 'fused', which needs only O(tokens) extra. Under torch.compile 'auto' is 'chunked': the free
-    memory is a driver query, not something a graph can hold."""
+def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,
+                 chunk_tokens: int | None) -> str:
+    """'auto' → 'chunked' (the faster strategy), unless its buffers — at the caller's `chunk_tokens` when
+    given — do not fit the free GPU memory: then 'fused', which needs only O(tokens) extra. Under
+    torch.compile 'auto' is 'chunked': the free memory is a driver query, not something a graph can hold."""
     if impl != "auto":
         return impl
     if x2d.is_cuda and not torch.compiler.is_compiling():
-        vocab, hidden = w.shape
-        plan = plan_for_grads(x2d.shape[0], w, w.requires_grad, weight_grad_accum, None)
-        need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * x2d.element_size()
-        if plan.fp32_accumulator:
-            need += vocab * hidden * 4
+        need = chunked_extra_bytes(x2d.shape[0], w, weight_grad_accum, chunk_tokens)
         if not _cached_bytes_cover(need, x2d.device) and torch.cuda.mem_get_info(x2d.device)[0] < need:
             return "fused"
     return "chunked"
+
+
+def chunked_extra_bytes(n_tokens: int, w: torch.Tensor, weight_grad_accum: str, chunk_tokens: int | None) -> int:
+    """Bytes the chunked strategy allocates beyond inputs and gradients: its logits buffer (none when it
+    lives in dW's storage) and the fp32 dW accumulator."""
+    vocab, hidden = w.shape
+    plan = plan_for_grads(n_tokens, w, w.requires_grad, weight_grad_accum, chunk_tokens)
+    need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * w.element_size()
+    if plan.fp32_accumulator:
+        need += vocab * hidden * 4
+    return need
 
 
 def _cached_bytes_cover(need: int, device: torch.device) -> bool:
@@ -643,7 +651,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
-    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
+    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
     loss, lse = loss_over_tokens(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
                                  weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=return_lse)
     if reduction == "none":

@@ -45,7 +45,7 @@ def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_inde
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
-    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum)
+    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
     nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", impl, weight_grad_accum,
                                   chunk_tokens, num_valid_tokens, need_lse=False)
     return (-nll_tok).reshape(input.shape[:-1])

@@ -188,7 +188,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     if (need_dx or need_dw or need_db) and impl != "fused":
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
-        if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum) == "chunked" \
+        if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum, chunk_tokens) == "chunked" \
                 and plan[0] != "generic":
             # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)
             loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,

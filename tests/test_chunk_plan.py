@@ -41,3 +41,30 @@ def test_loss_tile_fits_64_mib_and_keeps_gemms_large():
     C, Vs = loss_tile(32768, V, 2)
     assert (C, Vs) == (2048, 16384) and C * Vs * 2 <= LOSS_CHUNK_BUDGET_BYTES
     assert loss_tile(100, 1000, 4) == (100, 1000)  # a small problem is one whole-row chunk
+
+
+def test_auto_counts_the_callers_chunk_tokens():
+    """`resolve_impl`'s memory check sizes the buffer at the caller's chunk_tokens, not the default plan's."""
+    import torch
+
+    from fusedkern.linear_cross_entropy import chunked_extra_bytes
+
+    w = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    assert chunked_extra_bytes(32768, w, "weight_dtype", None) == 1024 * V * 2  # 256 MiB plan
+    assert chunked_extra_bytes(32768, w, "weight_dtype", 8192) == 8192 * V * 2
+    # fp32 accumulation, chunks bigger than H: the buffer no longer fits dW's storage, both count
+    assert chunked_extra_bytes(32768, w, "fp32", 8192) == 8192 * V * 2 + V * H * 4
+    assert chunked_extra_bytes(32768, w, "fp32", None) == V * H * 4  # default: buffer inside dW's storage
+
+
+@pytest.mark.gpu
+def test_gpu_auto_falls_back_to_fused_when_the_callers_chunk_does_not_fit():
+    import torch
+
+    from fusedkern.linear_cross_entropy import resolve_impl
+
+    # a tiny hidden size keeps the inputs small while one chunk of all tokens would need ~200 GB
+    x = torch.empty(1 << 20, 1, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(100_000, 1, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert resolve_impl("auto", x, w, "weight_dtype", None) == "chunked"
+    assert resolve_impl("auto", x, w, "weight_dtype", 1 << 20) == "fused"
