@@ -203,12 +203,14 @@ def _row_finish_kernel(
     partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
     target_logit_ptr,  # (C,) fp32 s_y, copied out by the stats kernel (COMPUTE_STATS; see `ce_rows`)
-    class_weight_ptr,  # (V,) fp32 class weights w_v (HAS_WEIGHT)
+    class_weight_ptr,  # (vocab_total,) fp32 class weights w_v of the whole vocabulary (HAS_WEIGHT)
     class_weight_sum_ptr,  # (1,) fp32 Σ_v w_v (HAS_WEIGHT)
     grad_ptr,  # fp32 upstream ∂L/∂ℓ_t: (C,) if PER_TOKEN_GRAD else (1,) shared by all tokens
     row_count_ptr,  # (1,) int: rows at or past it are skipped (HAS_ROW_COUNT)
     # shapes and strides
-    V, stride_row, span,
+    V, stride_row, span,  # V: the chunk's columns (a vocabulary shard's, under vocabulary parallelism)
+    col_base,  # vocabulary index of the chunk's column 0 (0 unless the chunk is one rank's vocabulary shard)
+    vocab_total,  # the whole vocabulary's size (= V unless sharded): the target's range, ε/V, Σ w
     # options
     ignore_index,
     label_smoothing,  # ε
@@ -228,7 +230,8 @@ def _row_finish_kernel(
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
     # out-of-range targets read column 0: the host raises on them after the launch (TargetRangeCheck)
-    safe_target = tl.where(is_valid & (target >= 0) & (target < V), target, 0)
+    safe_target = tl.where(is_valid & (target >= 0) & (target < vocab_total), target, 0)
+    target_col = target - col_base  # the target's column in this chunk (outside [0, V) on other shards)
 
     # 1. lse from the row's partials (every program of the row merges them: SPLIT loads, no sync).
     if COMPUTE_STATS:
@@ -249,7 +252,7 @@ def _row_finish_kernel(
         w_sum = tl.load(class_weight_sum_ptr)
     else:
         w_y = 1.0
-        w_sum = V * 1.0
+        w_sum = vocab_total * 1.0
 
     if COMPUTE_STATS:
         if split == 0:
@@ -258,7 +261,7 @@ def _row_finish_kernel(
             s_y = tl.load(target_logit_ptr + row)
             ws = tl.sum(tl.load(partial_wsum_ptr + parts), axis=0)
             loss = (1.0 - label_smoothing) * w_y * ((m - s_y) + log_d)
-            loss += (label_smoothing / V) * (w_sum * lse - ws)
+            loss += (label_smoothing / vocab_total) * (w_sum * lse - ws)
             loss += z_loss * lse * lse
             tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
             tl.store(row_max_ptr + row, m)
@@ -272,9 +275,9 @@ def _row_finish_kernel(
             g = tl.load(grad_ptr)
         g = tl.where(is_valid, g, 0.0)
         coef_y = g * (1.0 - label_smoothing) * w_y
-        coef_extra = g * (label_smoothing * w_sum / V + 2.0 * z_loss * lse)  # coef_p − coef_y
+        coef_extra = g * (label_smoothing * w_sum / vocab_total + 2.0 * z_loss * lse)  # coef_p − coef_y
         coef_p = coef_y + coef_extra
-        coef_w = g * label_smoothing / V
+        coef_w = g * label_smoothing / vocab_total
         offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         col0 = split * span
         col1 = tl.minimum(col0 + span, V)
@@ -291,9 +294,9 @@ def _row_finish_kernel(
             p = tl.exp(log_p)
             # at the target, coef_p·p − coef_y = coef_y·(p − 1) + coef_extra·p with p − 1 = expm1(log p):
             # exact where p_y → 1 (a confident prediction), where p − 1 in fp32 keeps few digits
-            grad = tl.where(cols == target, coef_y * _expm1(log_p) + coef_extra * p, coef_p * p)
+            grad = tl.where(cols == target_col, coef_y * _expm1(log_p) + coef_extra * p, coef_p * p)
             if HAS_WEIGHT:
-                grad -= coef_w * tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
+                grad -= coef_w * tl.load(class_weight_ptr + col_base + cols, mask=mask, other=0.0)
             else:
                 grad -= coef_w
             if HAS_SOFTCAP:
@@ -328,6 +331,8 @@ def ce_rows(
     compute_stats: bool,
     per_token_grad: bool = False,
     row_count: torch.Tensor | None = None,
+    col_base: int = 0,
+    vocab_total: int | None = None,
 ) -> None:
     """Per-row statistics and (optionally) the in-place logits gradient of a logits chunk.
 
@@ -338,9 +343,14 @@ def ce_rows(
     logits are overwritten with ∂L/∂z. row_count: a one-element int tensor on the device, or None: rows
     at or past it are not read and their loss, stats and gradient are not written (the valid rows
     compacted to the front of a chunk, counted on the device: `compacted.py`).
+    col_base, vocab_total: the chunk holds columns col_base … col_base + V − 1 of a vocabulary of
+    vocab_total (one rank's shard, `fusedkern.distributed`); then `stats` must be the whole vocabulary's
+    (compute_stats=False) and class_weight covers the whole vocabulary.
     """
     C, V = logits.shape
     assert logits.stride(1) == 1 and C > 0
+    vocab_total = V if vocab_total is None else vocab_total
+    assert not compute_stats or (col_base == 0 and vocab_total == V), "a shard's statistics are partial"
     split = _split_for(C, V)
     dummy = stats  # any fp32 tensor: never read when its flag is off
     span = _span(V, split)
@@ -363,7 +373,8 @@ def ce_rows(
     _launch_finish(logits, target, target_logit, parts, (C, split if write_grad else 1), split, span, loss=loss,
                    stats=stats, class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
                    ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                   compute_stats=compute_stats, per_token_grad=per_token_grad, row_count=row_count)
+                   compute_stats=compute_stats, per_token_grad=per_token_grad, row_count=row_count,
+                   col_base=col_base, vocab_total=vocab_total)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,7 +454,7 @@ def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit,
 
 def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
                    class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
-                   per_token_grad, vocab=None, row_count=None) -> None:
+                   per_token_grad, vocab=None, row_count=None, col_base=0, vocab_total=None) -> None:
     """logits: the [C, V] chunk, or None when merging tile partials (then `vocab` gives V).
     target_logit: s_y per row from the statistics kernel, needed when the loss is computed (never read
     from the logits: see `ce_rows`); None otherwise."""
@@ -456,6 +467,7 @@ def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, lo
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
         dummy if row_count is None else row_count,
         vocab if logits is None else logits.shape[1], 0 if logits is None else logits.stride(0), span,
+        col_base, (vocab if logits is None else logits.shape[1]) if vocab_total is None else vocab_total,
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
         COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
