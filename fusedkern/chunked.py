@@ -55,7 +55,7 @@ def logits_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tens
     return torch.empty((rows, vocab), device=like.device, dtype=like.dtype)
 
 
-def _logits_into(buf: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def logits_into(buf: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """Z = x_c Wᵀ (+ b) written into the first rows of the reused buffer. (C, V)"""
     z = buf[: x_c.shape[0]]
     if b is None:
@@ -112,7 +112,7 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         x_c = x[c0:c1]
-        z = _logits_into(buf, x_c, w, b)
+        z = logits_into(buf, x_c, w, b)
         ce_rows(z, target[c0:c1], loss=None if loss_tok is None else loss_tok[c0:c1], stats=stats[:, c0:c1],
                 grad=grad[c0:c1] if per_token_grad else grad, compute_stats=compute_stats,
                 per_token_grad=per_token_grad, **kernel_args)
@@ -132,7 +132,7 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
         parts, target_logit, split = tile_partials(c1 - c0, V, Vs, x.device)
         for k, v0 in enumerate(range(0, V, Vs)):
             v1 = min(v0 + Vs, V)
-            tile = _logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
+            tile = logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
                                 None if b is None else b[v0:v1])
             row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
                            class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)

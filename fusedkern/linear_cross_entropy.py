@@ -118,7 +118,7 @@ def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
     return None if grad is None else grad.to(dtype)
 
 
-def _denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+def mean_denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
     """D of the mean: Σ_{t not ignored} w_{y_t} (the count without class weights), fp32 on device."""
     valid = target != ignore_index
     if class_weight is None:
@@ -240,7 +240,7 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     if reduction == "mean":
-        denom = _denominator(target, class_weight, ignore_index)
+        denom = mean_denominator(target, class_weight, ignore_index)
         grad_scale = (1.0 / denom).reshape(1)
     else:
         grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
@@ -547,7 +547,7 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
         return loss_tok, lse
     if reduction == "sum":
         return loss_tok.sum(), lse
-    return loss_tok.sum() / _denominator(y, class_weight, opts.ignore_index), lse
+    return loss_tok.sum() / mean_denominator(y, class_weight, opts.ignore_index), lse
 
 
 def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,

@@ -25,7 +25,7 @@ import torch
 from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import (
     LossOptions,
-    _logits_into,
+    logits_into,
     row_kernel_args,
     chunk_grads,
     chunked_loss,
@@ -67,7 +67,7 @@ def _process_chunk(x_rows, y_rows, w, b, kernel_args, buf, a_partner, n_self, n_
                    hp, n_pairs, dx_rows, dw, db, first):
     """One chunk of whole responses of one half: logits → stats → A → g → in-place gradient → dX, dW.
     Returns the chunk's per-token log-probabilities [k·S] and its responses' A [k]."""
-    z = _logits_into(buf, x_rows, w, b)
+    z = logits_into(buf, x_rows, w, b)
     C = z.shape[0]
     nll = torch.empty(C, device=z.device, dtype=torch.float32)
     stats = torch.empty((2, C), device=z.device, dtype=torch.float32)
@@ -126,7 +126,7 @@ class ChunkedSimPO(torch.autograd.Function):
                     y_c = torch.cat([y[rw], y[rl]])
                 n_c = torch.cat([n_tokens[i0:i1], n_tokens[n_pairs + i0:n_pairs + i1]])
                 # statistics of both halves first, so each half's gradient sees its partner's A
-                z = _logits_into(buf, x_c, w, b)
+                z = logits_into(buf, x_c, w, b)
                 nll = torch.empty(2 * k * seq, device=x.device, dtype=torch.float32)
                 stats = torch.empty((2, 2 * k * seq), device=x.device, dtype=torch.float32)
                 ce_rows(z, y_c, loss=nll, stats=stats, grad=None, compute_stats=True, **kernel_args)
