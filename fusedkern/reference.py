@@ -11,6 +11,10 @@ What lives here, and what each is for:
 - `hf_linear_simpo_loss`: the seed's SimPO baseline as Liger-Kernel's benchmark ran the Hugging Face
   side (TRL's CPO-SimPO on fp32-upcast logits).
 - `cublas_3gemm`, `cublas_1gemm`: the GEMM floor the benchmarks compare the fused op to.
+- `fp64_linear_cross_entropy_grads_chunked`: the benchmark's accuracy oracle, the fp64 mean
+  cross-entropy and its gradients chunk by chunk where the whole fp64 logits would not fit.
+- `cross_entropy_from_logits`, `target_logprobs`, `simpo_from_logprobs`, `logits_to_mean_ce_grad_`,
+  `softcap_with_derivative_`: the building blocks, on logits or log-probs, shared with the benchmark.
 
 The loss math follows docs/design.md exactly. The cross-entropy core is written with explicit
 logsumexp arithmetic rather than `F.cross_entropy`, so that testing it against torch is an
@@ -31,6 +35,12 @@ __all__ = [
     "linear_simpo_loss_fp64",
     "cublas_3gemm",
     "cublas_1gemm",
+    "fp64_linear_cross_entropy_grads_chunked",
+    "cross_entropy_from_logits",
+    "target_logprobs",
+    "simpo_from_logprobs",
+    "logits_to_mean_ce_grad_",
+    "softcap_with_derivative_",
     "SIMPO_METRIC_KEYS",
 ]
 
@@ -90,7 +100,7 @@ def _safe_target(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor,
     return mask, torch.where(mask, target, torch.zeros_like(target))
 
 
-def _cross_entropy_from_logits(
+def cross_entropy_from_logits(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
@@ -144,7 +154,7 @@ def _cross_entropy_from_logits(
     return (loss, lse) if return_lse else loss
 
 
-def _target_logprobs(
+def target_logprobs(
     logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int, softcap: float | None
 ) -> torch.Tensor:
     """logp_t = s_{t,y_t} − lse_t, 0 where ignored. logits [..., V] -> [...] in logits.dtype."""
@@ -215,7 +225,7 @@ def upcast_linear_cross_entropy(
     Materializes the [T, V] logits twice (input dtype and fp32): this is the memory it costs.
     """
     logits_fp32 = F.linear(input, linear_weight, linear_bias).float()  # [..., V]
-    return _cross_entropy_from_logits(
+    return cross_entropy_from_logits(
         logits_fp32,
         target,
         weight=weight,
@@ -247,7 +257,7 @@ def linear_cross_entropy_fp64(
     Same signature and semantics as `upcast_linear_cross_entropy`; loss (and lse) are float64.
     Differentiable: autograd gives float64-accurate gradients, cast back to each input's dtype.
     """
-    return _cross_entropy_from_logits(
+    return cross_entropy_from_logits(
         _fp64_logits(input, linear_weight, linear_bias),
         target,
         weight=weight,
@@ -274,7 +284,7 @@ def linear_logprobs_fp64(
     input [..., H], linear_weight [V, H], target [...] -> [...] float64, differentiable.
     """
     _check_softcap(softcap)
-    return _target_logprobs(
+    return target_logprobs(
         _fp64_logits(input, linear_weight, linear_bias),
         target,
         ignore_index=ignore_index,
@@ -287,7 +297,7 @@ def linear_logprobs_fp64(
 # ----------------------------------------------------------------------------------------------
 
 
-def _simpo_from_logprobs(
+def simpo_from_logprobs(
     logps: torch.Tensor,
     mask: torch.Tensor,
     *,
@@ -380,7 +390,7 @@ def hf_linear_simpo_loss(
         reduction="sum",
     )
     chosen_nll = chosen_nll_sum / mask[:n_pairs].sum().clamp_min(1)  # 0-d, /max(N_w, 1)
-    return _simpo_from_logprobs(
+    return simpo_from_logprobs(
         logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing,
         chosen_nll=chosen_nll,
     )
@@ -406,7 +416,7 @@ def linear_simpo_loss_fp64(
     logps = linear_logprobs_fp64(
         input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index
     )  # [2B, S] float64
-    return _simpo_from_logprobs(
+    return simpo_from_logprobs(
         logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing
     )
 
@@ -435,3 +445,77 @@ def cublas_3gemm(
 def cublas_1gemm(x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The floor of the loss-only (no-grad) op: the logits GEMM alone, x [T, H] @ Wᵀ -> [T, V]."""
     return x2d @ w.T
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark's accuracy oracle (fp64, chunked)
+# ----------------------------------------------------------------------------------------------
+
+
+def softcap_with_derivative_(logits: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: z [C, V] → s = c·tanh(z/c); returns (s, ds/dz = 1 − tanh²(z/c))."""
+    tanh = logits.div_(softcap).tanh_()
+    derivative = 1.0 - tanh.square()
+    return tanh.mul_(softcap), derivative
+
+
+def logits_to_mean_ce_grad_(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, count: torch.Tensor,
+                             lse: torch.Tensor | None = None, dsoftcap: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: logits [C, V] → ∂(mean cross-entropy)/∂z = (softmax − one-hot)/count on the valid rows,
+    0 on ignored ones. target [C] (any value where not valid), valid [C] bool, count 0-d, lse [C] if known.
+    With a softcap pass the softcapped logits s and dsoftcap = ds/dz = 1 − tanh²(z/c) [C, V]: the result
+    is then (softmax(s) − one-hot)·ds/dz."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    grad[rows, torch.where(valid, target, 0)] -= valid.to(grad.dtype)  # − one-hot where the token counts
+    if dsoftcap is not None:
+        grad.mul_(dsoftcap)
+    return grad.mul_((valid.to(grad.dtype) / count)[:, None])
+
+
+def fp64_linear_cross_entropy_grads_chunked(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int = 1024,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact mean cross-entropy of `x @ w.T` (softcapped to c·tanh(z/c) when `softcap` is given) and its
+    gradients, in float64, chunk by chunk.
+
+    x [..., H], w [V, H], target [...] int64 -> (loss 0-d, dX shaped like x, dW [V, H]), float64.
+    The truth the accuracy sweep compares against at 32768 × 128256, where the whole fp64 logits
+    (34 GB) and autograd's copies of them would not fit: per chunk of `chunk_tokens` tokens the
+    logits are formed in float64 ([C, V], 1 GB at C = 1024), turned in place into
+    G = (softmax − onehot)/N (N = non-ignored tokens, ignored rows 0), then dX_chunk = G W and
+    dW += Gᵀ x_chunk. Same math as `linear_cross_entropy_fp64` (mean
+    reduction; all tokens ignored gives NaN like torch), which the tests check it against.
+    """
+    hidden = x.shape[-1]
+    x2d = x.detach().reshape(-1, hidden)  # [T, H]
+    flat_target = target.reshape(-1)  # [T]
+    w64 = w.detach().double()  # [V, H]
+    mask = flat_target != ignore_index  # [T]
+    n_valid = mask.sum().double()  # 0-d
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    grad_x = torch.empty(x2d.shape, dtype=torch.float64, device=x.device)  # [T, H]
+    grad_w = torch.zeros_like(w64)  # [V, H]
+    for start in range(0, x2d.shape[0], chunk_tokens):
+        stop = min(start + chunk_tokens, x2d.shape[0])
+        x_chunk = x2d[start:stop].double()  # [C, H]
+        valid = mask[start:stop]  # [C]
+        safe_target = torch.where(valid, flat_target[start:stop], 0)  # [C], in range for gathers
+        logits = x_chunk @ w64.T  # [C, V]
+        dsoftcap = None
+        if softcap is not None:
+            logits, dsoftcap = softcap_with_derivative_(logits, softcap)  # s [C, V], ds/dz [C, V]
+        lse = torch.logsumexp(logits, dim=-1)  # [C]
+        picked = logits.gather(1, safe_target[:, None]).squeeze(1)  # [C]
+        loss_sum += torch.where(valid, lse - picked, 0.0).sum()
+        grad = logits_to_mean_ce_grad_(logits, safe_target, valid, n_valid, lse, dsoftcap)  # [C, V], in place
+        grad_x[start:stop] = grad @ w64
+        grad_w.addmm_(grad.T, x_chunk)
+    return loss_sum / n_valid, grad_x.reshape(x.shape), grad_w

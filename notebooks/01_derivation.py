@@ -42,9 +42,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from fusedkern import memory_model
 from fusedkern.chunk_plan import grad_chunk_plan
-from fusedkern.plotting import error_bound
+from fusedkern.study import memory_model
+from fusedkern.study.tables import error_bound
 
 torch.manual_seed(seed)
 pd.set_option("display.precision", 3)

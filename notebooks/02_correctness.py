@@ -64,8 +64,10 @@ import torch
 from IPython.display import display
 
 import fusedkern
-from fusedkern import plotting, reference
+from fusedkern import reference
 from fusedkern._runtime import interpreting
+from fusedkern.study import plotting, tables
+from fusedkern.study.results import load_measured, provenance
 
 plotting.use_style()
 pd.set_option("display.precision", 2)
@@ -256,7 +258,7 @@ shown = ["group", "function", "impl", "dtype", "shape", "options", *error_column
 table = results[[c for c in shown if c in results]].copy()
 for col in error_columns:
     if col in table:
-        table[col] = [plotting.error_bound(e, shown_floor[d]) for e, d in zip(table[col], table["dtype"])]
+        table[col] = [tables.error_bound(e, shown_floor[d]) for e, d in zip(table[col], table["dtype"])]
 with pd.option_context("display.max_rows", 200):
     display(table)
 
@@ -319,11 +321,11 @@ assert n_fail == 0, f"{n_fail} cases outside the accuracy rule: see the table ab
 # "accurate in bf16" means.
 
 # %%
-acc = plotting.load_measured(accuracy_csv)
+acc = load_measured(accuracy_csv)
 if acc is not None:
-    print(plotting.provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
+    print(provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
     errs = acc.pivot_table(index="provider", columns="x", values=["err_loss", "err_dx", "err_dw"], aggfunc="first")
-    errs = errs.loc[plotting.sort_providers(errs.index)]
+    errs = errs.loc[tables.sort_providers(errs.index)]
     with pd.option_context("display.float_format", "{:.2e}".format):
         display(errs)
     notes = acc[acc["note"].fillna("") != ""]
@@ -331,7 +333,7 @@ if acc is not None:
         display(notes[["provider", "x", "note"]])
 
     # one column per provider (any number of them, chunk-size variants included), one marker per size
-    providers = plotting.sort_providers(acc.provider)
+    providers = tables.sort_providers(acc.provider)
     sizes = sorted(acc.x.unique())
     size_markers = ["o", "s", "^", "D"]
     fig, axes = plt.subplots(3, 1, figsize=(max(8, 0.55 * len(providers) + 3), 9), layout="constrained", sharex=True)
@@ -347,7 +349,7 @@ if acc is not None:
         ax.legend(loc="upper right")
     axes[0].set_title("relative error vs float64 (bf16 inputs, mean reduction)")
     axes[-1].set_xticks(range(len(providers)), [plotting.label_for(p) for p in providers], rotation=35, ha="right")
-    plotting.add_caption(fig, plotting.provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
+    plotting.add_caption(fig, provenance(acc.attrs["meta"], f"data/measured/{gpu}/accuracy.csv"))
     display(plotting.save_figure(fig, figures_dir / "02_h200_accuracy"))
 
 # %% [markdown]
@@ -435,7 +437,7 @@ ours = ["fusedkern chunked", "fusedkern fused"]
 assert (confident[ours] <= 1e-6).all().all(), confident
 assert (confident["torch fp32"] <= confident["1 − p_y"].map(torch_bound)).all(), confident
 confident_shown = confident.copy()
-confident_shown[ours] = confident[ours].map(lambda e: plotting.error_bound(e, 1e-6))
-confident_shown["torch fp32"] = confident["1 − p_y"].map(lambda d: plotting.error_bound(torch_bound(d), 1e-6))
+confident_shown[ours] = confident[ours].map(lambda e: tables.error_bound(e, 1e-6))
+confident_shown["torch fp32"] = confident["1 − p_y"].map(lambda d: tables.error_bound(torch_bound(d), 1e-6))
 with pd.option_context("display.float_format", "{:.1e}".format):
     display(confident_shown)

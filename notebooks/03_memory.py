@@ -45,7 +45,7 @@ import pandas as pd
 
 from IPython.display import display
 
-from fusedkern import memory_model, plotting
+from fusedkern.study import memory_model, plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.float_format", "{:,.2f}".format)
@@ -92,7 +92,7 @@ breakdown.set_index(["provider", "term"])[["formula", "mib"]]
 # %%
 model_ce = model_frame(ce_providers, model_tokens, op="ce")
 table = model_ce[model_ce.x.isin(tokens)].pivot(index="provider", columns="x", values="peak_extra_mib")
-table.loc[plotting.sort_providers(table.index)].rename_axis(columns="tokens")
+table.loc[tables.sort_providers(table.index)].rename_axis(columns="tokens")
 
 # %% [markdown]
 # ## The model against independent measurements
@@ -132,21 +132,21 @@ check.sort_values(["op", "provider", "x"]).set_index(["op", "provider", "x"])
 # %%
 # each (size, mode) from the newest run that measured it: ce.csv (every mode), ce_final.csv (full and
 # loss_only with the final code, every provider)
-ce = plotting.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
+ce = results.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
 # SimPO: three device calls, each (batch, mode) from the newest that measured it (notebook 05)
-simpo = plotting.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
+simpo = results.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
 # The fused strategy's memory was re-measured after two fixes that postdate ce.csv (the dX pass's
 # workspace was still referenced while the dW pass allocated its own: 32–33 MiB there; then the
 # 16 MiB budget made to cover the O(T + V) vectors too): the newest fused run (ce_final.csv when
 # present) replaces every fused row (sizes that run did not measure are left out rather than shown stale).
-fused_runs = [(f"{name}.csv", plotting.load_measured(measured_dir / f"{name}.csv"))
+fused_runs = [(f"{name}.csv", results.load_measured(measured_dir / f"{name}.csv"))
               for name in ("fused_mem", "fused_budget", "ce_final") if (measured_dir / f"{name}.csv").exists()]
 if ce is not None and fused_runs:
     newest_name, newest = max(fused_runs, key=lambda item: str(item[1].attrs["meta"].get("date_utc", "")))
     fused_full = newest[(newest.provider == "fusedkern_fused") & (newest["mode"] == "full")].assign(source=newest_name)
     stale = ce.provider == "fusedkern_fused"
     print(f"fusedkern_fused memory at tokens {sorted(int(x) for x in fused_full.x)}: from "
-          f"{plotting.provenance(newest.attrs['meta'], newest_name)}")
+          f"{results.provenance(newest.attrs['meta'], newest_name)}")
     meta = ce.attrs["meta"]
     ce = pd.concat([ce[~stale], fused_full], ignore_index=True)
     ce.attrs["meta"] = meta
@@ -174,7 +174,7 @@ def model_vs_measured(df, *, op, to_tokens):
 for name, df, to_tokens in (("ce", ce, lambda x: x), ("simpo", simpo, lambda b: b * seq)):
     if df is None:
         continue
-    print("\n".join(plotting.runs_provenance(df, f"data/measured/{gpu}")[0]))
+    print("\n".join(results.runs_provenance(df, f"data/measured/{gpu}")[0]))
     table = model_vs_measured(df, op=name, to_tokens=to_tokens)
     display(table)
     # a gap of more than 5 % and 2 MiB means the model misses (or invents) a buffer: say which
@@ -208,7 +208,7 @@ plotting.plot_memory(ax_simpo, model_simpo, measured_full(simpo),
 ax_simpo.set_xlabel(f"batch (rows of {seq} tokens, chosen + rejected)")
 ax_simpo.set_title("SimPO: peak extra memory, forward + backward")
 
-sources = [plotting.runs_provenance(df, f"data/measured/{gpu}")[1] for df in (ce, simpo) if df is not None]
+sources = [results.runs_provenance(df, f"data/measured/{gpu}")[1] for df in (ce, simpo) if df is not None]
 caption = ("Model: fusedkern/memory_model.py. Reference anchors: data/reference/h200_anchors_2026-12-02.csv "
            "(H200, torch 2.11, measured before this project). ")
 caption += ("Measured: " + " | ".join(sources)) if sources else "No measurement of this project's own yet."

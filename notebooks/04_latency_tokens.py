@@ -26,7 +26,7 @@ data_dir = "../data"
 figures_dir = "../figures"
 gpu = "h200"  # which data/measured/<gpu>/ to read
 sweeps = ["ce", "ce_final"]  # data/measured/<gpu>/<sweep>.csv: runs from different device calls, merged so
-# that each (size, mode) comes from one run, the newest that measured it (`plotting.load_measured_runs`)
+# that each (size, mode) comes from one run, the newest that measured it (`results.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
 shuffled_sweep = "ce_llama3_shuffled"  # the last section: shuffled protocol, workload "dense" of that file
@@ -53,20 +53,20 @@ import pandas as pd
 
 from IPython.display import display
 
-from fusedkern import plotting
+from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.precision", 2)
 
-df = plotting.load_measured_runs(csv_paths)
+df = results.load_measured_runs(csv_paths)
 have = df is not None
 if have:
     meta = df.attrs["meta"]
-    source_lines, caption = plotting.runs_provenance(df, f"data/measured/{gpu}")
+    source_lines, caption = results.runs_provenance(df, f"data/measured/{gpu}")
     print("\n".join(source_lines))
     x_label = f"tokens (H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')})"
     print(caption)
-    print(f"{len(df)} rows; providers: {', '.join(plotting.sort_providers(df.provider))}")
+    print(f"{len(df)} rows; providers: {', '.join(tables.sort_providers(df.provider))}")
 
 # %% [markdown]
 # ## Forward + backward
@@ -83,7 +83,7 @@ if have:
 
 # %%
 if have:
-    full = plotting.pivot(df, "full")
+    full = tables.pivot(df, "full")
     ratio = full / full.loc["cublas_3gemm"] if "cublas_3gemm" in full.index else None
     print("median ms, full (forward + backward):")
     display(full.round(2))
@@ -125,8 +125,8 @@ if have and not quick:
 
 # %%
 if have:
-    for mode, table in plotting.ratio_tables(df, modes).items():
-        print(f"{mode}: × {plotting.floor_provider(mode)}")
+    for mode, table in tables.ratio_tables(df, modes).items():
+        print(f"{mode}: × {results.floor_provider(mode)}")
         display(table.round(2))
 
 # %% [markdown]
@@ -139,15 +139,15 @@ if have:
 
 # %%
 if have:
-    notes = plotting.failed_rows(df)
+    notes = tables.failed_rows(df)
     print("no failed measurement" if notes.empty else "rows without a measurement:")
     if not notes.empty:
         display(notes)
-    display(plotting.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss").round(4))
+    display(tables.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss").round(4))
 
 # %%
 if have:
-    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), "ce", reference_names)
+    both = tables.anchor_comparison(df, pd.read_csv(anchors_csv), "ce", reference_names)
     if gpu != "h200" or both.empty:
         print("no comparable reference anchors for this data")
     else:
@@ -164,13 +164,13 @@ if have:
 # before the lean variant at 32768 tokens.)
 
 # %%
-rerun = plotting.load_measured(measured_dir / "ce_rerun.csv") if have else None
-first = plotting.load_measured(measured_dir / "ce.csv") if have else None
+rerun = results.load_measured(measured_dir / "ce_rerun.csv") if have else None
+first = results.load_measured(measured_dir / "ce.csv") if have else None
 if rerun is not None and first is not None:
-    print(plotting.provenance(rerun.attrs["meta"], f"data/measured/{gpu}/ce_rerun.csv"))
-    first_ratios, second_ratios = plotting.ratio_tables(first, ["full", "loss_only"]), plotting.ratio_tables(rerun, ["full", "loss_only"])
+    print(results.provenance(rerun.attrs["meta"], f"data/measured/{gpu}/ce_rerun.csv"))
+    first_ratios, second_ratios = tables.ratio_tables(first, ["full", "loss_only"]), tables.ratio_tables(rerun, ["full", "loss_only"])
     for mode, second_ratio in second_ratios.items():
-        print(f"{mode}: × {plotting.floor_provider(mode)}, second run")
+        print(f"{mode}: × {results.floor_provider(mode)}, second run")
         display(second_ratio.round(3))
         common = [p for p in second_ratio.index if p in first_ratios[mode].index]
         print(f"{mode}: ratio in the second run ÷ ratio in the first")
@@ -188,10 +188,10 @@ if rerun is not None and first is not None:
 
 # %%
 for name in ("fused_mem", "fused_budget"):
-    run = plotting.load_measured(data_dir / "measured" / gpu / f"{name}.csv") if have else None
+    run = results.load_measured(data_dir / "measured" / gpu / f"{name}.csv") if have else None
     if run is None:
         continue
-    print(plotting.provenance(run.attrs["meta"], f"data/measured/{gpu}/{name}.csv"))
+    print(results.provenance(run.attrs["meta"], f"data/measured/{gpu}/{name}.csv"))
     full_run = run[run["mode"] == "full"].pivot_table(index="provider", columns="x", values=["ms_p50", "peak_extra_mib"])
     floor_ms = full_run["ms_p50"].loc["cublas_3gemm"]
     fused_row = pd.DataFrame({"× cublas_3gemm": full_run["ms_p50"].loc["fusedkern_fused"] / floor_ms,
@@ -228,11 +228,11 @@ if profile_path.exists():
     display(profile_table[["gemm", "row_kernel", "elementwise", "gpu_idle", "wall"]].round(2))
 
 # %%
-final = plotting.load_measured(measured_dir / "ce_final.csv") if have else None
+final = results.load_measured(measured_dir / "ce_final.csv") if have else None
 if final is not None:
-    full_final = plotting.pivot(final, "full")
+    full_final = tables.pivot(final, "full")
     if "cublas_3gemm_real_grad" in full_final.index:
-        print(plotting.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv"))
+        print(results.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv"))
         both_floors = pd.concat({floor: full_final / full_final.loc[floor]
                                  for floor in ("cublas_3gemm", "cublas_3gemm_real_grad")}, axis=1)
         print("forward + backward, × each floor (same run): random G | the true ∂L/∂z")
@@ -241,7 +241,7 @@ if final is not None:
 # %%
 probe_host_path = measured_dir / "probe_host.jsonl"
 if probe_host_path.exists():
-    waits = plotting.host_waits_table(pd.read_json(probe_host_path, lines=True))
+    waits = tables.host_waits_table(pd.read_json(probe_host_path, lines=True))
     print("4096 tokens, × cublas_3gemm of the same process (probe_host.jsonl): as shipped, and with each "
           "old host wait put back")
     display(waits.pivot_table(index="variant", columns="mode", values=["ratio", "extra_ms"], sort=False).round(3))
@@ -265,7 +265,7 @@ for run_name in ("ce_floors", "ce_32k_long", "ce_callK", "ce_interleaved", "ce_c
     run_path = measured_dir / f"{run_name}.csv"
     if not (have and run_path.exists()):
         continue
-    run = plotting.load_measured(run_path)
+    run = results.load_measured(run_path)
     at_32k = run[(run["mode"] == "full") & (run["x"] == 32768)].set_index("provider")
     needed = {"fusedkern_chunked", "fusedkern_chunked_lean", "liger-kernel 0.8.5", "cublas_3gemm"}
     if not needed <= set(at_32k.index):
@@ -325,28 +325,28 @@ if tiles_path.exists():
 # at 16384–32768 tokens 1–4 %.
 
 # %%
-interleaved = plotting.load_measured(measured_dir / "ce_interleaved.csv") if have else None
+interleaved = results.load_measured(measured_dir / "ce_interleaved.csv") if have else None
 if interleaved is not None and final is not None:
-    print(plotting.provenance(interleaved.attrs["meta"], f"data/measured/{gpu}/ce_interleaved.csv"))
-    inter_full = plotting.pivot(interleaved, "full")
+    print(results.provenance(interleaved.attrs["meta"], f"data/measured/{gpu}/ce_interleaved.csv"))
+    inter_full = tables.pivot(interleaved, "full")
     common = [p for p in inter_full.index if p in full_final.index]
     comparison = {}
     for floor in ("cublas_3gemm", "cublas_3gemm_real_grad"):
         comparison[f"interleaved, × {floor}"] = inter_full.loc[common] / inter_full.loc[floor]
         comparison[f"sequential (ce_final), × {floor}"] = full_final.loc[common] / full_final.loc[floor]
     display(pd.concat(comparison, axis=1).round(3))
-    protocol_caption = (plotting.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv") + " | "
-                        + plotting.provenance(interleaved.attrs["meta"], f"data/measured/{gpu}/ce_interleaved.csv"))
+    protocol_caption = (results.provenance(final.attrs["meta"], f"data/measured/{gpu}/ce_final.csv") + " | "
+                        + results.provenance(interleaved.attrs["meta"], f"data/measured/{gpu}/ce_interleaved.csv"))
     fig = plotting.protocol_figure(final, interleaved, floors=["cublas_3gemm", "cublas_3gemm_real_grad"],
                                    caption=protocol_caption)
     display(plotting.save_figure(fig, figures_dir / "04_protocol"))
 
 # %%
 recheck_path = measured_dir / "ce_interleaved_4k8k.csv"
-recheck = plotting.load_measured(recheck_path) if have and recheck_path.exists() else None
+recheck = results.load_measured(recheck_path) if have and recheck_path.exists() else None
 if recheck is not None:
-    print(plotting.provenance(recheck.attrs["meta"], f"data/measured/{gpu}/ce_interleaved_4k8k.csv"))
-    recheck_full = plotting.pivot(recheck, "full")
+    print(results.provenance(recheck.attrs["meta"], f"data/measured/{gpu}/ce_interleaved_4k8k.csv"))
+    recheck_full = tables.pivot(recheck, "full")
     display(pd.concat({f"interleaved, × {floor}": recheck_full / recheck_full.loc[floor]
                        for floor in ("cublas_3gemm", "cublas_3gemm_real_grad")}, axis=1).round(3))
 
@@ -364,12 +364,12 @@ if recheck is not None:
 # costs.
 
 # %%
-shuffled = plotting.load_measured(measured_dir / f"{shuffled_sweep}.csv", workload="dense") if have else None
+shuffled = results.load_measured(measured_dir / f"{shuffled_sweep}.csv", workload="dense") if have else None
 if shuffled is not None:
-    shuffled_caption = plotting.provenance(shuffled.attrs["meta"],
+    shuffled_caption = results.provenance(shuffled.attrs["meta"],
                                            f"data/measured/{gpu}/{shuffled_sweep}.csv (workload dense, protocol shuffled)")
     print(shuffled_caption)
-    shuffled_ms = plotting.pivot(shuffled, "full")
+    shuffled_ms = tables.pivot(shuffled, "full")
     shuffled_ratio = shuffled_ms / shuffled_ms.loc["cublas_3gemm"]
     print("forward + backward, × the three-GEMM floor of the same rounds (shuffled protocol):")
     display(shuffled_ratio.round(3))
@@ -389,7 +389,7 @@ if shuffled is not None:
     lowest = [n for n in shuffled_ratio.columns if default[n] <= others[n].min()]
     print(f"The default: {default.min():.2f}–{default.max():.2f}×; a lower median than every other library at "
           f"{', '.join(map(str, lowest)) or 'no size'} tokens.")
-    spread = plotting.pivot(shuffled, "full", value="ms_p20"), plotting.pivot(shuffled, "full", value="ms_p80")
+    spread = tables.pivot(shuffled, "full", value="ms_p20"), tables.pivot(shuffled, "full", value="ms_p80")
     for n in shuffled_ratio.columns:
         lo_ms, hi_ms = spread[0].loc["fusedkern_chunked", n], spread[1].loc["fusedkern_chunked", n]
         inside = [p for p in others.index if lo_ms <= shuffled_ms.loc[p, n] <= hi_ms]

@@ -29,7 +29,7 @@ figures_dir = "../figures"
 gpu = "h200"  # which data/measured/<gpu>/ to read
 sweeps = ["simpo", "simpo_8_16", "simpo_final"]  # data/measured/<gpu>/<sweep>.csv: runs of this sweep from different device
 # calls, merged so that each (batch, mode) comes from one run, the newest that measured it
-# (`plotting.load_measured_runs`)
+# (`results.load_measured_runs`)
 modes = ["full", "forward", "backward", "loss_only"]
 seq = 1024  # tokens per row (the sidecar's value wins when present)
 shuffled_sweep = "simpo_shuffled"  # the last section: shuffled protocol, workload "dense"
@@ -54,23 +54,23 @@ import pandas as pd
 
 from IPython.display import display
 
-from fusedkern import plotting
+from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.precision", 2)
 
-df = plotting.load_measured_runs(csv_paths)
+df = results.load_measured_runs(csv_paths)
 have = df is not None
 if have:
     meta = df.attrs["meta"]
     # one provenance line per run, naming the batch sizes and modes it contributes
-    source_lines, caption = plotting.runs_provenance(df, f"data/measured/{gpu}")
+    source_lines, caption = results.runs_provenance(df, f"data/measured/{gpu}")
     print("\n".join(source_lines))
     seq = int(meta.get("seq", seq))
     shape = f"H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')}"
     x_label = f"batch (rows of {seq} tokens; {shape})"
     print(caption)
-    print(f"{len(df)} rows; providers: {', '.join(plotting.sort_providers(df.provider))}")
+    print(f"{len(df)} rows; providers: {', '.join(tables.sort_providers(df.provider))}")
 
 # %% [markdown]
 # ## Forward + backward
@@ -87,7 +87,7 @@ if have:
 
 # %%
 if have:
-    full = plotting.pivot(df, "full")
+    full = tables.pivot(df, "full")
     ratio = full / full.loc["cublas_3gemm"] if "cublas_3gemm" in full.index else None
     print("median ms, full (forward + backward):")
     display(full.round(2))
@@ -128,8 +128,8 @@ if have and not quick:
 
 # %%
 if have:
-    for mode, table in plotting.ratio_tables(df, modes).items():
-        print(f"{mode}: × {plotting.floor_provider(mode)}")
+    for mode, table in tables.ratio_tables(df, modes).items():
+        print(f"{mode}: × {results.floor_provider(mode)}")
         display(table.round(2))
 
 # %% [markdown]
@@ -142,15 +142,15 @@ if have:
 
 # %%
 if have:
-    notes = plotting.failed_rows(df)
+    notes = tables.failed_rows(df)
     print("no failed measurement" if notes.empty else "rows without a measurement:")
     if not notes.empty:
         display(notes)
-    display(plotting.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss").round(4))
+    display(tables.pivot(df[~df.provider.str.startswith("cublas_")], "full", value="loss").round(4))
 
 # %%
 if have:
-    both = plotting.anchor_comparison(df, pd.read_csv(anchors_csv), "simpo", reference_names)
+    both = tables.anchor_comparison(df, pd.read_csv(anchors_csv), "simpo", reference_names)
     if gpu != "h200" or both.empty:
         print("no comparable reference anchors for this data")
     else:
@@ -183,16 +183,16 @@ if have:
 
 # %%
 final_path = data_dir / "measured" / gpu / "simpo_final.csv"
-final = plotting.load_measured(final_path) if have and final_path.exists() else None
+final = results.load_measured(final_path) if have and final_path.exists() else None
 interleaved_paths = [data_dir / "measured" / gpu / f"{name}.csv" for name in ("simpo_interleaved", "simpo_interleaved_8_16")]
 interleaved_paths = [p for p in interleaved_paths if p.exists()]
-interleaved = plotting.load_measured_runs(interleaved_paths) if have and interleaved_paths else None
+interleaved = results.load_measured_runs(interleaved_paths) if have and interleaved_paths else None
 if final is not None and interleaved is not None:
-    print(plotting.provenance(final.attrs["meta"], f"data/measured/{gpu}/simpo_final.csv"))
-    print("\n".join(plotting.runs_provenance(interleaved, f"data/measured/{gpu}")[0]))
+    print(results.provenance(final.attrs["meta"], f"data/measured/{gpu}/simpo_final.csv"))
+    print("\n".join(results.runs_provenance(interleaved, f"data/measured/{gpu}")[0]))
     comparison = {}
     for name, run in (("sequential (simpo_final)", final), ("interleaved", interleaved)):
-        table = plotting.pivot(run, "full")
+        table = tables.pivot(run, "full")
         for floor in ("cublas_3gemm", "cublas_3gemm_real_grad"):
             comparison[f"{name}, × {floor}"] = table / table.loc[floor]
     display(pd.concat(comparison, axis=1).round(2))  # one rounding: the prose quotes these
@@ -209,12 +209,12 @@ if final is not None and interleaved is not None:
 
 # %%
 shuffled_path = data_dir / "measured" / gpu / f"{shuffled_sweep}.csv"
-shuffled = plotting.load_measured(shuffled_path, workload="dense") if have else None
+shuffled = results.load_measured(shuffled_path, workload="dense") if have else None
 if shuffled is not None:
-    shuffled_caption = plotting.provenance(shuffled.attrs["meta"],
+    shuffled_caption = results.provenance(shuffled.attrs["meta"],
                                            f"data/measured/{gpu}/{shuffled_sweep}.csv (workload dense, protocol shuffled)")
     print(shuffled_caption)
-    shuffled_ms = plotting.pivot(shuffled, "full")
+    shuffled_ms = tables.pivot(shuffled, "full")
     shuffled_ratio = shuffled_ms / shuffled_ms.loc["cublas_3gemm"]
     print("forward + backward, × the three-GEMM floor of the same rounds (shuffled protocol):")
     display(shuffled_ratio.round(3))
@@ -238,7 +238,7 @@ if shuffled is not None:
     table = {"shuffled": shuffled_ratio}
     for name, run in compare.items():
         if run is not None:
-            ms = plotting.pivot(run, "full")
+            ms = tables.pivot(run, "full")
             table[name] = ms / ms.loc["cublas_3gemm"]
     common = [p for p in shuffled_ratio.index if all(p in t.index for t in table.values()) and p != "cublas_3gemm"]
     print("the same providers under the three protocols, × the floor of the same run:")

@@ -44,7 +44,7 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
-from fusedkern import plotting
+from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.precision", 2)
@@ -113,9 +113,9 @@ mem.round(0)
 # %%
 # each (size, mode) from the newest run that measured it: ce.csv (every mode), ce_final.csv (full and
 # loss_only with the final code, every provider)
-ce = plotting.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
+ce = results.load_measured_runs([measured_dir / "ce.csv", measured_dir / "ce_final.csv"])
 # SimPO: three device calls, each (batch, mode) from the newest that measured it (notebook 05)
-simpo = plotting.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
+simpo = results.load_measured_runs([measured_dir / f"{name}.csv" for name in ("simpo", "simpo_8_16", "simpo_final")])
 anchors = pd.read_csv(anchors_csv)
 anchors["provider"] = anchors.provider.replace(anchor_names)
 
@@ -137,7 +137,7 @@ reference = anchors_as_results(anchors)
 ANCHOR_CAPTION = ("H200 reference anchors: data/reference/h200_anchors_2026-12-02.csv (torch 2.11, triton 3.6, "
                   "measured before this project; not our run).")
 if ce is not None:
-    ours_ce, ce_source = ce, plotting.runs_provenance(ce, f"data/measured/{gpu}")[1]
+    ours_ce, ce_source = ce, results.runs_provenance(ce, f"data/measured/{gpu}")[1]
 else:
     ours_ce, ce_source = None, None
     print("Until our measurements exist, the H200 panels below draw the reference anchors instead, labelled so.")
@@ -193,23 +193,23 @@ if not quick:
 # rounds. Without that file they fall back to the sequential run above (and (d) says it is missing).
 
 # %%
-shuffled = plotting.load_measured(measured_dir / f"{headline_sweep}.csv")
+shuffled = results.load_measured(measured_dir / f"{headline_sweep}.csv")
 if shuffled is not None:
     shuffled_full = shuffled[shuffled["mode"] == "full"]
-    head_dense = plotting.select_workload(shuffled_full, workload="dense")
-    head_masked = plotting.select_workload(shuffled_full, workload=headline_masked_workload)
+    head_dense = results.select_workload(shuffled_full, workload="dense")
+    head_masked = results.select_workload(shuffled_full, workload=headline_masked_workload)
     head_label = f"{gpu.upper()}, shuffled order"
-    head_source = plotting.provenance(shuffled.attrs["meta"], f"data/measured/{gpu}/{headline_sweep}.csv")
+    head_source = results.provenance(shuffled.attrs["meta"], f"data/measured/{gpu}/{headline_sweep}.csv")
 else:
     head_dense, head_masked = h200_ce[h200_ce["mode"] == "full"], None
     head_label, head_source = h200_label, ce_source or ANCHOR_CAPTION
-dense_ratios = plotting.ratio_to(head_dense, "cublas_3gemm")
+dense_ratios = tables.ratio_to(head_dense, "cublas_3gemm")
 dense_ratios = dense_ratios[dense_ratios.provider.isin(headline_dense if shuffled is not None else headline_providers)]
 masked_ratios = None
 if head_masked is not None:
-    masked_ratios = plotting.ratio_to(head_masked, "cublas_3gemm")
+    masked_ratios = tables.ratio_to(head_masked, "cublas_3gemm")
     masked_ratios = masked_ratios[masked_ratios.provider.isin(headline_masked)]
-masked_share = plotting.ignored_share(headline_masked_workload)
+masked_share = results.ignored_share(headline_masked_workload)
 
 # %%
 fig, ((ax_a, ax_b), (ax_c, ax_d)) = plt.subplots(2, 2, figsize=(15, 11), layout="constrained",
@@ -238,7 +238,7 @@ ax_a.legend(loc="upper right")
 memory = head_dense[head_dense.provider.isin(dense_ratios.provider.unique())][["provider", "x", "peak_extra_mib"]]
 plotting.plot_memory(ax_b, None, memory, measured_label="measured" if ours_ce is not None else "reference anchor",
                      legend_loc=None)
-for provider in plotting.sort_providers(memory.provider):
+for provider in tables.sort_providers(memory.provider):
     part = memory[memory.provider == provider].sort_values("x")
     ax_b.plot(part.x, part.peak_extra_mib.clip(lower=0.01), color=plotting.style_for(provider)["color"],
               linewidth=1.0, alpha=0.6)
@@ -281,7 +281,7 @@ for name, ratios in (("every target counted", dense_ratios), (f"{100 * masked_sh
         continue
     table = ratios.pivot_table(index="provider", columns="x", values="ratio", aggfunc="first")
     print(f"{name}: forward + backward ÷ the dense 3-GEMM floor")
-    display(table.loc[plotting.sort_providers(table.index)].round(2))
+    display(table.loc[tables.sort_providers(table.index)].round(2))
 if masked_ratios is not None:
     table = masked_ratios.pivot_table(index="provider", columns="x", values="ratio", aggfunc="first")
     counted = table.loc[[p for p in ("fusedkern_chunked_counted", "fusedkern_chunked_device_count") if p in table.index]]
@@ -299,9 +299,9 @@ h200_simpo = simpo if simpo is not None else reference[reference.op == "simpo"]
 simpo_label = f"{gpu.upper()} (this project)" if simpo is not None else "H200 reference anchors"
 simpo_full = h200_simpo[h200_simpo["mode"] == "full"]
 if (simpo_full.provider == "cublas_3gemm").any():
-    simpo_ratio = plotting.pivot(simpo_full, "full")
+    simpo_ratio = tables.pivot(simpo_full, "full")
     print(f"{simpo_label}: forward + backward time ÷ the three-GEMM floor")
     display((simpo_ratio / simpo_ratio.loc["cublas_3gemm"]).round(2))
 else:
     print(f"{simpo_label}: no floor measured for SimPO; median ms, forward + backward:")
-    display(plotting.pivot(simpo_full, "full").round(1))
+    display(tables.pivot(simpo_full, "full").round(1))

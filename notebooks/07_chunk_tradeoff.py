@@ -31,13 +31,13 @@ measured = data_dir / "measured" / gpu
 import pandas as pd
 from IPython.display import display
 
-from fusedkern import plotting
 from fusedkern.chunk_plan import grad_chunk_plan
+from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
-ce = plotting.load_measured(measured / "ce.csv")
-study = plotting.load_measured(measured / "chunk_study.csv")
-accuracy = plotting.load_measured(measured / "accuracy.csv")
+ce = results.load_measured(measured / "ce.csv")
+study = results.load_measured(measured / "chunk_study.csv")
+accuracy = results.load_measured(measured / "accuracy.csv")
 have = ce is not None and study is not None
 
 # %%
@@ -51,19 +51,19 @@ if have:
         return grad_chunk_plan(tokens, vocab, hidden, 2, need_dw=True,
                                fp32_accum=not provider.endswith("_lean")).chunk_tokens
 
-    table = plotting.chunk_tradeoff_table(timing, accuracy, default_chunk=default_chunk, floor=ce)
+    table = tables.chunk_tradeoff_table(timing, accuracy, default_chunk=default_chunk, floor=ce)
     table["source"] = "chunk_study.csv + ce.csv"
     sources = "chunk_study.csv + ce.csv + accuracy.csv"
     # the lean cells at 32768 tokens that chunk_study.csv's time cap cut, measured by a later device
     # call with its own floor (each ratio is to the floor of its own run); cells of both stay the first's
-    late = plotting.load_measured(measured / "chunk_study_32k.csv")
+    late = results.load_measured(measured / "chunk_study_32k.csv")
     if late is not None:
-        extra = plotting.chunk_tradeoff_table(late, accuracy, default_chunk=default_chunk, floor=late)
+        extra = tables.chunk_tradeoff_table(late, accuracy, default_chunk=default_chunk, floor=late)
         extra["source"] = "chunk_study_32k.csv"
         table = (pd.concat([table, extra]).drop_duplicates(["accumulation", "chunk_tokens", "tokens"], keep="first")
                  .sort_values(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True))
         sources += f" + chunk_study_32k.csv (commit {str(late.attrs['meta'].get('git_commit', '?'))[:7]})"
-    caption = plotting.provenance(study.attrs["meta"], f"data/measured/{gpu}/{sources}")
+    caption = results.provenance(study.attrs["meta"], f"data/measured/{gpu}/{sources}")
     print(caption)
     display(table.round({"ms_p50": 2, "ratio": 3, "peak_extra_mib": 1}))
 
@@ -73,7 +73,7 @@ if have:
     # by its time cap leaves gaps); the dW error at the accuracy sweep's largest size
     counts = table.groupby("tokens")["chunk_tokens"].count()
     figure_tokens = int(counts[counts == counts.max()].index.max())
-    errors = plotting.chunk_error_table(accuracy, default_chunk=default_chunk) if accuracy is not None else None
+    errors = tables.chunk_error_table(accuracy, default_chunk=default_chunk) if accuracy is not None else None
     error_tokens = int(errors["tokens"].max()) if errors is not None and len(errors) else figure_tokens
     torch_err = None
     if accuracy is not None:
@@ -127,7 +127,7 @@ if have:
 # %%
 probe_path = measured / "probe_rows.jsonl"
 if probe_path.exists():
-    costs = plotting.chunk_cost_table(pd.read_json(probe_path, lines=True))
+    costs = tables.chunk_cost_table(pd.read_json(probe_path, lines=True))
     display(costs)
     fig = plotting.chunk_cost_figure(costs, caption=f"data/measured/{gpu}/probe_rows.jsonl (scripts/probe_rows.py, "
                                      "H200, bf16, H = 4096, V = 128256; each part timed alone, medians of 15)")

@@ -60,21 +60,21 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
 
-from fusedkern import plotting
+from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.precision", 3)
 
-llama = plotting.load_measured_runs([measured_dir / f"{name}.csv" for name in llama_sweeps])
+llama = results.load_measured_runs([measured_dir / f"{name}.csv" for name in llama_sweeps])
 have = llama is not None
 if have:
     llama = llama[llama["mode"] == "full"]
     meta = llama.attrs["meta"]
-    source_lines, caption = plotting.runs_provenance(llama, where)
+    source_lines, caption = results.runs_provenance(llama, where)
     print("\n".join(source_lines))
-    print("workloads / protocols:", ", ".join(f"{w}/{p}" for w, p in plotting.workloads_in(llama)))
+    print("workloads / protocols:", ", ".join(f"{w}/{p}" for w, p in results.workloads_in(llama)))
     # each row ÷ the dense all-token floor timed in its own workload's rounds (ratio_to keys on workload)
-    llama_ratios = plotting.ratio_to(llama, "cublas_3gemm")
+    llama_ratios = tables.ratio_to(llama, "cublas_3gemm")
     llama_ratios = llama_ratios[llama_ratios.provider != "cublas_3gemm"]
     shape = f"H = {meta.get('hidden')}, V = {meta.get('vocab')}, {meta.get('dtype')}"
 
@@ -101,9 +101,9 @@ def span(values) -> str:
 # %%
 if have:
     share = llama_ratios[llama_ratios.x.isin(share_tokens) & llama_ratios.provider.isin(share_providers)].copy()
-    share["ignored"] = share.workload.map(plotting.ignored_share)
+    share["ignored"] = share.workload.map(results.ignored_share)
     share_table = share.pivot_table(index="provider", columns=["x", "ignored"], values="ratio", aggfunc="first")
-    share_table = share_table.loc[plotting.sort_providers(share_table.index)]
+    share_table = share_table.loc[tables.sort_providers(share_table.index)]
     ideal = pd.DataFrame([[1 - s for _, s in share_table.columns]], index=["ideal: 1 − share"],
                          columns=share_table.columns)
     print("forward + backward ÷ the dense 3-GEMM floor of the same workload's rounds; columns: tokens, share ignored")
@@ -153,15 +153,15 @@ if have:
 
 # %%
 if have:
-    masked50 = plotting.select_workload(llama, workload="masked_50")
-    m50_caption = plotting.provenance(meta["sources"][masked50.source.iloc[0]],
+    masked50 = results.select_workload(llama, workload="masked_50")
+    m50_caption = results.provenance(meta["sources"][masked50.source.iloc[0]],
                                       f"{where}/{masked50.source.iloc[0]} (workload masked_50, protocol shuffled)")
     if not quick:
         fig = plotting.latency_figure(masked50, x_label="tokens (50 % of every sequence's targets ignored)",
                                       title=f"Cross-entropy, {shape}, 50 % ignored", caption=m50_caption,
                                       guides={"ideal for 50 % ignored: 0.5×": 0.5})
         display(plotting.save_figure(fig, figures_dir / "08_masked50_tokens"))
-    m50 = plotting.pivot(masked50, "full")
+    m50 = tables.pivot(masked50, "full")
     m50_ratio = m50 / m50.loc["cublas_3gemm"]
     print("median ms, masked_50:")
     display(m50.round(2))
@@ -182,7 +182,7 @@ if have:
     ahead = (ours.max() < theirs.min()).all()
     print(f"Every counted path is {'ahead of' if ahead else 'NOT ahead of'} every other library at every size.")
     print(f"The default without a count: {span(m50_ratio.loc['fusedkern_chunked'])} (dense: "
-          f"{span(plotting.pivot(llama, 'full', workload='dense').pipe(lambda t: t.loc['fusedkern_chunked'] / t.loc['cublas_3gemm']))})")
+          f"{span(tables.pivot(llama, 'full', workload='dense').pipe(lambda t: t.loc['fusedkern_chunked'] / t.loc['cublas_3gemm']))})")
 
 # %% [markdown]
 # The floors themselves: the same dense GEMMs were timed in the dense workload's rounds and again in
@@ -215,14 +215,14 @@ if have:
 # %%
 head_frames = {}
 for head, (stem, label) in heads.items():
-    frame = plotting.load_measured(measured_dir / f"{stem}.csv") if have else None
+    frame = results.load_measured(measured_dir / f"{stem}.csv") if have else None
     if frame is not None:
         head_frames[head] = (label, frame[frame["mode"] == "full"], frame.attrs["meta"], stem)
 if head_frames:
     rows = []
     for head, (label, frame, head_meta, stem) in head_frames.items():
-        print(plotting.provenance(head_meta, f"{where}/{stem}.csv"))
-        r = plotting.ratio_to(frame[frame.x.isin(head_tokens)], "cublas_3gemm")
+        print(results.provenance(head_meta, f"{where}/{stem}.csv"))
+        r = tables.ratio_to(frame[frame.x.isin(head_tokens)], "cublas_3gemm")
         softcap = f", softcap {head_meta['softcap']:g}" if head_meta.get("softcap") else ""
         r["group"] = [f"{label} (V {head_meta.get('vocab')}, H {head_meta.get('hidden')}{softcap})\n{x} tokens"
                       for x in r.x]
@@ -231,7 +231,7 @@ if head_frames:
     head_ratios = pd.concat(rows, ignore_index=True)
     head_table = head_ratios.pivot_table(index="provider", columns=["workload", "head_label", "x"], values="ratio",
                                          aggfunc="first")
-    head_table = head_table.loc[plotting.sort_providers(head_table.index)]
+    head_table = head_table.loc[tables.sort_providers(head_table.index)]
     print("forward + backward ÷ each head's dense 3-GEMM floor (same rounds):")
     display(head_table.round(2))
 
@@ -253,7 +253,7 @@ if head_frames and not quick:
     fig.legend(handles, labels, loc="outside upper center", ncol=len(labels), fontsize=8,
                title="Three LM heads, 8192 and 16384 tokens (shuffled protocol)", title_fontproperties={"size": 11})
     first_meta = next(iter(head_frames.values()))[2]
-    head_caption = plotting.provenance({k: v for k, v in first_meta.items() if k not in ("hidden", "vocab")},
+    head_caption = results.provenance({k: v for k, v in first_meta.items() if k not in ("hidden", "vocab")},
                                        f"{where}/ " + ", ".join(f"{stem}.csv" for _, _, _, stem in head_frames.values()))
     plotting.add_caption(fig, head_caption)
     display(plotting.save_figure(fig, figures_dir / "08_heads"))
@@ -294,7 +294,7 @@ if "gemma2" in head_frames:
 bench_path = measured_dir / f"{rowcount_sweep}.csv"
 bench = pd.read_csv(bench_path) if have and bench_path.exists() else None
 if bench is not None:
-    rowcount = plotting.rowcount_table(bench)
+    rowcount = tables.rowcount_table(bench)
     display(rowcount.round(3))
     rc_caption = (f"scripts/bench_rowcount_gemm.py on the {gpu.upper()} ({where}/{rowcount_sweep}.csv; "
                   f"{bench['shape'].iloc[0]}; p50 of {bench['protocol'].iloc[0]} rounds; no sidecar, provenance in "

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fusedkern
 from fusedkern import _validation
-from fusedkern.bench import make_ce_inputs
+from fusedkern.study.workloads import make_ce_inputs
 
 from _probe_common import ms_quantiles_back_to_back, recorder
 

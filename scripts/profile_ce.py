@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fusedkern
-from fusedkern.bench import make_ce_inputs, make_simpo_inputs
+from fusedkern.study.workloads import make_ce_inputs, make_simpo_inputs
 
 H, V = 4096, 128256
 ITERS = 3

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedkern import bench, reference
-from fusedkern.results import SCHEMA_COLUMNS, load_results, read_rows, sidecar_path, write_results
+from fusedkern import reference
+from fusedkern.study import bench, results, sweeps, timing, workloads
+from fusedkern.study import providers as prov  # tests name their provider lists `providers`
+from fusedkern.study.results import SCHEMA_COLUMNS, load_results, read_rows, sidecar_path, write_results
 
 HIDDEN, VOCAB = 32, 97  # a prime vocab: no block size divides it
 CPU = dict(hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", warmup=1, reps=2, min_reps=1,
@@ -55,7 +57,7 @@ needs_fusedkern = pytest.mark.skipif(not _fusedkern_ready(), reason="fusedkern's
 
 
 def _fp64_ce_loss(tokens: int, seed: int = 0) -> float:
-    inputs = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=seed)
+    inputs = workloads.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=seed)
     return float(reference.linear_cross_entropy_fp64(inputs.x, inputs.w, inputs.target))
 
 
@@ -65,25 +67,25 @@ def _fp64_ce_loss(tokens: int, seed: int = 0) -> float:
 
 
 def test_ce_inputs_are_lm_like_and_reproducible():
-    a = bench.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
-    b = bench.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
+    a = workloads.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
+    b = workloads.make_ce_inputs(512, 256, 1000, dtype=torch.float32, device="cpu", seed=3)
     assert torch.equal(a.x, b.x) and torch.equal(a.w, b.w) and torch.equal(a.target, b.target)
     logits_std = float((a.x @ a.w.T).detach().std())
-    assert abs(logits_std - bench.LOGIT_STD) < 0.1  # logits O(1–10), as the module promises
+    assert abs(logits_std - workloads.LOGIT_STD) < 0.1  # logits O(1–10), as the module promises
     assert a.x.requires_grad and a.w.requires_grad and a.target.dtype == torch.int64
     assert a.grad_bytes() == (512 * 256 + 1000 * 256) * 4
 
 
 def test_simpo_inputs_mask_a_prompt_prefix():
-    inputs = bench.make_simpo_inputs(4, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_simpo_inputs(4, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     assert inputs.x.shape == (4, 16, HIDDEN) and inputs.target.shape == (4, 16)
-    ignored = inputs.target == bench.IGNORE_INDEX
+    ignored = inputs.target == workloads.IGNORE_INDEX
     prefix_len = ignored.sum(dim=1)
     for row, n in zip(ignored, prefix_len):
         assert row[:n].all() and not row[n:].any()  # a prefix, then the response
     assert (prefix_len >= 16 // 8).all() and (prefix_len < 16 // 2).all()
     with pytest.raises(ValueError, match="even"):
-        bench.make_simpo_inputs(3, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+        workloads.make_simpo_inputs(3, 16, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def test_simpo_inputs_mask_a_prompt_prefix():
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_timing_rows(rows: list[dict], providers: list[str], xs: list[int], modes=bench.MODES) -> None:
+def _check_timing_rows(rows: list[dict], providers: list[str], xs: list[int], modes=results.MODES) -> None:
     expected = {(p, x, m) for p in providers for x in xs for m in modes if m in FLOOR_MODES.get(p, set(modes))}
     assert {(r["provider"], r["x"], r["mode"]) for r in rows} == expected
     for row in rows:
@@ -103,7 +105,7 @@ def _check_timing_rows(rows: list[dict], providers: list[str], xs: list[int], mo
 
 
 def test_ce_sweep_every_cpu_provider_and_mode():
-    rows = bench.run_sweep("ce", [8, 16], providers=CE_TORCH_PROVIDERS, **CPU)
+    rows = sweeps.run_sweep("ce", [8, 16], providers=CE_TORCH_PROVIDERS, **CPU)
     _check_timing_rows(rows, CE_TORCH_PROVIDERS, [8, 16])
     for row in rows:
         if row["provider"] in FLOOR_MODES:
@@ -116,7 +118,7 @@ def test_ce_sweep_every_cpu_provider_and_mode():
 @needs_fusedkern
 def test_ce_sweep_fusedkern_chunked():
     providers = ["fusedkern_chunked", "fusedkern_chunked_lean"]
-    rows = bench.run_sweep("ce", [8], providers=providers, **CPU_ONE_REP)
+    rows = sweeps.run_sweep("ce", [8], providers=providers, **CPU_ONE_REP)
     _check_timing_rows(rows, providers, [8])
     assert all(r["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5) for r in rows)
 
@@ -125,13 +127,13 @@ def test_simpo_sweep_matches_the_fp64_reference():
     providers = ["huggingface_fp32", "cublas_3gemm"]
     if _fusedkern_ready():
         providers.append("fusedkern_chunked")
-    rows = bench.run_sweep("simpo", [2, 4], seq=8, providers=providers, modes=["loss_only", "full"], **CPU_ONE_REP)
+    rows = sweeps.run_sweep("simpo", [2, 4], seq=8, providers=providers, modes=["loss_only", "full"], **CPU_ONE_REP)
     _check_timing_rows(rows, providers, [2, 4], modes=("loss_only", "full"))
     assert {r["workload"] for r in rows} == {"dense"}  # the sweep's default: every target counts
     for row in rows:
         if row["provider"] == "cublas_3gemm":
             continue
-        inputs = bench.make_simpo_inputs(row["x"], 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
+        inputs = workloads.make_simpo_inputs(row["x"], 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
                                          workload="dense")
         expected = float(reference.linear_simpo_loss_fp64(inputs.x, inputs.w, inputs.target)[0])
         assert row["loss"] == pytest.approx(expected, rel=1e-5), row
@@ -146,11 +148,11 @@ def test_a_failing_provider_becomes_rows_with_a_note(monkeypatch):
             calls.append(inputs.x.shape[0])
             raise RuntimeError("kernel exploded\nsecond line")
 
-        return bench._loss_steps(loss_fn)
+        return prov.loss_steps(loss_fn)
 
-    registry = {**bench.PROVIDERS["ce"], "broken": bench.Provider("broken", broken, lambda: "broken")}
-    monkeypatch.setitem(bench.PROVIDERS, "ce", registry)
-    rows = bench.run_sweep("ce", [8, 16], providers=["broken", "huggingface_bf16"], modes=["full"], **CPU)
+    registry = {**prov.PROVIDERS["ce"], "broken": prov.Provider("broken", broken, lambda: "broken")}
+    monkeypatch.setitem(prov.PROVIDERS, "ce", registry)
+    rows = sweeps.run_sweep("ce", [8, 16], providers=["broken", "huggingface_bf16"], modes=["full"], **CPU)
     broken_rows = [r for r in rows if r["provider"] == "broken"]
     assert len(broken_rows) == 1  # not retried at the larger size
     assert broken_rows[0]["note"] == "error: RuntimeError: kernel exploded"
@@ -161,27 +163,27 @@ def test_a_failing_provider_becomes_rows_with_a_note(monkeypatch):
 
 def test_unavailable_provider_is_skipped_and_unknown_one_rejected(monkeypatch):
     def unavailable(inputs):
-        raise bench.ProviderUnavailable("not here")
+        raise prov.ProviderUnavailable("not here")
 
-    registry = {**bench.PROVIDERS["ce"], "absent": bench.Provider("absent", unavailable, lambda: "absent")}
-    monkeypatch.setitem(bench.PROVIDERS, "ce", registry)
-    rows = bench.run_sweep("ce", [8], providers=["absent", "cublas_3gemm"], **CPU)
+    registry = {**prov.PROVIDERS["ce"], "absent": prov.Provider("absent", unavailable, lambda: "absent")}
+    monkeypatch.setitem(prov.PROVIDERS, "ce", registry)
+    rows = sweeps.run_sweep("ce", [8], providers=["absent", "cublas_3gemm"], **CPU)
     assert {r["provider"] for r in rows} == {"cublas_3gemm"}
     with pytest.raises(ValueError, match="unknown ce providers"):
-        bench.run_sweep("ce", [8], providers=["nope"], **CPU)
+        sweeps.run_sweep("ce", [8], providers=["nope"], **CPU)
     with pytest.raises(ValueError, match="unknown modes"):
-        bench.run_sweep("ce", [8], providers=["cublas_3gemm"], modes=["sideways"], **CPU)
+        sweeps.run_sweep("ce", [8], providers=["cublas_3gemm"], modes=["sideways"], **CPU)
 
 
 def test_time_step_adapts_the_rep_count():
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
-    step = bench._cublas_1gemm(inputs)["loss_only"]
-    assert bench.time_step(step, inputs, warmup=1, reps=50, min_reps=3, max_case_s=0.0)["n_reps"] == 3
-    assert bench.time_step(step, inputs, warmup=1, reps=7, min_reps=3, max_case_s=60.0)["n_reps"] == 7
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    step = prov.PROVIDERS["ce"]["cublas_1gemm"].build(inputs)["loss_only"]
+    assert timing.time_step(step, inputs, warmup=1, reps=50, min_reps=3, max_case_s=0.0)["n_reps"] == 3
+    assert timing.time_step(step, inputs, warmup=1, reps=7, min_reps=3, max_case_s=60.0)["n_reps"] == 7
 
 
 def test_interleaved_timing_rotates_and_keeps_each_rep_count():
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     order = []
 
     def spy(name, fail=False):
@@ -189,10 +191,10 @@ def test_interleaved_timing_rotates_and_keeps_each_rep_count():
             if fail:
                 raise RuntimeError("warm-up failure")
             order.append(name)
-        return bench.Step(run=run)
+        return prov.Step(run=run)
 
     steps = {"a": spy("a"), "b": spy("b"), "c": spy("c"), "broken": spy("broken", fail=True)}
-    timings = bench.time_steps_interleaved(steps, inputs, warmup=1, reps=4, min_reps=4, max_case_s=60.0)
+    timings = timing.time_steps_interleaved(steps, inputs, warmup=1, reps=4, min_reps=4, max_case_s=60.0)
     assert isinstance(timings["broken"], RuntimeError)  # reported, and the others still ran
     assert [timings[k]["n_reps"] for k in "abc"] == [4, 4, 4]
     timed = order[3:]  # after one warm-up rep each
@@ -203,8 +205,8 @@ def test_interleaved_timing_rotates_and_keeps_each_rep_count():
 def test_interleaved_sweep_has_the_rows_of_the_sequential_one(protocol):
     kwargs = dict(providers=["cublas_3gemm", "huggingface_bf16", "torch_fp32_upcast"], modes=["loss_only", "full"],
                   **CPU_ONE_REP)
-    sequential = bench.run_sweep("ce", [8, 16], protocol="sequential", **kwargs)
-    interleaved = bench.run_sweep("ce", [8, 16], protocol=protocol, **kwargs)
+    sequential = sweeps.run_sweep("ce", [8, 16], protocol="sequential", **kwargs)
+    interleaved = sweeps.run_sweep("ce", [8, 16], protocol=protocol, **kwargs)
 
     def key(r):
         return r["provider"], r["x"], r["mode"]
@@ -215,11 +217,11 @@ def test_interleaved_sweep_has_the_rows_of_the_sequential_one(protocol):
         assert row["n_reps"] >= 1 and row["ms_p50"] > 0 and row["note"] == ""
         assert row["loss"] == pytest.approx(losses[key(row)], nan_ok=True)
     # the deprecated flag still means the fixed protocol
-    assert {r["protocol"] for r in bench.run_sweep("ce", [8], interleave=True, **kwargs)} == {"fixed"}
+    assert {r["protocol"] for r in sweeps.run_sweep("ce", [8], interleave=True, **kwargs)} == {"fixed"}
 
 
 def test_backward_mode_times_only_the_backward():
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     forwards, backwards = [], []
 
     class Spy(torch.autograd.Function):
@@ -233,7 +235,7 @@ def test_backward_mode_times_only_the_backward():
             backwards.append(1)
             return g
 
-    steps = bench._loss_steps(lambda: reference.hf_linear_cross_entropy(Spy.apply(inputs.x), inputs.w, inputs.target))
+    steps = prov.loss_steps(lambda: reference.hf_linear_cross_entropy(Spy.apply(inputs.x), inputs.w, inputs.target))
     state = steps["backward"].setup()  # the untimed part: the forward
     assert len(forwards) == 1 and backwards == []
     steps["backward"].run(state)
@@ -251,8 +253,8 @@ def test_fp64_chunked_reference_equals_autograd(chunk_tokens):
     x = torch.randn(13, HIDDEN, generator=gen).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(VOCAB, HIDDEN, generator=gen) / 3).to(torch.bfloat16).requires_grad_()
     target = torch.randint(VOCAB, (13,), generator=gen)
-    target[[2, 7]] = bench.IGNORE_INDEX
-    loss, dx, dw = bench.fp64_linear_cross_entropy_grads_chunked(x, w, target, chunk_tokens=chunk_tokens)
+    target[[2, 7]] = workloads.IGNORE_INDEX
+    loss, dx, dw = reference.fp64_linear_cross_entropy_grads_chunked(x, w, target, chunk_tokens=chunk_tokens)
 
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
@@ -268,22 +270,22 @@ def test_fp64_chunked_reference_equals_autograd(chunk_tokens):
 def test_fp64_chunked_reference_all_ignored_is_nan_like_torch():
     x = torch.randn(4, HIDDEN)
     w = torch.randn(VOCAB, HIDDEN)
-    target = torch.full((4,), bench.IGNORE_INDEX)
-    loss, _, _ = bench.fp64_linear_cross_entropy_grads_chunked(x, w, target)
+    target = torch.full((4,), workloads.IGNORE_INDEX)
+    loss, _, _ = reference.fp64_linear_cross_entropy_grads_chunked(x, w, target)
     assert math.isnan(float(loss))
 
 
 def test_accuracy_sweep_rows():
     providers = ["huggingface_bf16", "torch_fp32_upcast"] + (["fusedkern_chunked"] if _fusedkern_ready() else [])
     kwargs = {k: v for k, v in CPU.items() if k not in ("warmup", "reps", "min_reps")}
-    rows = bench.run_accuracy([8, 16], providers=providers, chunk_tokens=5, **kwargs)
+    rows = sweeps.run_accuracy([8, 16], providers=providers, chunk_tokens=5, **kwargs)
     assert {(r["provider"], r["x"]) for r in rows} == {(p, x) for p in providers for x in (8, 16)}
     for row in rows:
         assert row["mode"] == "full" and row["note"] == "" and row["n_reps"] == 0
         for key in ("err_loss", "err_dx", "err_dw"):
             assert 0 <= row[key] < 1e-5, row  # fp32 against fp64
     with pytest.raises(ValueError, match="floors"):
-        bench.run_accuracy([8], providers=["cublas_3gemm"], **kwargs)
+        sweeps.run_accuracy([8], providers=["cublas_3gemm"], **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +300,7 @@ def _rows() -> list[dict]:
     rows = []
     for provider in ("b_provider", "a, quoted provider"):
         for x in (16, 8):
-            for mode in reversed(bench.MODES):
+            for mode in reversed(results.MODES):
                 rows.append({"op": "ce", "provider": provider, "x_name": "tokens", "x": x, "mode": mode,
                              "ms_p20": 1.0 / 3, "ms_p50": 0.5, "ms_p80": 2.0 / 3, "peak_extra_mib": math.nan,
                              "n_reps": 7, "loss": 4.123456789, "err_dx": 1.23456789e-7, "note": ""})
@@ -320,7 +322,7 @@ def test_write_then_load_round_trip(tmp_path):
     # Sorted: provider, then x, then mode by amount of work.
     first = df[df["provider"] == "a, quoted provider"]
     assert list(first["x"]) == [8] * 4 + [16] * 4
-    assert list(first["mode"][:4]) == list(bench.MODES)
+    assert list(first["mode"][:4]) == list(results.MODES)
 
 
 def test_write_is_deterministic(tmp_path):
@@ -361,7 +363,7 @@ def test_append_merges_rows_and_keeps_both_provenances(tmp_path):
 
 
 def test_collect_environment_without_gpu():
-    from fusedkern.results import collect_environment
+    from fusedkern.study.results import collect_environment
 
     env = collect_environment("python -m fusedkern.bench ce")
     assert env["torch"] == torch.__version__ and env["command"] == "python -m fusedkern.bench ce"
@@ -384,7 +386,7 @@ def test_cli_help_lists_the_providers(capsys):
         bench.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for key in [*bench.PROVIDERS["ce"], *bench.PROVIDERS["simpo"]]:
+    for key in [*prov.PROVIDERS["ce"], *prov.PROVIDERS["simpo"]]:
         assert key in text
     for sweep in ("ce", "simpo", "accuracy"):
         with pytest.raises(SystemExit):
@@ -421,12 +423,12 @@ def test_format_table_accuracy():
 def test_real_grad_floor_multiplies_the_true_logits_gradient(op):
     # the stricter floor's G is ∂(mean CE)/∂z of the workload (ignored tokens: zero rows)
     if op == "ce":
-        inputs = bench.make_ce_inputs(7, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
+        inputs = workloads.make_ce_inputs(7, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
     else:
-        inputs = bench.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
+        inputs = workloads.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=3)
     z = (inputs.x2d() @ inputs.w.detach().T).requires_grad_()
-    torch.nn.functional.cross_entropy(z, inputs.target.reshape(-1), ignore_index=bench.IGNORE_INDEX).backward()
-    grad = bench._mean_ce_logits_grad(inputs, chunk_rows=3)  # several chunks, a ragged last one
+    torch.nn.functional.cross_entropy(z, inputs.target.reshape(-1), ignore_index=workloads.IGNORE_INDEX).backward()
+    grad = prov.mean_ce_logits_grad(inputs, chunk_rows=3)  # several chunks, a ragged last one
     torch.testing.assert_close(grad, z.grad, rtol=1e-5, atol=1e-7)
 
 
@@ -441,19 +443,19 @@ def _spy_steps(names, log, fail=()):
             if name in fail:
                 raise RuntimeError("warm-up failure")
             log.append(name)
-        return bench.Step(run=run)
+        return prov.Step(run=run)
     return {name: spy(name) for name in names}
 
 
 def test_shuffled_timing_draws_a_new_order_every_round_reproducibly():
     import random as stdlib_random
 
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     names = ["a", "b", "c", "d"]
 
     def orders(seed):
         log, rounds = [], []
-        timings = bench.time_steps_interleaved(_spy_steps(names, log), inputs, warmup=1, reps=8, min_reps=8,
+        timings = timing.time_steps_interleaved(_spy_steps(names, log), inputs, warmup=1, reps=8, min_reps=8,
                                                max_case_s=60.0, rng=stdlib_random.Random(seed), order_log=rounds)
         assert [timings[k]["n_reps"] for k in names] == [8] * 4
         assert log[4:] == [name for order in rounds for name in order]  # what ran is what was logged
@@ -473,14 +475,14 @@ def test_shuffled_and_fixed_give_each_step_the_same_reps(monkeypatch):
     # the rounds once it has its reps, in either order
     import random as stdlib_random
 
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     wanted = {"a": 2, "b": 5, "c": 3}
     for rng in (None, stdlib_random.Random(0)):
         log = []
         steps = _spy_steps(list(wanted), log)
         name_of = {id(step): name for name, step in steps.items()}
-        monkeypatch.setattr(bench, "_warm_up", lambda step, inputs, **_: wanted[name_of[id(step)]])
-        timings = bench.time_steps_interleaved(steps, inputs, rng=rng)
+        monkeypatch.setattr(timing, "warm_up", lambda step, inputs, **_: wanted[name_of[id(step)]])
+        timings = timing.time_steps_interleaved(steps, inputs, rng=rng)
         assert {k: timings[k]["n_reps"] for k in wanted} == wanted
         assert {k: log.count(k) for k in wanted} == wanted
 
@@ -493,15 +495,15 @@ def test_sweep_default_protocol_is_shuffled_and_seeded(monkeypatch):
             def loss_fn():
                 log.append(name)
                 return inputs.x.sum() * 0
-            return {"loss_only": bench._loss_steps(loss_fn)["loss_only"]}
-        return bench.Provider(name, build, lambda: name)
+            return {"loss_only": prov.loss_steps(loss_fn)["loss_only"]}
+        return prov.Provider(name, build, lambda: name)
 
     names = ["p0", "p1", "p2", "p3", "p4"]
-    monkeypatch.setitem(bench.PROVIDERS, "ce", {**bench.PROVIDERS["ce"], **{n: spy(n) for n in names}})
+    monkeypatch.setitem(prov.PROVIDERS, "ce", {**prov.PROVIDERS["ce"], **{n: spy(n) for n in names}})
 
     def run(seed):
         log.clear()
-        rows = bench.run_sweep("ce", [8], providers=names, modes=["loss_only"], seed=seed,
+        rows = sweeps.run_sweep("ce", [8], providers=names, modes=["loss_only"], seed=seed,
                                **{**CPU, "reps": 6, "min_reps": 6})
         assert {r["protocol"] for r in rows} == {"shuffled"}
         assert {r["n_reps"] for r in rows} == {6}
@@ -516,12 +518,12 @@ def test_sweep_default_protocol_is_shuffled_and_seeded(monkeypatch):
 @pytest.mark.parametrize("percent", [30, 50, 70])
 def test_ce_masked_workload_ignores_a_prompt_prefix_of_each_sequence(percent):
     tokens, seq = 3 * 40 + 25, 40  # three full sequences and a shorter last one
-    dense = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4)
-    masked = bench.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4,
+    dense = workloads.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4)
+    masked = workloads.make_ce_inputs(tokens, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", seed=4,
                                   workload=f"masked_{percent}", seq=seq)
-    assert (dense.target != bench.IGNORE_INDEX).all()
+    assert (dense.target != workloads.IGNORE_INDEX).all()
     assert torch.equal(masked.x, dense.x) and torch.equal(masked.w, dense.w)
-    ignored = masked.target == bench.IGNORE_INDEX
+    ignored = masked.target == workloads.IGNORE_INDEX
     assert torch.equal(masked.target[~ignored], dense.target[~ignored])  # the kept targets are the dense ones
     for start in range(0, tokens, seq):
         part = ignored[start:start + seq]
@@ -531,36 +533,36 @@ def test_ce_masked_workload_ignores_a_prompt_prefix_of_each_sequence(percent):
 
 
 def test_ce_masked_workload_shorter_than_a_sequence_and_bad_names():
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_50")
-    assert (inputs.target[:4] == bench.IGNORE_INDEX).all() and (inputs.target[4:] != bench.IGNORE_INDEX).all()
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_50")
+    assert (inputs.target[:4] == workloads.IGNORE_INDEX).all() and (inputs.target[4:] != workloads.IGNORE_INDEX).all()
     for bad in ("masked_100", "masked", "sparse", "prompt_random"):
         with pytest.raises(ValueError, match="workload"):
-            bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=bad)
+            workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=bad)
 
 
 @pytest.mark.parametrize("workload, prefix", [("dense", 0), ("masked_30", 6), ("masked_50", 10), ("masked_70", 14)])
 def test_simpo_masked_workload_ignores_the_first_share_of_every_row(workload, prefix):
-    inputs = bench.make_simpo_inputs(4, 20, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=workload)
-    ignored = inputs.target == bench.IGNORE_INDEX
+    inputs = workloads.make_simpo_inputs(4, 20, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload=workload)
+    ignored = inputs.target == workloads.IGNORE_INDEX
     assert ignored[:, :prefix].all() and not ignored[:, prefix:].any()
 
 
 def test_sweep_rows_carry_workload_protocol_and_head_and_masked_losses_are_right():
-    rows = bench.run_sweep("ce", [8, 16], providers=["huggingface_bf16", "cublas_3gemm"], modes=["full"], seq=8,
+    rows = sweeps.run_sweep("ce", [8, 16], providers=["huggingface_bf16", "cublas_3gemm"], modes=["full"], seq=8,
                            workloads=["dense", "masked_50"], **CPU_ONE_REP)
     assert {(r["workload"], r["provider"], r["x"]) for r in rows} == {
         (w, p, x) for w in ("dense", "masked_50") for p in ("huggingface_bf16", "cublas_3gemm") for x in (8, 16)}
     assert {r["protocol"] for r in rows} == {"shuffled"} and {r["head"] for r in rows} == {"custom"}
     for row in rows:
         if row["provider"] == "huggingface_bf16":
-            inputs = bench.make_ce_inputs(row["x"], HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
+            inputs = workloads.make_ce_inputs(row["x"], HIDDEN, VOCAB, dtype=torch.float32, device="cpu",
                                           workload=row["workload"], seq=8)
-            assert (inputs.target == bench.IGNORE_INDEX).float().mean() == (0.5 if row["workload"] != "dense" else 0)
+            assert (inputs.target == workloads.IGNORE_INDEX).float().mean() == (0.5 if row["workload"] != "dense" else 0)
             expected = float(reference.linear_cross_entropy_fp64(inputs.x.detach(), inputs.w.detach(), inputs.target))
             assert row["loss"] == pytest.approx(expected, rel=1e-5)
     table = bench.format_table(rows)
     assert "== workload dense, protocol shuffled" in table and "== workload masked_50, protocol shuffled" in table
-    accuracy = bench.run_accuracy([8], providers=["torch_fp32_upcast"], workloads=["masked_30"], seq=8,
+    accuracy = sweeps.run_accuracy([8], providers=["torch_fp32_upcast"], workloads=["masked_30"], seq=8,
                                   hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", progress=False)
     assert [(r["workload"], r["protocol"], r["head"]) for r in accuracy] == [("masked_30", "sequential", "custom")]
     assert accuracy[0]["err_dx"] < 1e-5
@@ -583,7 +585,7 @@ def test_append_keeps_rows_of_other_workloads_and_protocols(tmp_path):
 
 def test_heads_set_the_dimensions_and_name_the_head_column():
     def resolve(*flags):
-        return bench._resolve_head(bench._parser().parse_args(["ce", *flags]))
+        return bench.resolve_head(bench.build_parser().parse_args(["ce", *flags]))
 
     assert resolve() == (4096, 128256, None)
     assert resolve("--head", "llama3") == (4096, 128256, None)
@@ -592,23 +594,23 @@ def test_heads_set_the_dimensions_and_name_the_head_column():
     assert resolve("--head", "gemma2", "--softcap", "0") == (2304, 256000, None)  # 0: none
     assert resolve("--head", "gemma2", "--vocab", "97") == (2304, 97, 30.0)  # a given flag wins
     assert resolve("--softcap", "15") == (4096, 128256, 15.0)
-    assert bench.head_name(256000, 2304, 30.0) == "gemma2" and bench.head_name(128256, 4096, None) == "llama3"
-    assert bench.head_name(151936, 3584, None) == "qwen25_7b" and bench.head_name(256000, 2304, None) == "custom"
+    assert workloads.head_name(256000, 2304, 30.0) == "gemma2" and workloads.head_name(128256, 4096, None) == "llama3"
+    assert workloads.head_name(151936, 3584, None) == "qwen25_7b" and workloads.head_name(256000, 2304, None) == "custom"
     for sweep in ("ce", "simpo", "accuracy"):
-        args = bench._parser().parse_args([sweep, "--head", "gemma2", "--workload", "dense", "masked_70"])
+        args = bench.build_parser().parse_args([sweep, "--head", "gemma2", "--workload", "dense", "masked_70"])
         assert args.workload == ["dense", "masked_70"]
     with pytest.raises(SystemExit):
-        bench._parser().parse_args(["ce", "--workload", "masked_x"])
+        bench.build_parser().parse_args(["ce", "--workload", "masked_x"])
 
 
 SOFTCAP = 3.0  # small enough to bend logits of std LOGIT_STD
 
 
 def test_softcapped_ce_providers_and_truth():
-    rows = bench.run_sweep("ce", [8], providers=["huggingface_bf16", "torch_fp32_upcast", "cublas_3gemm_real_grad"]
+    rows = sweeps.run_sweep("ce", [8], providers=["huggingface_bf16", "torch_fp32_upcast", "cublas_3gemm_real_grad"]
                            + (["torch_linear_cross_entropy"] if HAS_TORCH_LCE_OPTIONS else []),
                            modes=["full"], softcap=SOFTCAP, **CPU_ONE_REP)
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     x, w = inputs.x.detach(), inputs.w.detach()
     expected = float(reference.linear_cross_entropy_fp64(x, w, inputs.target, softcap=SOFTCAP))
     plain = float(reference.linear_cross_entropy_fp64(x, w, inputs.target))
@@ -618,7 +620,7 @@ def test_softcapped_ce_providers_and_truth():
     assert losses["huggingface_bf16"] == pytest.approx(expected, rel=1e-5)
     assert losses["torch_fp32_upcast"] == pytest.approx(expected, rel=1e-5)
 
-    loss, dx, dw = bench.fp64_linear_cross_entropy_grads_chunked(inputs.x, inputs.w, inputs.target, chunk_tokens=3,
+    loss, dx, dw = reference.fp64_linear_cross_entropy_grads_chunked(inputs.x, inputs.w, inputs.target, chunk_tokens=3,
                                                                  softcap=SOFTCAP)
     x64 = inputs.x.detach().double().requires_grad_()
     w64 = inputs.w.detach().double().requires_grad_()
@@ -630,13 +632,13 @@ def test_softcapped_ce_providers_and_truth():
 
 
 def test_softcapped_simpo_baseline():
-    from fusedkern.reference import _simpo_from_logprobs
+    from fusedkern.reference import simpo_from_logprobs
 
-    rows = bench.run_sweep("simpo", [2], seq=8, providers=["huggingface_fp32"], modes=["full"], softcap=SOFTCAP,
+    rows = sweeps.run_sweep("simpo", [2], seq=8, providers=["huggingface_fp32"], modes=["full"], softcap=SOFTCAP,
                            workloads=["masked_30"], **CPU_ONE_REP)
-    inputs = bench.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_30")
+    inputs = workloads.make_simpo_inputs(2, 8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_30")
     logps = reference.linear_logprobs_fp64(inputs.x.detach(), inputs.w.detach(), inputs.target, softcap=SOFTCAP)
-    expected, _ = _simpo_from_logprobs(logps, inputs.target != bench.IGNORE_INDEX, beta=0.1, gamma=0.5, alpha=1.0,
+    expected, _ = simpo_from_logprobs(logps, inputs.target != workloads.IGNORE_INDEX, beta=0.1, gamma=0.5, alpha=1.0,
                                        label_smoothing=0.0)
     assert [r["loss"] for r in rows] == [pytest.approx(float(expected), rel=1e-5)]
 
@@ -651,17 +653,17 @@ def test_torch_linear_cross_entropy_takes_the_chunked_path(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "linear_cross_entropy", spy)
-    inputs = bench.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
+    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
     for key, chunked in (("torch_linear_cross_entropy", True), ("torch_linear_cross_entropy_unfused", False)):
         calls.clear()
-        bench.PROVIDERS["ce"][key].build(inputs)["loss_only"].run(None)
-        assert calls[0]["ignore_index"] == bench.IGNORE_INDEX
+        prov.PROVIDERS["ce"][key].build(inputs)["loss_only"].run(None)
+        assert calls[0]["ignore_index"] == workloads.IGNORE_INDEX
         assert isinstance(calls[0].get("options"), torch.nn.LinearCrossEntropyOptions) is chunked
 
 
 def test_quack_provider_is_skipped_with_a_reason_on_cpu(capsys):
-    assert "quack" in bench.PROVIDERS["ce"]
-    rows = bench.run_sweep("ce", [8], providers=["quack", "cublas_3gemm"], modes=["full"], **CPU_ONE_REP)
+    assert "quack" in prov.PROVIDERS["ce"]
+    rows = sweeps.run_sweep("ce", [8], providers=["quack", "cublas_3gemm"], modes=["full"], **CPU_ONE_REP)
     assert {r["provider"] for r in rows} == {"cublas_3gemm"}
     assert "skipping provider quack: ProviderUnavailable: QuACK runs only on CUDA tensors" in capsys.readouterr().err
 
@@ -682,14 +684,14 @@ def test_cli_refuses_another_devices_measured_folder(tmp_path, capsys):
 def test_cli_refuses_a_cpu_run_into_a_gpu_folder_on_a_gpu_host(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
-    assert bench._device_slug() == "h200" and bench._device_slug("cpu") == "cpu"
+    assert bench.device_slug_of() == "h200" and bench.device_slug_of("cpu") == "cpu"
     out = tmp_path / "data" / "measured" / "h200" / "ce.csv"
     assert bench.main([*TINY_CE_ARGV, "--out", str(out)]) == 2  # TINY_CE_ARGV has --device cpu
     assert "data/measured/h200/" in capsys.readouterr().err and not out.parent.exists()
     # the GPU's default output is anchored at the repository, not the working directory
     monkeypatch.chdir(tmp_path)
     default = bench.default_output("ce", "h200")
-    assert default.is_absolute() and default == Path(bench.__file__).resolve().parents[1] / "data/measured/h200/ce.csv"
+    assert default.is_absolute() and default == Path(bench.__file__).resolve().parents[2] / "data/measured/h200/ce.csv"
 
 
 def test_cli_never_replaces_an_existing_file_unasked(tmp_path, capsys):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedkern import memory_model as mm
+from fusedkern.study import memory_model as mm
 from fusedkern.chunk_plan import FUSED_EXTRA_BUDGET_BYTES
 
 H, V = 4096, 128256

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from fusedkern import plotting  # noqa: E402
+from fusedkern.study import plotting, results, tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,10 @@ def _figure(df: pd.DataFrame):
     floor = df[df.provider == "cublas_3gemm"]
     plotting.draw_floor(a, floor.x, floor.ms_p50)
     a.legend()
-    plotting.plot_ratios(b, plotting.ratio_to(df, "cublas_3gemm"), skip=["cublas_3gemm"])
+    plotting.plot_ratios(b, tables.ratio_to(df, "cublas_3gemm"), skip=["cublas_3gemm"])
     model = df.assign(mib=df.peak_extra_mib * 0.9)[["provider", "x", "mib"]]
     plotting.plot_memory(c, model, df)
-    plotting.add_caption(fig, plotting.provenance({"gpu_name": "Test GPU", "torch": "2.x",
+    plotting.add_caption(fig, results.provenance({"gpu_name": "Test GPU", "torch": "2.x",
                                                    "date_utc": "2026-01-01T00:00:00+00:00"}, "test data"))
     return fig
 
@@ -72,7 +72,7 @@ import sys
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from fusedkern import plotting
+from fusedkern.study import plotting
 plotting.use_style()
 fig, ax = plt.subplots(figsize=(4, 3))
 ax.plot([4096, 8192], [1.0, 2.0], label="x")
@@ -120,7 +120,7 @@ def test_size_axis_ticks_are_the_sizes():
 
 
 def test_ratio_to_divides_by_the_baseline_at_the_same_point():
-    ratios = plotting.ratio_to(_results(shuffle=True), "cublas_3gemm")
+    ratios = tables.ratio_to(_results(shuffle=True), "cublas_3gemm")
     chunked = ratios[ratios.provider == "fusedkern_chunked"]
     assert list(chunked.x) == [4096, 8192, 16384, 32768]
     assert chunked.ratio.to_numpy() == pytest.approx([1.1] * 4)
@@ -130,7 +130,7 @@ def test_ratio_to_divides_by_the_baseline_at_the_same_point():
 def test_ratio_to_drops_points_without_baseline():
     df = _results()
     df = df[~((df.provider == "cublas_3gemm") & (df.x == 4096))]
-    assert 4096 not in set(plotting.ratio_to(df, "cublas_3gemm").x)
+    assert 4096 not in set(tables.ratio_to(df, "cublas_3gemm").x)
 
 
 def test_missing_values_are_skipped_not_plotted(tmp_path):
@@ -144,7 +144,7 @@ def test_missing_values_are_skipped_not_plotted(tmp_path):
 
 def test_styles_are_stable_and_ordered():
     assert plotting.style_for("some_new_provider") == plotting.style_for("some_new_provider")
-    assert plotting.sort_providers(["fusedkern_chunked", "zzz", "cublas_3gemm", "huggingface_bf16"]) == [
+    assert tables.sort_providers(["fusedkern_chunked", "zzz", "cublas_3gemm", "huggingface_bf16"]) == [
         "huggingface_bf16", "fusedkern_chunked", "cublas_3gemm", "zzz"]
 
 
@@ -152,16 +152,16 @@ def test_provenance_names_the_stack():
     meta = {"gpu_name": "NVIDIA H200", "driver_version": "570.1", "cuda_version": "13.0", "torch": "2.11.0",
             "triton": "3.6.0", "date_utc": "2026-12-02T10:00:00+00:00", "competitors": {"liger-kernel": "0.8.5",
                                                                                        "cut-cross-entropy": None}}
-    text = plotting.provenance(meta, "data/measured/h200/ce.csv")
+    text = results.provenance(meta, "data/measured/h200/ce.csv")
     for part in ("NVIDIA H200", "driver 570.1", "CUDA 13.0", "torch 2.11.0", "triton 3.6.0", "liger-kernel 0.8.5",
                  "measured 2026-12-02", "data/measured/h200/ce.csv"):
         assert part in text
     assert "cut-cross-entropy" not in text
-    assert plotting.provenance(None) == ""
+    assert results.provenance(None) == ""
 
 
 def test_chunk_size_variants_follow_their_parent():
-    order = plotting.sort_providers(["fusedkern_chunked_c8192", "fusedkern_chunked_lean", "fusedkern_chunked_c512",
+    order = tables.sort_providers(["fusedkern_chunked_c8192", "fusedkern_chunked_lean", "fusedkern_chunked_c512",
                                      "fusedkern_chunked"])
     assert order == ["fusedkern_chunked", "fusedkern_chunked_c512", "fusedkern_chunked_c8192", "fusedkern_chunked_lean"]
     style = plotting.style_for("fusedkern_chunked_c512")
@@ -175,7 +175,7 @@ def test_chunk_tradeoff_table_keeps_the_default_row_where_it_meets_a_study_point
     timing = pd.DataFrame([row("fusedkern_chunked", 32768, 160.0, 2004.0), row("fusedkern_chunked_c4096", 32768, 161.0, 2004.0),
                            row("fusedkern_chunked_c512", 32768, 200.0, 2004.0), row("fusedkern_chunked_lean", 32768, 170.0, 251.0)])
     floor = pd.DataFrame([row("cublas_3gemm", 32768, 150.0, 8016.0)])
-    table = plotting.chunk_tradeoff_table(
+    table = tables.chunk_tradeoff_table(
         timing, None, floor=floor, default_chunk=lambda provider, tokens: 1024 if provider.endswith("_lean") else 4096)
     fp32 = table[table["accumulation"] == "fp32"]
     assert list(fp32["chunk_tokens"]) == [512, 4096] and list(fp32["default"]) == [False, True]
@@ -184,7 +184,7 @@ def test_chunk_tradeoff_table_keeps_the_default_row_where_it_meets_a_study_point
 
 
 def test_measured_runs_merge_per_size_and_mode(tmp_path):
-    from fusedkern.results import write_results
+    from fusedkern.study.results import write_results
 
     def rows(provider_ms: dict, modes, xs):
         return [dict(op="ce", provider=p, x_name="tokens", x=x, mode=m, ms_p20=ms, ms_p50=ms, ms_p80=ms,
@@ -198,7 +198,7 @@ def test_measured_runs_merge_per_size_and_mode(tmp_path):
                   meta=meta, environment={"date_utc": "2026-12-01T00:00:00+00:00"})
     write_results(rows({"cublas_3gemm": 20.0, "fusedkern_chunked": 21.0}, ["full"], [2, 3]), tmp_path / "new.csv",
                   meta=meta, environment={"date_utc": "2026-12-03T00:00:00+00:00"})
-    merged = plotting.load_measured_runs([tmp_path / "new.csv", tmp_path / "old.csv"])
+    merged = results.load_measured_runs([tmp_path / "new.csv", tmp_path / "old.csv"])
     source = {(int(r.x), r.mode, r.provider): r.source for r in merged.itertuples()}
     assert source[(1, "full", "fusedkern_chunked")] == "old.csv"  # only the old run measured x = 1
     assert source[(2, "full", "fusedkern_chunked")] == "new.csv"  # the newer run wins where both measured
@@ -207,7 +207,7 @@ def test_measured_runs_merge_per_size_and_mode(tmp_path):
     assert (3, "loss_only", "fusedkern_chunked") not in source
     assert len(merged) == len(set(zip(merged.x, merged["mode"], merged.provider)))  # one row per point
     assert set(merged.attrs["meta"]["sources"]) == {"old.csv", "new.csv"}
-    lines, caption = plotting.runs_provenance(merged, "data/measured/x")
+    lines, caption = results.runs_provenance(merged, "data/measured/x")
     assert any("old.csv (tokens 1, 2; loss_only, full)" in line for line in lines)
     assert any("new.csv (tokens 2, 3; full)" in line for line in lines)
     assert "old.csv: commit" in caption and "new.csv: commit" in caption
@@ -218,7 +218,7 @@ def test_host_waits_and_protocol_figures_draw_what_they_are_given(tmp_path):
         dict(case="cublas_3gemm", ms_p50=10.0), dict(case="default_shipped", ms_p50=10.3, ratio=1.03),
         dict(case="default_sync_target_check", ms_p50=10.9, ratio=1.09), dict(case="lean_shipped", ms_p50=10.7, ratio=1.07),
         dict(case="lean_sync_target_check", ms_p50=11.8, ratio=1.18), dict(case="cublas_3gemm_again", ms_p50=10.1)])
-    waits = plotting.host_waits_table(probe)
+    waits = tables.host_waits_table(probe)
     assert waits.set_index(["variant", "mode"]).extra_ms.round(6).to_dict() == {
         ("shipped", "default"): 0.0, ("sync_target_check", "default"): 0.6,
         ("shipped", "lean"): 0.0, ("sync_target_check", "lean"): 1.1}
@@ -252,29 +252,29 @@ def _two_workloads() -> pd.DataFrame:
 def test_pivot_refuses_to_mix_workloads_and_selects_one_when_asked():
     df = _two_workloads()
     with pytest.raises(ValueError, match="mix 2 workload/protocol pairs.*dense/shuffled.*masked_50/shuffled"):
-        plotting.pivot(df, "full")  # aggfunc="first" used to keep one workload's value without a word
-    dense = plotting.pivot(df, "full", workload="dense")
-    masked = plotting.pivot(df, "full", workload="masked_50", protocol="shuffled")
+        tables.pivot(df, "full")  # aggfunc="first" used to keep one workload's value without a word
+    dense = tables.pivot(df, "full", workload="dense")
+    masked = tables.pivot(df, "full", workload="masked_50", protocol="shuffled")
     assert dense.loc["fusedkern_chunked", 4096] == pytest.approx(1.1 * 4096 / 240)
     assert masked.loc["fusedkern_chunked", 4096] == pytest.approx(0.5 * 1.1 * 4096 / 240)
     with pytest.raises(ValueError, match="no rows with workload = 'masked_70'"):
-        plotting.pivot(df, "full", workload="masked_70")
+        tables.pivot(df, "full", workload="masked_70")
     with pytest.raises(ValueError, match="no 'workload' column"):
-        plotting.pivot(_results(), "full", workload="dense")
+        tables.pivot(_results(), "full", workload="dense")
     with pytest.raises(ValueError, match="mix"):
-        plotting.ratio_tables(df, ["full"])
-    assert plotting.ratio_tables(df, ["full"], workload="masked_50")["full"].loc["fusedkern_chunked", 8192] == \
+        tables.ratio_tables(df, ["full"])
+    assert tables.ratio_tables(df, ["full"], workload="masked_50")["full"].loc["fusedkern_chunked", 8192] == \
         pytest.approx(0.5 * 1.1 / 0.95)
     # the same point twice without a workload column: also refused, not silently deduplicated
     with pytest.raises(ValueError, match="share their provider, x"):
-        plotting.pivot(pd.concat([_results(), _results()]), "full")
+        tables.pivot(pd.concat([_results(), _results()]), "full")
     # a file without the columns pivots as before
-    assert plotting.pivot(_results(), "full").shape == (5, 4)
+    assert tables.pivot(_results(), "full").shape == (5, 4)
 
 
 def test_ratio_to_divides_each_workload_by_its_own_floor_and_figures_refuse_a_mix():
     df = _two_workloads()
-    ratios = plotting.ratio_to(df, "cublas_3gemm")
+    ratios = tables.ratio_to(df, "cublas_3gemm")
     assert len(ratios) == len(df)  # no cross join of the workloads
     at = ratios.set_index(["provider", "workload", "x"])["ratio"]
     assert at[("fusedkern_chunked", "dense", 4096)] == pytest.approx(1.1)
@@ -287,13 +287,13 @@ def test_ratio_to_divides_each_workload_by_its_own_floor_and_figures_refuse_a_mi
     with pytest.raises(ValueError, match="mix"):
         plotting.plot_ratios(ax, ratios)
     plt.close(fig)
-    assert [w for w, _ in plotting.workloads_in(df)] == ["dense", "masked_50"]
-    assert plotting.workloads_in(_results()) == [("", "")]
-    assert [plotting.ignored_share(w) for w in ("dense", "masked_30", "masked_70")] == [0.0, 0.3, 0.7]
+    assert [w for w, _ in results.workloads_in(df)] == ["dense", "masked_50"]
+    assert results.workloads_in(_results()) == [("", "")]
+    assert [results.ignored_share(w) for w in ("dense", "masked_30", "masked_70")] == [0.0, 0.3, 0.7]
 
 
 def test_loaders_keep_workloads_apart(tmp_path):
-    from fusedkern.results import write_results
+    from fusedkern.study.results import write_results
 
     df = _two_workloads()
     rows = [dict(r, loss=float("nan"), note="") for r in df.to_dict("records")]
@@ -301,10 +301,10 @@ def test_loaders_keep_workloads_apart(tmp_path):
     write_results(rows, tmp_path / "both.csv", meta=meta, environment={"date_utc": "2026-12-04T00:00:00+00:00"})
     masked_70 = [dict(r, workload="masked_70") for r in rows if r["workload"] == "masked_50"]
     write_results(masked_70, tmp_path / "other.csv", meta=meta, environment={"date_utc": "2026-12-03T00:00:00+00:00"})
-    assert set(plotting.load_measured(tmp_path / "both.csv", workload="masked_50").workload) == {"masked_50"}
-    assert plotting.load_measured(tmp_path / "both.csv", workload="dense").attrs["meta"]["hidden"] == 8
+    assert set(results.load_measured(tmp_path / "both.csv", workload="masked_50").workload) == {"masked_50"}
+    assert results.load_measured(tmp_path / "both.csv", workload="dense").attrs["meta"]["hidden"] == 8
     # a file of another workload adds to the merge instead of replacing the newer file's points
-    merged = plotting.load_measured_runs([tmp_path / "both.csv", tmp_path / "other.csv"])
+    merged = results.load_measured_runs([tmp_path / "both.csv", tmp_path / "other.csv"])
     assert sorted(merged.workload.unique()) == ["dense", "masked_50", "masked_70"]
     assert len(merged) == 3 * len(df) // 2
     assert set(merged[merged.workload == "masked_70"].source) == {"other.csv"}
@@ -312,7 +312,7 @@ def test_loaders_keep_workloads_apart(tmp_path):
 
 def test_notebook_08_figures_draw_what_they_are_given(tmp_path):
     df = _two_workloads()
-    ratios = plotting.ratio_to(df, "cublas_3gemm")
+    ratios = tables.ratio_to(df, "cublas_3gemm")
     fig = plotting.ignored_share_figure(ratios[ratios.provider != "cublas_3gemm"], tokens=[4096, 32768],
                                         caption="test", title="test")
     ax = fig.axes[0]
@@ -329,7 +329,7 @@ def test_notebook_08_figures_draw_what_they_are_given(tmp_path):
                           for k in ("logits", "dx") for n, w in ((4096, "dense"), (2048, "masked_50"))
                           for impl, ms in (("triton", n / 1000 * 1.1), ("cublas_exact", n / 1000),
                                            ("cublas_full", 4.096))])
-    table = plotting.rowcount_table(bench)
+    table = tables.rowcount_table(bench)
     assert table.loc[("dx", 2048, "masked_50"), "triton ÷ cuBLAS exact-n"] == pytest.approx(1.1)
     assert table.loc[("dx", 2048, "masked_50"), "triton ÷ cuBLAS all rows"] == pytest.approx(2.048 * 1.1 / 4.096)
     fig = plotting.rowcount_figure(bench, caption="test")

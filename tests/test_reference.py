@@ -110,7 +110,7 @@ def test_cross_entropy_from_logits_matches_torch(
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
     )
 
-    loss, lse = ref._cross_entropy_from_logits(logits, target, return_lse=True, **options)
+    loss, lse = ref.cross_entropy_from_logits(logits, target, return_lse=True, **options)
     expected = torch_cross_entropy(logits, target, **options)
     assert loss.shape == expected.shape
     assert_close_verbose(loss, expected, rtol=1e-12, atol=1e-12, what="loss")
@@ -135,7 +135,7 @@ def test_cross_entropy_from_logits_fp32_matches_torch(options, reduction):
         weight=weight, reduction=reduction, ignore_index=IGNORE,
         label_smoothing=options["label_smoothing"], z_loss=options["z_loss"], softcap=options["softcap"],
     )
-    loss = ref._cross_entropy_from_logits(logits, target, return_lse=False, **kwargs)
+    loss = ref.cross_entropy_from_logits(logits, target, return_lse=False, **kwargs)
     assert loss.dtype == torch.float32
     assert_close_verbose(loss, torch_cross_entropy(logits, target, **kwargs), rtol=1e-5, atol=1e-5, what="loss")
 
@@ -236,13 +236,13 @@ def test_invalid_options_raise():
     target = torch.tensor([0, 1, 2])
     base = dict(weight=None, ignore_index=IGNORE, z_loss=0.0, return_lse=False)
     with pytest.raises(ValueError, match="reduction"):
-        ref._cross_entropy_from_logits(logits, target, reduction="avg", label_smoothing=0.0, softcap=None, **base)
+        ref.cross_entropy_from_logits(logits, target, reduction="avg", label_smoothing=0.0, softcap=None, **base)
     with pytest.raises(ValueError, match="label_smoothing"):
-        ref._cross_entropy_from_logits(logits, target, reduction="mean", label_smoothing=1.5, softcap=None, **base)
+        ref.cross_entropy_from_logits(logits, target, reduction="mean", label_smoothing=1.5, softcap=None, **base)
     with pytest.raises(ValueError, match="softcap"):
-        ref._cross_entropy_from_logits(logits, target, reduction="mean", label_smoothing=0.0, softcap=0.0, **base)
+        ref.cross_entropy_from_logits(logits, target, reduction="mean", label_smoothing=0.0, softcap=0.0, **base)
     with pytest.raises(ValueError, match="even"):
-        ref._simpo_from_logprobs(torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.bool),
+        ref.simpo_from_logprobs(torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.bool),
                                  beta=0.1, gamma=0.5, alpha=1.0, label_smoothing=0.0)
 
 
@@ -283,7 +283,7 @@ def test_cross_entropy_gradient_matches_design_formula(options, reduction):
     z = (torch.randn(8, vocab, dtype=torch.float64) * 3).requires_grad_()  # [T, V]
     target = make_target((8,), vocab, "some")
     w = class_weight(vocab, torch.float64) if options["use_class_weight"] else torch.ones(vocab, dtype=torch.float64)
-    loss = ref._cross_entropy_from_logits(
+    loss = ref.cross_entropy_from_logits(
         z, target, weight=w, reduction=reduction, ignore_index=IGNORE, label_smoothing=eps,
         z_loss=z_loss, softcap=cap, return_lse=False,
     )
@@ -330,7 +330,7 @@ def test_logprobs_gradient_matches_design_formula():
     z = (torch.randn(9, vocab, dtype=torch.float64) * 2).requires_grad_()
     target = make_target((9,), vocab, "some")
     upstream = torch.randn(9, dtype=torch.float64)  # g_t
-    logp = ref._target_logprobs(z, target, ignore_index=IGNORE, softcap=cap)
+    logp = ref.target_logprobs(z, target, ignore_index=IGNORE, softcap=cap)
     (grad_autograd,) = torch.autograd.grad(logp, z, grad_outputs=upstream)
     with torch.no_grad():
         s = cap * torch.tanh(z / cap)
@@ -516,7 +516,7 @@ def test_simpo_per_token_gradient_matches_design_formula(label_smoothing, alpha)
     mask = torch.rand(2 * n_pairs, seq) > 0.3
     mask[0] = False  # one all-ignored chosen response: its tokens get no gradient at all
     mask[n_pairs + 2, 0] = True  # and at least one token everywhere else
-    loss, _ = ref._simpo_from_logprobs(logps, mask, beta=beta, gamma=gamma, alpha=alpha,
+    loss, _ = ref.simpo_from_logprobs(logps, mask, beta=beta, gamma=gamma, alpha=alpha,
                                        label_smoothing=label_smoothing)
     (grad_autograd,) = torch.autograd.grad(loss, logps)
 

@@ -63,7 +63,7 @@ def _fake_rows(op, x_name, xs, providers, unit):
 
 def write_fake_measurements(data_dir: Path, gpu: str = "h200") -> Path:
     """Invented ce/simpo/accuracy CSVs (+ sidecars) under data_dir/measured/<gpu>/, for tests only."""
-    from fusedkern.results import write_results
+    from fusedkern.study.results import write_results
 
     out = data_dir / "measured" / gpu
     meta = {"hidden": 4096, "vocab": 128256, "dtype": "bfloat16", "note": "FAKE DATA for tests"}
@@ -269,7 +269,7 @@ def test_quick_measuring_run_leaves_the_committed_measurements_alone(tmp_path, m
 
 
 def test_error_bound():
-    from fusedkern.plotting import error_bound
+    from fusedkern.study.tables import error_bound
 
     assert error_bound(6.9e-18, 1e-15) == error_bound(0.0, 1e-15) == "≤ 1e-15"
     assert error_bound(1.6e-7, 1e-6) == error_bound(1e-6, 1e-6) == "≤ 1e-6"

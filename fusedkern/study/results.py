@@ -8,7 +8,11 @@ extra columns (accuracy errors, a `note` such as "OOM") come after the schema co
 Writing is deterministic: rows sorted, every float column printed with a fixed format, the JSON
 with sorted keys. Writing the same rows with the same provenance twice gives identical bytes, so
 a re-run that changed nothing leaves no diff. Reading back (`load_results`) needs pandas; writing
-does not, so the benchmark runs where pandas is absent.
+does not, so the benchmark runs where pandas is absent (pandas is imported inside the readers).
+
+The notebooks' side: `load_measured` (a missing file is said, not raised), `load_measured_runs`
+(several device calls merged so that a ratio never mixes two runs), the workload/protocol selection
+every table and figure goes through, and `provenance` lines naming GPU, stack, commit and file.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 from datetime import datetime, timezone
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pandas is imported inside the readers: writing results must not need it
+    import pandas as pd
 
 __all__ = [
     "SCHEMA_COLUMNS",
@@ -37,6 +46,18 @@ __all__ = [
     "read_rows",
     "load_results",
     "sidecar_path",
+    "WORKLOAD_COLUMNS",
+    "FLOOR_OF_MODE",
+    "floor_provider",
+    "workloads_in",
+    "select_workload",
+    "check_one_workload",
+    "check_one_row_each",
+    "ignored_share",
+    "load_measured",
+    "load_measured_runs",
+    "provenance",
+    "runs_provenance",
 ]
 
 # Column order of docs/design.md; `loss` is optional in a row (written empty when absent).
@@ -58,9 +79,11 @@ _REQUIRED_COLUMNS = SCHEMA_COLUMNS[:-1]
 MODES = ("loss_only", "forward", "backward", "full")
 _MODE_RANK = {mode: rank for rank, mode in enumerate(MODES)}
 _ROW_KEY = ("op", "provider", "x_name", "x", "mode")
-# Columns that also tell rows apart when present (`fusedkern.bench` writes them in every row): one
-# file may hold several workloads or protocols of the same provider, x and mode. "" when absent.
-_OPTIONAL_KEY_COLUMNS = ("workload", "protocol")
+# Columns that also tell rows apart when present (the benchmark writes them in every row): one file
+# may hold several workloads or protocols of the same provider, x and mode; "" when absent.
+# `workload` (dense, masked_30, ...: which share of the targets is ignored), `protocol` (sequential,
+# fixed (was "interleaved"), shuffled). A file without them holds one workload under one protocol.
+WORKLOAD_COLUMNS = ("workload", "protocol")
 
 _STR_COLUMNS = {"op", "provider", "x_name", "mode", "note", "workload", "protocol", "head"}
 _INT_COLUMNS = {"x", "n_reps"}
@@ -233,11 +256,11 @@ def _columns(rows: list[dict]) -> list[str]:
 def _sort_key(row: dict) -> tuple:
     mode = row["mode"]
     return (row["op"], row["x_name"], row["provider"], int(row["x"]), _MODE_RANK.get(mode, len(MODES)), mode,
-            *(str(row.get(c, "")) for c in _OPTIONAL_KEY_COLUMNS))
+            *(str(row.get(c, "")) for c in WORKLOAD_COLUMNS))
 
 
 def _row_key(row: dict) -> tuple:
-    return (*(row[c] for c in _ROW_KEY), *(row.get(c, "") for c in _OPTIONAL_KEY_COLUMNS))
+    return (*(row[c] for c in _ROW_KEY), *(row.get(c, "") for c in WORKLOAD_COLUMNS))
 
 
 def _check_rows(rows: list[dict]) -> None:
@@ -350,3 +373,194 @@ def load_results(csv_path: str | os.PathLike):
     json_path = sidecar_path(csv_path)
     df.attrs["meta"] = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
     return df
+
+# ----------------------------------------------------------------------------------------------
+# Reading measured files for the notebooks (pandas), and where their numbers come from
+# ----------------------------------------------------------------------------------------------
+
+
+# The floor each timing mode is compared with (docs/design.md, reference README §3): the loss alone
+# needs the logits GEMM; forward + backward needs three GEMMs (logits, dX, dW).
+FLOOR_OF_MODE = {
+    "loss_only": "cublas_1gemm",
+    "forward": "cublas_1gemm",
+    "backward": "cublas_3gemm",
+    "full": "cublas_3gemm",
+}
+
+
+def floor_provider(mode: str) -> str:
+    """The GEMM floor a mode's times are divided by: cublas_1gemm (loss_only, forward) or cublas_3gemm."""
+    return FLOOR_OF_MODE[mode]
+
+
+def workloads_in(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The distinct (workload, protocol) pairs of `df`, sorted; "" for a column the file lacks."""
+    import pandas as pd
+
+    if df.empty:
+        return []
+    cols = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
+    return sorted(set(zip(*cols)))
+
+
+def select_workload(df: pd.DataFrame, workload: str | None = None, protocol: str | None = None) -> pd.DataFrame:
+    """The rows of one workload and/or protocol (None: that column is not filtered). Asking for a
+    value that `df` does not hold, or filtering on a column it lacks, raises ValueError: an empty
+    selection would otherwise draw an empty figure without a word."""
+    out = df
+    for column, wanted in zip(WORKLOAD_COLUMNS, (workload, protocol)):
+        if wanted is None:
+            continue
+        if column not in out:
+            raise ValueError(f"cannot select {column} = {wanted!r}: the data have no {column!r} column")
+        have = sorted(set(out[column].fillna("")))
+        out = out[out[column].fillna("") == wanted]
+        if out.empty:
+            raise ValueError(f"no rows with {column} = {wanted!r} (the data hold {have})")
+    return out
+
+
+def check_one_workload(df: pd.DataFrame, what: str = "this table") -> None:
+    """Raise ValueError when `df` mixes workloads or protocols: a table, ratio or line drawn from it
+    would silently take one of them (or zigzag between them). Select first (`select_workload`)."""
+    found = workloads_in(df)
+    if len(found) > 1:
+        listed = ", ".join(f"{w or '?'}/{p or '?'}" for w, p in found)
+        raise ValueError(f"{what} would mix {len(found)} workload/protocol pairs ({listed}): "
+                         "select one with select_workload(df, workload=..., protocol=...) or pass workload=")
+
+
+def check_one_row_each(df: pd.DataFrame, keys: Sequence[str], what: str) -> None:
+    """Raise ValueError when two rows share `keys` (one would be dropped or both drawn as one line)."""
+    keys = [k for k in keys if k in df]
+    if not keys or df.empty:
+        return
+    duplicated = df.duplicated(keys, keep=False)
+    if duplicated.any():
+        check_one_workload(df, what)
+        first = df.loc[duplicated, keys].iloc[0].to_dict()
+        raise ValueError(f"{what}: {int(duplicated.sum())} rows share their {', '.join(keys)} (e.g. {first})")
+
+
+def ignored_share(workload: str) -> float:
+    """The share of targets a workload ignores: "dense" → 0.0, "masked_30" → 0.3."""
+    if workload in ("", "dense"):
+        return 0.0
+    match = re.fullmatch(r"masked_(\d+)", workload)
+    if not match:
+        raise ValueError(f"unknown workload {workload!r} (expected dense or masked_<percent>)")
+    return int(match.group(1)) / 100
+
+
+def load_measured(path: str | Path, *, workload: str | None = None,
+                  protocol: str | None = None) -> pd.DataFrame | None:
+    """`load_results(path)`, or None after saying that the file is not there yet.
+
+    The notebooks call this for every measured CSV so that a checkout without measurements still
+    renders: the plots that need the file are skipped, the rest of the notebook runs. workload,
+    protocol: keep only those rows (`select_workload`; a value the file lacks raises).
+    """
+    path = Path(path)
+    if not path.exists():
+        print(f"Not measured yet: {path.as_posix()} is missing, so the figures and tables that need it are "
+              "skipped. Produce it on a GPU with `python run_all.py --measure yes` "
+              "(or `python -m fusedkern.bench`).")
+        return None
+    df = load_results(path)
+    if workload is None and protocol is None:
+        return df
+    meta = df.attrs.get("meta", {})
+    out = select_workload(df, workload, protocol).reset_index(drop=True)
+    out.attrs["meta"] = meta
+    return out
+
+
+def _point_keys(df: pd.DataFrame) -> list[tuple]:
+    """Per row: (x, mode, workload, protocol), "" for a workload column the file lacks."""
+    import pandas as pd
+
+    extra = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
+    return list(zip(df["x"], df["mode"], *extra))
+
+
+def load_measured_runs(paths: Sequence[str | Path]) -> pd.DataFrame | None:
+    """Several result CSVs of one sweep, measured in different device calls, as one table in which
+    every (x, mode, workload, protocol) comes from a single run: the rows of the *last* file that
+    measured that mode's GEMM floor (`floor_provider`) at that point, "last" by the sidecars'
+    measurement date. A later run of some modes (say full and loss_only with the final code)
+    replaces those modes and keeps the others from the earlier run; a run cut short replaces only
+    what it measured; a file of other workloads (say masked_30) adds to one of masked_50. Ratios to
+    the floor therefore never mix two runs. Adds a `source` column (the file name per row);
+    `attrs["meta"]` is the newest file's sidecar with `sources` = {file: its metadata}."""
+    frames = [(Path(p), load_measured(p)) for p in paths]
+    frames = [(p, df) for p, df in frames if df is not None]
+    if not frames:
+        return None
+    frames.sort(key=lambda item: str(item[1].attrs.get("meta", {}).get("date_utc", "")))
+    chosen: dict = {}  # (x, mode, workload, protocol) -> file name
+    for path, df in frames:
+        floor_rows = df[[p == floor_provider(m) for p, m in zip(df.provider, df["mode"])]]
+        for key in _point_keys(floor_rows):
+            chosen[key] = path.name
+    parts = []
+    for path, df in frames:
+        keep = df[[chosen.get(key) == path.name for key in _point_keys(df)]].copy()
+        keep["source"] = path.name
+        parts.append(keep)
+    import pandas as pd
+
+    merged = pd.concat(parts, ignore_index=True)
+    merged.attrs["meta"] = dict(frames[-1][1].attrs.get("meta", {}))
+    merged.attrs["meta"]["sources"] = {p.name: df.attrs.get("meta", {}) for p, df in frames}
+    return merged
+
+
+def provenance(meta: Mapping | None, source: str | None = None) -> str:
+    """One line naming where a figure's numbers come from: GPU, driver, CUDA, torch, triton, date
+    (from a results sidecar JSON, see `collect_environment`) and the file."""
+    meta = dict(meta or {})
+    parts = []
+    gpu = meta.get("gpu_name") or meta.get("gpu")
+    if gpu:
+        parts.append(str(gpu))
+    for key, name in (("driver_version", "driver"), ("cuda_version", "CUDA"), ("torch", "torch"),
+                      ("triton", "triton")):
+        if meta.get(key):
+            parts.append(f"{name} {meta[key]}")
+    competitors = meta.get("competitors") or {}
+    parts += [f"{k} {v}" for k, v in sorted(competitors.items()) if v]
+    for key in ("dtype",):
+        if meta.get(key):
+            parts.append(str(meta[key]))
+    for key, name in (("hidden", "H"), ("vocab", "V")):
+        if meta.get(key):
+            parts.append(f"{name}={meta[key]}")
+    date = meta.get("date_utc") or meta.get("date")
+    if date:
+        parts.append(f"measured {str(date)[:10]}")
+    commit = meta.get("git_commit")
+    if commit:
+        parts.append(f"commit {str(commit)[:10]}")
+    if source:
+        parts.append(f"data: {source}")
+    return " · ".join(parts)
+
+
+def runs_provenance(df: pd.DataFrame, where: str) -> tuple[list[str], str]:
+    """For a `load_measured_runs` table: one provenance line per run that contributes rows, naming
+    its modes and x values, and a one-line figure caption naming every such run's commit and date.
+    where: the folder the files are in, as the reader should see it (e.g. "data/measured/h200")."""
+    meta = df.attrs["meta"]
+    lines, runs = [], []
+    for name, run_meta in meta["sources"].items():
+        rows = df[df.source == name]
+        if rows.empty:
+            continue
+        xs = ", ".join(str(int(x)) for x in sorted(rows.x.unique()))
+        modes = ", ".join(m for m in FLOOR_OF_MODE if m in set(rows["mode"]))
+        lines.append(provenance(run_meta, f"{where}/{name} ({rows.x_name.iloc[0]} {xs}; {modes})"))
+        commit, date = str(run_meta.get("git_commit", "?"))[:7], str(run_meta.get("date_utc", "?"))[:10]
+        runs.append(f"{name}: commit {commit}, {date}")
+    shared = {k: v for k, v in meta.items() if k not in ("git_commit", "date_utc", "sources")}
+    return lines, provenance(shared, f"{where}/ — " + "; ".join(runs))

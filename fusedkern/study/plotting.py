@@ -9,7 +9,8 @@ order rows arrive in does not change the drawing either.
 Conventions: x axes are log₂ with the actual sizes as tick labels (4096, 8192, …); medians are
 drawn with p20–p80 error bars (the quantiles the seeds report); the compute floor is a black line
 with the unreachable region below it shaded; every figure carries a caption saying where its numbers
-come from (`provenance`).
+come from (`fusedkern.study.results.provenance`). The tables the figures draw are in
+`fusedkern.study.tables`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,50 +28,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-__all__ = [
-    "DPI",
-    "PROVIDER_ORDER",
-    "use_style",
-    "style_for",
-    "label_for",
-    "sort_providers",
-    "SavedFigure",
-    "save_figure",
-    "size_axis",
-    "plot_quantiles",
-    "draw_floor",
-    "ratio_to",
-    "plot_ratios",
-    "plot_memory",
-    "plot_seed_vs_ours",
-    "provenance",
-    "add_caption",
-    "error_bound",
-    "load_measured",
-    "floor_provider",
-    "WORKLOAD_COLUMNS",
-    "workloads_in",
-    "select_workload",
-    "check_one_workload",
-    "ignored_share",
-    "pivot",
-    "latency_figure",
-    "modes_figure",
-    "annotate_ratio",
-    "label_line_ends",
-    "ignored_share_figure",
-    "grouped_ratio_bars",
-    "rowcount_table",
-    "rowcount_figure",
-]
-
-# Columns that tell apart rows of the same provider, x and mode in one file (`fusedkern.bench` writes
-# both): `workload` (dense, masked_30, ...: which share of the targets is ignored) and `protocol`
-# (sequential, interleaved, shuffled). A file without them holds one workload under one protocol.
-WORKLOAD_COLUMNS = ("workload", "protocol")
-
+from fusedkern.study.results import check_one_row_each, check_one_workload, floor_provider, ignored_share
+from fusedkern.study.tables import CHUNK_COST_PARTS, ROWCOUNT_IMPLS, ROWCOUNT_KERNELS, pivot, ratio_to, sort_providers
 
 DPI = 120  # fixed: PNG bytes depend on it; 120 keeps a 10-inch figure readable on GitHub
+
 
 _RC = {
     "svg.hashsalt": "fusedkern",  # fixed ids in the SVG (random per run otherwise)
@@ -89,28 +51,6 @@ _RC = {
     "path.simplify": False,  # simplification depends on the rendering; keep every vertex
 }
 
-# The order providers appear in legends and tables: baselines, competitors, ours, the floor.
-PROVIDER_ORDER = (
-    "huggingface",
-    "huggingface_bf16",
-    "huggingface_fp32",
-    "torch_fp32_upcast",
-    "liger",
-    "liger-kernel 0.4.2",
-    "liger-kernel 0.8.5",
-    "cut_cross_entropy",
-    "fusedkern_chunked",
-    "fusedkern_chunked_counted",
-    "fusedkern_chunked_device_count",
-    "fusedkern_chunked_lean",
-    "fusedkern_chunked_lean_counted",
-    "fusedkern_fused",
-    "fusedkern_generic",
-    "torch_linear_cross_entropy",
-    "cublas_1gemm",
-    "cublas_3gemm",
-    "cublas_3gemm_real_grad",
-)
 
 _STYLES: dict[str, dict] = {
     "huggingface": dict(color="#7f7f7f", marker="s", label="Hugging Face (seed, A100)"),
@@ -134,9 +74,12 @@ _STYLES: dict[str, dict] = {
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),
-    "cublas_3gemm_real_grad": dict(color="#555555", marker="", linestyle="-.", label="3 cuBLAS GEMMs on the true ∂L/∂z"),
+    "cublas_3gemm_real_grad": dict(color="#555555", marker="", linestyle="-.",
+                                   label="3 cuBLAS GEMMs on the true ∂L/∂z"),
     "torch_linear_cross_entropy": dict(color="#ff7f0e", marker="X", label="torch F.linear_cross_entropy"),
 }
+
+
 _FALLBACK_COLORS = ("#17becf", "#e377c2", "#ff7f0e", "#c5b0d5", "#98df8a", "#c49c94")
 
 
@@ -163,25 +106,6 @@ def style_for(provider: str) -> dict:
 
 def label_for(provider: str) -> str:
     return style_for(provider)["label"]
-
-
-def sort_providers(providers: Iterable[str]) -> list[str]:
-    """Unique providers in `PROVIDER_ORDER` (a chunk-size variant `<provider>_c<N>` right after its
-    parent, by N), unknown ones after them alphabetically."""
-    rank = {p: i for i, p in enumerate(PROVIDER_ORDER)}
-
-    def key(p: str):
-        variant = re.fullmatch(r"(.+)_c(\d+)", p)  # chunk-size variants right after their parent, by size
-        if variant and variant.group(1) in rank:
-            return (rank[variant.group(1)], 1, int(variant.group(2)), p)
-        return (rank.get(p, len(rank)), 0, 0, p)
-
-    return sorted(set(providers), key=key)
-
-
-# ----------------------------------------------------------------------------------------------
-# Saving
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -215,11 +139,6 @@ def save_figure(fig, path_stem: str | Path, *, close: bool = True) -> SavedFigur
     if close:
         plt.close(fig)
     return SavedFigure(png, svg)
-
-
-# ----------------------------------------------------------------------------------------------
-# Axes helpers
-# ----------------------------------------------------------------------------------------------
 
 
 def _size_label(value: float) -> str:
@@ -283,7 +202,7 @@ def plot_quantiles(
     skipped. The x axis gets the actual sizes as ticks.
     """
     df = df[df[y].notna()]
-    _check_one_row_each(df, (by, x), "plot_quantiles")
+    check_one_row_each(df, (by, x), "plot_quantiles")
     drawn = []
     for provider in providers if providers is not None else sort_providers(df[by]):
         part = df[df[by] == provider].sort_values(x)
@@ -331,25 +250,6 @@ def draw_floor(ax, xs: Sequence[float], ys: Sequence[float], *, label: str = "fl
             ax.set_ylim(float(ys.min()) / 1.3, float(ys.max()) * 1.3)
 
 
-def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
-             keys: Sequence[str] = ("op", "x_name", "x", "mode", *WORKLOAD_COLUMNS)) -> pd.DataFrame:
-    """`value` of every row divided by the `baseline` provider's at the same keys.
-
-    Returns columns keys + provider, value, baseline value and `ratio`, sorted; rows whose keys have
-    no baseline row are dropped. To compare modes with different floors, select before calling.
-    The keys include workload and protocol where the data have them: each row is divided by the
-    floor timed in its own workload's rounds. Two baseline rows at the same keys raise ValueError.
-    """
-    keys = [k for k in keys if k in df.columns]
-    _check_one_row_each(df[df["provider"] == baseline], keys, f"ratio_to({baseline!r})")
-    base = df[df["provider"] == baseline][[*keys, value]].rename(columns={value: f"{value}_baseline"})
-    out = df[[*keys, "provider", value]].merge(base, on=keys, how="inner")
-    out["ratio"] = out[value] / out[f"{value}_baseline"]
-    rank = {p: i for i, p in enumerate(sort_providers(out["provider"]))}
-    out["_rank"] = out["provider"].map(rank)
-    return out.sort_values(["_rank", *keys]).drop(columns="_rank").reset_index(drop=True)
-
-
 def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str = "floor (= 1)",
                 annotate: Sequence[str] | bool = True, skip: Sequence[str] = (), log_y: bool = True,
                 direct_labels: bool = True, guides: Mapping[str, float] | None = None,
@@ -368,7 +268,7 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
     shown = ratios[~ratios["provider"].isin(skip) & ratios["ratio"].notna()]
     if shown.empty:
         return
-    _check_one_row_each(shown, ("provider", x), "plot_ratios")
+    check_one_row_each(shown, ("provider", x), "plot_ratios")
     guides = dict(guides or {})
     # successive annotated providers alternate above / below their points so close lines stay legible
     offsets = [(0, 6, "bottom"), (0, -8, "top")]
@@ -543,235 +443,12 @@ def plot_seed_vs_ours(ax, seed: pd.DataFrame, ours: pd.DataFrame | None, *, x: s
         _ms_axis(ax, all_y, "ms (median)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Provenance
-# ----------------------------------------------------------------------------------------------
-
-
-def provenance(meta: Mapping | None, source: str | None = None) -> str:
-    """One line naming where a figure's numbers come from: GPU, driver, CUDA, torch, triton, date
-    (from a results sidecar JSON, see `fusedkern.results.collect_environment`) and the file."""
-    meta = dict(meta or {})
-    parts = []
-    gpu = meta.get("gpu_name") or meta.get("gpu")
-    if gpu:
-        parts.append(str(gpu))
-    for key, name in (("driver_version", "driver"), ("cuda_version", "CUDA"), ("torch", "torch"),
-                      ("triton", "triton")):
-        if meta.get(key):
-            parts.append(f"{name} {meta[key]}")
-    competitors = meta.get("competitors") or {}
-    parts += [f"{k} {v}" for k, v in sorted(competitors.items()) if v]
-    for key in ("dtype",):
-        if meta.get(key):
-            parts.append(str(meta[key]))
-    for key, name in (("hidden", "H"), ("vocab", "V")):
-        if meta.get(key):
-            parts.append(f"{name}={meta[key]}")
-    date = meta.get("date_utc") or meta.get("date")
-    if date:
-        parts.append(f"measured {str(date)[:10]}")
-    commit = meta.get("git_commit")
-    if commit:
-        parts.append(f"commit {str(commit)[:10]}")
-    if source:
-        parts.append(f"data: {source}")
-    return " · ".join(parts)
-
-
 def add_caption(fig, text: str, *, width: int = 150) -> None:
     """A small grey caption under the figure (wrapped at `width` characters)."""
     import textwrap
 
     wrapped = "\n".join(textwrap.wrap(text, width=width, break_on_hyphens=False))
     fig.text(0.0, -0.01, wrapped, ha="left", va="top", fontsize=7, color="0.35", transform=fig.transFigure)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rendered numbers
-# ----------------------------------------------------------------------------------------------
-
-
-def error_bound(err: float | None, floor: float) -> str:
-    """A numerical error as the power of ten at or above it, never below `floor` (a power of ten):
-    error_bound(6.9e-18, 1e-15) == "≤ 1e-15", error_bound(2.3e-4, 1e-6) == "≤ 1e-3"; "—" for none.
-
-    For rendered tables: below a few ulps an error's digits depend on the CPU build (BLAS, SIMD
-    math), so printing them would change the committed notebooks from one machine to the next.
-    Keep the exact values in the data and the asserts.
-    """
-    if err is None or math.isnan(err):
-        return "—"
-    exponent = round(math.log10(floor))
-    if err > floor:
-        exponent = math.ceil(math.log10(err))
-    return "≤ 1" if exponent == 0 else f"≤ 1e{exponent}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Data the figures draw
-# ----------------------------------------------------------------------------------------------
-
-# The floor each timing mode is compared with, as `fusedkern.bench` pairs them: the loss alone
-# needs the logits GEMM; forward + backward needs three GEMMs (logits, dX, dW).
-_FLOORS = {"loss_only": "cublas_1gemm", "forward": "cublas_1gemm", "backward": "cublas_3gemm", "full": "cublas_3gemm"}
-
-
-def floor_provider(mode: str) -> str:
-    """The GEMM floor a mode's times are divided by: cublas_1gemm (loss_only, forward) or cublas_3gemm."""
-    return _FLOORS[mode]
-
-
-def workloads_in(df: pd.DataFrame) -> list[tuple[str, str]]:
-    """The distinct (workload, protocol) pairs of `df`, sorted; "" for a column the file lacks."""
-    if df.empty:
-        return []
-    cols = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
-    return sorted(set(zip(*cols)))
-
-
-def select_workload(df: pd.DataFrame, workload: str | None = None, protocol: str | None = None) -> pd.DataFrame:
-    """The rows of one workload and/or protocol (None: that column is not filtered). Asking for a
-    value that `df` does not hold, or filtering on a column it lacks, raises ValueError: an empty
-    selection would otherwise draw an empty figure without a word."""
-    out = df
-    for column, wanted in zip(WORKLOAD_COLUMNS, (workload, protocol)):
-        if wanted is None:
-            continue
-        if column not in out:
-            raise ValueError(f"cannot select {column} = {wanted!r}: the data have no {column!r} column")
-        have = sorted(set(out[column].fillna("")))
-        out = out[out[column].fillna("") == wanted]
-        if out.empty:
-            raise ValueError(f"no rows with {column} = {wanted!r} (the data hold {have})")
-    return out
-
-
-def check_one_workload(df: pd.DataFrame, what: str = "this table") -> None:
-    """Raise ValueError when `df` mixes workloads or protocols: a table, ratio or line drawn from it
-    would silently take one of them (or zigzag between them). Select first (`select_workload`)."""
-    found = workloads_in(df)
-    if len(found) > 1:
-        listed = ", ".join(f"{w or '?'}/{p or '?'}" for w, p in found)
-        raise ValueError(f"{what} would mix {len(found)} workload/protocol pairs ({listed}): "
-                         "select one with select_workload(df, workload=..., protocol=...) or pass workload=")
-
-
-def _check_one_row_each(df: pd.DataFrame, keys: Sequence[str], what: str) -> None:
-    """Raise ValueError when two rows share `keys` (one would be dropped or both drawn as one line)."""
-    keys = [k for k in keys if k in df]
-    if not keys or df.empty:
-        return
-    duplicated = df.duplicated(keys, keep=False)
-    if duplicated.any():
-        check_one_workload(df, what)
-        first = df.loc[duplicated, keys].iloc[0].to_dict()
-        raise ValueError(f"{what}: {int(duplicated.sum())} rows share their {', '.join(keys)} (e.g. {first})")
-
-
-def ignored_share(workload: str) -> float:
-    """The share of targets a workload ignores: "dense" → 0.0, "masked_30" → 0.3."""
-    if workload in ("", "dense"):
-        return 0.0
-    match = re.fullmatch(r"masked_(\d+)", workload)
-    if not match:
-        raise ValueError(f"unknown workload {workload!r} (expected dense or masked_<percent>)")
-    return int(match.group(1)) / 100
-
-
-def load_measured(path: str | Path, *, workload: str | None = None,
-                  protocol: str | None = None) -> pd.DataFrame | None:
-    """`fusedkern.results.load_results(path)`, or None after saying that the file is not there yet.
-
-    The notebooks call this for every measured CSV so that a checkout without measurements still
-    renders: the plots that need the file are skipped, the rest of the notebook runs. workload,
-    protocol: keep only those rows (`select_workload`; a value the file lacks raises).
-    """
-    path = Path(path)
-    if not path.exists():
-        print(f"Not measured yet: {path.as_posix()} is missing, so the figures and tables that need it are "
-              "skipped. Produce it on a GPU with `python run_all.py --measure yes` "
-              "(or `python -m fusedkern.bench`).")
-        return None
-    from fusedkern.results import load_results
-
-    df = load_results(path)
-    if workload is None and protocol is None:
-        return df
-    meta = df.attrs.get("meta", {})
-    out = select_workload(df, workload, protocol).reset_index(drop=True)
-    out.attrs["meta"] = meta
-    return out
-
-
-def _point_keys(df: pd.DataFrame) -> list[tuple]:
-    """Per row: (x, mode, workload, protocol), "" for a workload column the file lacks."""
-    extra = [df[c].fillna("").astype(str) if c in df else pd.Series("", index=df.index) for c in WORKLOAD_COLUMNS]
-    return list(zip(df["x"], df["mode"], *extra))
-
-
-def load_measured_runs(paths: Sequence[str | Path]) -> pd.DataFrame | None:
-    """Several result CSVs of one sweep, measured in different device calls, as one table in which
-    every (x, mode, workload, protocol) comes from a single run: the rows of the *last* file that
-    measured that mode's GEMM floor (`floor_provider`) at that point, "last" by the sidecars'
-    measurement date. A later run of some modes (say full and loss_only with the final code)
-    replaces those modes and keeps the others from the earlier run; a run cut short replaces only
-    what it measured; a file of other workloads (say masked_30) adds to one of masked_50. Ratios to
-    the floor therefore never mix two runs. Adds a `source` column (the file name per row);
-    `attrs["meta"]` is the newest file's sidecar with `sources` = {file: its metadata}."""
-    frames = [(Path(p), load_measured(p)) for p in paths]
-    frames = [(p, df) for p, df in frames if df is not None]
-    if not frames:
-        return None
-    frames.sort(key=lambda item: str(item[1].attrs.get("meta", {}).get("date_utc", "")))
-    chosen: dict = {}  # (x, mode, workload, protocol) -> file name
-    for path, df in frames:
-        floor_rows = df[[p == floor_provider(m) for p, m in zip(df.provider, df["mode"])]]
-        for key in _point_keys(floor_rows):
-            chosen[key] = path.name
-    parts = []
-    for path, df in frames:
-        keep = df[[chosen.get(key) == path.name for key in _point_keys(df)]].copy()
-        keep["source"] = path.name
-        parts.append(keep)
-    merged = pd.concat(parts, ignore_index=True)
-    merged.attrs["meta"] = dict(frames[-1][1].attrs.get("meta", {}))
-    merged.attrs["meta"]["sources"] = {p.name: df.attrs.get("meta", {}) for p, df in frames}
-    return merged
-
-
-def runs_provenance(df: pd.DataFrame, where: str) -> tuple[list[str], str]:
-    """For a `load_measured_runs` table: one provenance line per run that contributes rows, naming
-    its modes and x values, and a one-line figure caption naming every such run's commit and date.
-    where: the folder the files are in, as the reader should see it (e.g. "data/measured/h200")."""
-    meta = df.attrs["meta"]
-    lines, runs = [], []
-    for name, run_meta in meta["sources"].items():
-        rows = df[df.source == name]
-        if rows.empty:
-            continue
-        xs = ", ".join(str(int(x)) for x in sorted(rows.x.unique()))
-        modes = ", ".join(m for m in _FLOORS if m in set(rows["mode"]))
-        lines.append(provenance(run_meta, f"{where}/{name} ({rows.x_name.iloc[0]} {xs}; {modes})"))
-        runs.append(f"{name}: commit {str(run_meta.get('git_commit', '?'))[:7]}, {str(run_meta.get('date_utc', '?'))[:10]}")
-    shared = {k: v for k, v in meta.items() if k not in ("git_commit", "date_utc", "sources")}
-    return lines, provenance(shared, f"{where}/ — " + "; ".join(runs))
-
-
-def pivot(df: pd.DataFrame, mode: str, value: str = "ms_p50", *, workload: str | None = None,
-          protocol: str | None = None) -> pd.DataFrame:
-    """provider × x table of `value` in `mode`, providers in the figures' order.
-
-    workload, protocol: take only those rows (`select_workload`). Rows that would share a cell — two
-    workloads or protocols of one file, or the same point twice — raise ValueError instead of one
-    of them being kept silently."""
-    part = select_workload(df[df["mode"] == mode], workload, protocol)
-    check_one_workload(part, f"pivot(mode={mode!r})")
-    _check_one_row_each(part, ("provider", "x"), f"pivot(mode={mode!r})")
-    table = part.pivot_table(index="provider", columns="x", values=value, aggfunc="first", dropna=False)
-    table = table.loc[sort_providers(table.index)]
-    table.columns.name = str(part["x_name"].iloc[0]) if len(part) else "x"
-    return table
 
 
 def latency_figure(df: pd.DataFrame, *, mode: str = "full", x_label: str, title: str, caption: str,
@@ -847,90 +524,6 @@ def annotate_ratio(ax, df: pd.DataFrame, numerator: str, denominator: str, *, x:
     return ratios
 
 
-# ----------------------------------------------------------------------------------------------
-# The chunk-size / accumulation trade-off (notebook 07)
-# ----------------------------------------------------------------------------------------------
-
-_CHUNK_VARIANT = re.compile(r"fusedkern_chunked(?P<lean>_lean)?(?:_c(?P<chunk>\d+))?")
-
-
-def ratio_tables(df: pd.DataFrame, modes: Sequence[str], *, workload: str | None = None,
-                 protocol: str | None = None) -> dict[str, pd.DataFrame]:
-    """Per mode, provider × x of ms_p50 ÷ that mode's floor (`floor_provider`), where the floor ran
-    (of one workload and protocol: `pivot` raises on a mix)."""
-    out = {}
-    for mode in modes:
-        if not (df["mode"] == mode).any():
-            continue
-        table = pivot(df, mode, workload=workload, protocol=protocol)
-        floor = floor_provider(mode)
-        if floor in table.index:
-            out[mode] = table / table.loc[floor]
-    return out
-
-
-def failed_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """The rows the harness could not measure (out of memory, errors), with their note."""
-    columns = ["provider", "x", "mode", *(c for c in WORKLOAD_COLUMNS if c in df), "note"]
-    notes = df[df["note"].fillna("") != ""][columns]
-    return notes.sort_values(columns[:-1]).reset_index(drop=True)
-
-
-def anchor_comparison(df: pd.DataFrame, anchors: pd.DataFrame, op: str, names: Mapping[str, str]) -> pd.DataFrame:
-    """Our full-mode time and memory next to the reference anchors of the same providers.
-
-    anchors: `data/reference/h200_anchors_*.csv`; names: anchor provider → our provider name.
-    Returns (provider, x) rows with both measurements and the ratios ours / anchor (empty when none match)."""
-    anchors = anchors[(anchors.op == op) & anchors.provider.isin(names)].copy()
-    anchors["provider"] = anchors.provider.map(names)
-    ours = df[df["mode"] == "full"]
-    check_one_workload(ours, "anchor_comparison")
-    ours = ours[["provider", "x", "ms_p50", "peak_extra_mib"]]
-    both = ours.merge(anchors[["provider", "x", "full_ms", "full_peak_extra_mib"]], on=["provider", "x"])
-    both["ms ours / anchor"] = both.ms_p50 / both.full_ms
-    both["MiB ours / anchor"] = both.peak_extra_mib / both.full_peak_extra_mib
-    return both.set_index(["provider", "x"]).sort_index()
-
-
-def chunk_tradeoff_table(timing: pd.DataFrame, accuracy: pd.DataFrame | None, *,
-                         default_chunk: int | Callable[[str, int], int], floor: pd.DataFrame) -> pd.DataFrame:
-    """One row per (accumulation, chunk tokens, tokens): ms_p50, ratio to the floor of the same run,
-    peak extra MiB, whether it is the provider's default plan, and, where measured, the relative dW
-    error. `timing` holds the chunked variants (full mode), `floor` the `cublas_3gemm` full-mode rows;
-    the unsuffixed providers ran with `default_chunk` tokens per chunk, a number or a function
-    (provider, tokens) → chunk. Where a default coincides with a study point, the default row stays."""
-    rows = []
-    floor_ms = floor[(floor["provider"] == "cublas_3gemm") & (floor["mode"] == "full")].set_index("x")["ms_p50"]
-    err = {}
-    if accuracy is not None and "err_dw" in accuracy:
-        err = {(p, x): e for p, x, e in accuracy[["provider", "x", "err_dw"]].itertuples(index=False)}
-    chunk_of = default_chunk if callable(default_chunk) else (lambda provider, tokens: default_chunk)
-    for r in timing[timing["mode"] == "full"].itertuples(index=False):
-        m = _CHUNK_VARIANT.fullmatch(r.provider)
-        if not m:
-            continue
-        rows.append(dict(accumulation="weight dtype (lean)" if m["lean"] else "fp32",
-                         chunk_tokens=int(m["chunk"] or chunk_of(r.provider, int(r.x))), tokens=int(r.x),
-                         default=not m["chunk"], ms_p50=r.ms_p50, ratio=r.ms_p50 / floor_ms.get(r.x, float("nan")),
-                         peak_extra_mib=r.peak_extra_mib, err_dw=err.get((r.provider, r.x), float("nan"))))
-    table = pd.DataFrame(rows).sort_values(["accumulation", "chunk_tokens", "tokens", "default"],
-                                           ascending=[True, True, True, False])
-    return table.drop_duplicates(["accumulation", "chunk_tokens", "tokens"]).reset_index(drop=True)
-
-
-def chunk_error_table(accuracy: pd.DataFrame, *, default_chunk: int | Callable[[str, int], int]) -> pd.DataFrame:
-    """(accumulation, chunk_tokens, tokens, err_dw) of the chunked variants in an accuracy sweep."""
-    chunk_of = default_chunk if callable(default_chunk) else (lambda provider, tokens: default_chunk)
-    rows = []
-    for r in accuracy.itertuples(index=False):
-        m = _CHUNK_VARIANT.fullmatch(r.provider)
-        if m and not math.isnan(r.err_dw):
-            rows.append(dict(accumulation="weight dtype (lean)" if m["lean"] else "fp32", tokens=int(r.x),
-                             chunk_tokens=int(m["chunk"] or chunk_of(r.provider, int(r.x))), err_dw=r.err_dw))
-    return pd.DataFrame(rows, columns=["accumulation", "chunk_tokens", "tokens", "err_dw"]).drop_duplicates(
-        ["accumulation", "chunk_tokens", "tokens"]).sort_values(["accumulation", "chunk_tokens"])
-
-
 def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: float | None, caption: str,
                           errors: pd.DataFrame | None = None, error_tokens: int | None = None):
     """Time ÷ floor, peak extra memory and dW error against chunk size, at one token count (the
@@ -967,38 +560,6 @@ def chunk_tradeoff_figure(table: pd.DataFrame, *, tokens: int, torch_err_dw: flo
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Where a chunk's time goes (scripts/probe_rows.py)
-
-_CHUNK_COST_PARTS = (  # (probe label, bar label); the dW parts are the surcharge over writing dW once
-    ("gemm_logits", "logits GEMM"),
-    ("gemm_dx", "dX GEMM"),
-    ("gemm_dw_write", "dW GEMM (write)"),
-    ("dw_accumulate", "dW accumulate (β = 1) surcharge"),
-    ("row_kernel", "row kernel (lse, loss, ∂L/∂z in place)"),
-)
-
-
-def chunk_cost_table(probe: pd.DataFrame) -> pd.DataFrame:
-    """Per chunk size C and accumulation: ms of each part of a chunk, from the JSON lines of
-    `scripts/probe_rows.py` (each GEMM and the row kernel timed alone). The accumulate surcharge is
-    (accumulating GEMM − writing GEMM); the row kernel is the shipped layout's net time."""
-    rows = []
-    for C, part in probe.groupby("C"):
-        by = {r.what: r for r in part.itertuples(index=False)}
-        shipped = next(r for w, r in by.items() if w.startswith("ce_rows_shipped"))
-        for accumulation, gemm in (("bf16 (lean)", "gemm_dw_accum_bf16"), ("fp32", "gemm_dw_accum_fp32")):
-            ms = {"gemm_logits": by["gemm_logits"].ms_p50, "gemm_dx": by["gemm_dx"].ms_p50,
-                  "gemm_dw_write": by["gemm_dw_write"].ms_p50,
-                  "dw_accumulate": by[gemm].ms_p50 - by["gemm_dw_write"].ms_p50,
-                  "row_kernel": shipped.ms_p50_net}
-            total = sum(ms.values())
-            three = ms["gemm_logits"] + ms["gemm_dx"] + ms["gemm_dw_write"]
-            rows.append(dict(chunk_tokens=int(C), accumulation=accumulation, **{k: round(v, 4) for k, v in ms.items()},
-                             total_ms=round(total, 4), over_three_gemms=round(total / three, 4)))
-    return pd.DataFrame(rows)
-
-
 def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
     """Stacked horizontal bars: one per (chunk size, accumulation), parts of `chunk_cost_table`, each
     normalized to that chunk's three GEMMs (= 1) so that chunk sizes compare."""
@@ -1008,7 +569,7 @@ def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
     for i, r in enumerate(costs.itertuples(index=False)):
         three = r.gemm_logits + r.gemm_dx + r.gemm_dw_write
         left = 0.0
-        for j, (key, name) in enumerate(_CHUNK_COST_PARTS):
+        for j, (key, name) in enumerate(CHUNK_COST_PARTS):
             width = getattr(r, key) / three
             ax.barh(i, width, left=left, color=colors[j], label=name if i == 0 else None, edgecolor="white")
             left += width
@@ -1025,16 +586,6 @@ def chunk_cost_figure(costs: pd.DataFrame, *, caption: str):
     ax.set_title("Where a chunk's time goes besides the three GEMMs")
     add_caption(fig, caption)
     return fig
-
-
-def host_waits_table(probe: pd.DataFrame) -> pd.DataFrame:
-    """`scripts/probe_host.py`'s JSON lines, one row per (variant, mode) of the fusedkern steps:
-    ms_p50, its ratio to the floor of the same process, and extra_ms over the code as shipped."""
-    steps = probe[probe.case.str.match(r"^(default|lean)_")].copy()
-    steps[["mode", "variant"]] = steps.case.str.split("_", n=1, expand=True)
-    shipped_ms = steps[steps.variant == "shipped"].set_index("mode").ms_p50
-    steps["extra_ms"] = steps.ms_p50 - steps["mode"].map(shipped_ms)
-    return steps[["variant", "mode", "ms_p50", "ratio", "extra_ms"]].reset_index(drop=True)
 
 
 def host_waits_figure(waits: pd.DataFrame, *, caption: str):
@@ -1092,11 +643,6 @@ def protocol_figure(sequential: pd.DataFrame, interleaved: pd.DataFrame, *, floo
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Ignored targets, several heads, the row-count GEMMs (notebook 08)
-# ----------------------------------------------------------------------------------------------
-
-
 def _percent_axis(ax, shares: Iterable[float], label: str) -> None:
     ticks = sorted({float(s) for s in shares})
     ax.xaxis.set_major_locator(FixedLocator([100 * t for t in ticks]))
@@ -1116,7 +662,7 @@ def ignored_share_figure(ratios: pd.DataFrame, *, tokens: Sequence[int], caption
     from the workload's name (`ignored_share`). Each (provider, x, workload) must appear once."""
     ratios = ratios[ratios["ratio"].notna()].copy()
     ratios["share"] = ratios["workload"].map(ignored_share)
-    _check_one_row_each(ratios, ("provider", "x", "workload"), "ignored_share_figure")
+    check_one_row_each(ratios, ("provider", "x", "workload"), "ignored_share_figure")
     if providers is not None:
         ratios = ratios[ratios["provider"].isin(providers)]
     fig, axes = plt.subplots(1, len(tokens), figsize=(6.6 * len(tokens), 5.0), layout="constrained",
@@ -1159,7 +705,7 @@ def grouped_ratio_bars(ax, df: pd.DataFrame, *, groups: Sequence, group: str = "
     """Horizontal bars: one block per entry of `groups` (top to bottom), one bar per provider in it,
     each labelled with its value (`{:.2f}×`); a group without rows says `missing`. A dashed line at
     1 (the floor) and dotted `guides` ({label: value})."""
-    _check_one_row_each(df, (group, "provider"), "grouped_ratio_bars")
+    check_one_row_each(df, (group, "provider"), "grouped_ratio_bars")
     providers = list(providers) if providers is not None else sort_providers(df["provider"])
     height = 0.8 / max(1, len(providers))
     labelled = set(ax.get_legend_handles_labels()[1])
@@ -1191,39 +737,11 @@ def grouped_ratio_bars(ax, df: pd.DataFrame, *, groups: Sequence, group: str = "
     ax.grid(axis="y", visible=False)
 
 
-_ROWCOUNT_IMPLS = (  # (impl in rowcount_gemm.csv, label, color)
-    ("triton", "row-count GEMM (Triton, n read on the device)", "#e6550d"),
-    ("cublas_exact", "cuBLAS on exactly the n valid rows (n on the host)", "#525252"),
-    ("cublas_full", "cuBLAS on all rows", "#bdbdbd"),
-)
-_ROWCOUNT_KERNELS = {"logits": "logits  X·Wᵀ", "dx": "dX  G·W", "dw_bf16": "dW  Gᵀ·X into bf16",
-                     "dw_fp32_acc": "dW  Gᵀ·X accumulated into fp32"}
-
-
-def rowcount_table(bench: pd.DataFrame) -> pd.DataFrame:
-    """`scripts/bench_rowcount_gemm.py`'s rows as one row per (kernel, valid rows n): each impl's
-    median ms and the Triton kernel's time ÷ cuBLAS on exactly n rows and ÷ cuBLAS on all rows."""
-    _check_one_row_each(bench, ("kernel", "count", "impl", "protocol", "shape"), "rowcount_table")
-    check_one_workload(bench.drop(columns="workload", errors="ignore"), "rowcount_table")
-    ms = bench.pivot_table(index=["kernel", "count", "workload"], columns="impl", values="ms_p50", aggfunc="first")
-    order = {k: i for i, k in enumerate(_ROWCOUNT_KERNELS)}
-    ms = ms.reset_index()
-    ms["_k"] = ms["kernel"].map(order)
-    ms = ms.sort_values(["_k", "count"], ascending=[True, False]).drop(columns="_k").set_index(["kernel", "count", "workload"])
-    ms = ms[[impl for impl, _, _ in _ROWCOUNT_IMPLS if impl in ms.columns]]
-    ms.columns.name = None
-    out = ms.rename(columns={impl: f"{impl} ms" for impl in ms.columns})
-    out["triton ÷ cuBLAS exact-n"] = ms["triton"] / ms["cublas_exact"]
-    out["triton ÷ cuBLAS all rows"] = ms["triton"] / ms["cublas_full"]
-    out["n ÷ all rows"] = out.index.get_level_values("count") / bench["count"].max()
-    return out
-
-
 def rowcount_figure(bench: pd.DataFrame, *, caption: str):
     """One panel per GEMM of a chunk: median ms (p20–p80 bars) of the Triton row-count kernel, cuBLAS
     on exactly the valid rows and cuBLAS on all rows, per valid-row count n; above each Triton bar its
     ratio to cuBLAS on exactly n rows."""
-    kernels = [k for k in _ROWCOUNT_KERNELS if k in set(bench["kernel"])]
+    kernels = [k for k in ROWCOUNT_KERNELS if k in set(bench["kernel"])]
     fig, axes = plt.subplots(1, len(kernels), figsize=(3.9 * len(kernels), 4.2), layout="constrained", sharey=True,
                              squeeze=False)
     counts = sorted(bench["count"].unique(), reverse=True)
@@ -1231,7 +749,7 @@ def rowcount_figure(bench: pd.DataFrame, *, caption: str):
     width = 0.27
     for ax, kernel in zip(axes[0], kernels):
         part = bench[bench["kernel"] == kernel].set_index(["impl", "count"])
-        for j, (impl, label, color) in enumerate(_ROWCOUNT_IMPLS):
+        for j, (impl, label, color) in enumerate(ROWCOUNT_IMPLS):
             pos = np.arange(len(counts)) + (j - 1) * width
             ys = np.array([part.loc[(impl, n), "ms_p50"] for n in counts])
             lo = ys - np.array([part.loc[(impl, n), "ms_p20"] for n in counts])
@@ -1240,12 +758,12 @@ def rowcount_figure(bench: pd.DataFrame, *, caption: str):
                    error_kw=dict(elinewidth=0.8, capsize=1.5, ecolor="0.2"))
         for i, n in enumerate(counts):
             r = part.loc[("triton", n), "ms_p50"] / part.loc[("cublas_exact", n), "ms_p50"]
-            top = max(part.loc[(impl, n), "ms_p80"] for impl, _, _ in _ROWCOUNT_IMPLS[:2])
+            top = max(part.loc[(impl, n), "ms_p80"] for impl, _, _ in ROWCOUNT_IMPLS[:2])
             ax.text(i - width, top + 0.12, f"{r:.2f}×", ha="center", va="bottom", fontsize=7.5, fontweight="bold",
-                    color=_ROWCOUNT_IMPLS[0][2])
+                    color=ROWCOUNT_IMPLS[0][2])
         ax.set_xticks(range(len(counts)), [f"{n}\n({100 * (1 - n / total):.0f} % ign.)" for n in counts])
         ax.set_xlabel(f"valid rows n of {total}")
-        ax.set_title(_ROWCOUNT_KERNELS[kernel], fontsize=10)
+        ax.set_title(ROWCOUNT_KERNELS[kernel], fontsize=10)
         ax.grid(axis="x", visible=False)
     axes[0][0].set_ylabel("ms (median, p20–p80)")
     handles, labels = axes[0][0].get_legend_handles_labels()

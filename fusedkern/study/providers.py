@@ -1,0 +1,473 @@
+"""The providers the study times: the Hugging Face baselines, the competitors (Liger-Kernel,
+cut-cross-entropy, QuACK, torch's F.linear_cross_entropy), fusedkern's variants and the cuBLAS GEMM
+floors, each as a `Provider` whose `build(inputs)` returns a `Step` per timing mode.
+
+Modes: `loss_only` (no autograd), `forward` (autograd on, the seed's "forward"), `backward` (forward
+untimed, `loss.backward()` timed) and `full` (both). Competitors and fusedkern itself are imported
+inside the builders, so a provider whose package is missing or unfinished is skipped (and logged)
+instead of breaking the module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from fusedkern.reference import logits_to_mean_ce_grad_, softcap_with_derivative_
+from fusedkern.study.workloads import IGNORE_INDEX, Inputs
+
+FLOORS_NOTE = (
+    "cublas_1gemm and cublas_3gemm are the dense all-token floors whatever the workload: the logits GEMM "
+    "and the three GEMMs over every one of the T tokens, with an N(0, 1) logits gradient G, the floor the "
+    "project's targets compare against (a provider that skips ignored tokens may go below it). "
+    "cublas_3gemm_real_grad does the same all-token GEMMs with the workload's true dL/dz as G (zero rows "
+    "on ignored tokens, softcap's chain rule included)."
+)
+
+
+def _no_setup() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Step:
+    """The unit of work of one mode: `setup()` runs untimed before each rep, `run(state)` is timed.
+
+    `run` returns the detached loss (or None for the GEMM floors); its value is recorded once.
+    """
+
+    run: Callable[[Any], torch.Tensor | None]
+    setup: Callable[[], Any] = _no_setup
+
+
+def loss_steps(loss_fn: Callable[[], torch.Tensor]) -> dict[str, Step]:
+    """The four modes of a provider given as a function that returns a scalar loss."""
+
+    def loss_only(_):
+        with torch.no_grad():
+            return loss_fn()
+
+    def forward(_):
+        return loss_fn().detach()  # the graph is freed here, inside the timed region, as in the seed
+
+    def backward(loss):
+        loss.backward()
+        return loss.detach()
+
+    def full(_):
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach()
+
+    return {
+        "loss_only": Step(loss_only),
+        "forward": Step(forward),
+        "backward": Step(backward, setup=loss_fn),
+        "full": Step(full),
+    }
+
+
+class ProviderUnavailable(RuntimeError):
+    """A provider cannot run in this environment (package missing, torch too old, no GPU)."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A named way to compute the op; `build(inputs)` returns its steps by mode.
+
+    `label()` is the name written to the CSV: the key, except for Liger, whose two versions share
+    one file and so carry theirs ("liger-kernel 0.8.5"). Every competitor's version is also in
+    the sidecar JSON.
+    """
+
+    key: str
+    build: Callable[[Inputs], dict[str, Step]]
+    label: Callable[[], str]
+    is_floor: bool = False
+    accuracy: bool = True  # whether it takes part in the accuracy sweep (floors compute no loss)
+
+
+def _key_label(key: str) -> Callable[[], str]:
+    return lambda: key
+
+
+def _dist_label(distribution: str) -> Callable[[], str]:
+    def label() -> str:
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            return distribution
+
+    return label
+
+
+def _require_cuda(inputs: Inputs, what: str) -> None:
+    if inputs.x.device.type != "cuda":
+        raise ProviderUnavailable(f"{what} runs only on CUDA tensors")
+
+
+def _softcap_kwargs(fn: Callable, inputs: Inputs, what: str) -> dict[str, float]:
+    """{"softcap": c} when the workload has one and `fn` (a function or class) takes it, {} without a
+    softcap; a provider that cannot apply it is unavailable (it would compute another loss)."""
+    if inputs.softcap is None:
+        return {}
+    if "softcap" not in inspect.signature(fn).parameters:
+        raise ProviderUnavailable(f"{what} takes no softcap")
+    return {"softcap": inputs.softcap}
+
+
+def _no_softcap(inputs: Inputs, what: str) -> None:
+    if inputs.softcap is not None:
+        raise ProviderUnavailable(f"{what} has no logit softcap")
+
+
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """c·tanh(z/c) in the logits' dtype, the three ops Hugging Face's Gemma 2 applies; z when c is None."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+# Cross-entropy providers -----------------------------------------------------------------------
+
+
+
+
+def _ce_hf_bf16(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import hf_linear_cross_entropy
+
+    if inp.softcap is None:
+        return loss_steps(lambda: hf_linear_cross_entropy(inp.x, inp.w, inp.target))
+
+    def softcapped() -> torch.Tensor:
+        # As Hugging Face's Gemma 2 head: softcap on the logits in their dtype, then the same
+        # cross-entropy as the seed's baseline (no fp32 upcast).
+        logits = _softcapped(torch.nn.functional.linear(inp.x, inp.w), inp.softcap)  # [T, V]
+        return torch.nn.functional.cross_entropy(logits, inp.target, ignore_index=IGNORE_INDEX)
+
+    return loss_steps(softcapped)
+
+
+def _ce_upcast(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import upcast_linear_cross_entropy
+
+    return loss_steps(lambda: upcast_linear_cross_entropy(inp.x, inp.w, inp.target, softcap=inp.softcap))
+
+
+def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], dict[str, Step]]:
+    """counted: pass `num_valid_tokens` so that only the valid rows are computed — "host": an int counted
+    once per case outside the timed steps, as a trainer's data collator counts it on the CPU copy of the
+    labels; "device": `(target != ignore_index).sum()` on the device, inside the timed step."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_cross_entropy
+
+        kwargs = {**options, **_softcap_kwargs(linear_cross_entropy, inp, "fusedkern.linear_cross_entropy")}
+        if counted == "host":
+            kwargs["num_valid_tokens"] = int((inp.target != IGNORE_INDEX).sum())
+        if counted == "device":
+            return loss_steps(lambda: linear_cross_entropy(
+                inp.x, inp.w, inp.target, num_valid_tokens=(inp.target != IGNORE_INDEX).sum(), **kwargs))
+        return loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
+
+    return build
+
+
+def _ce_liger(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "Liger-Kernel")
+    try:  # the public module, what users call
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except (ImportError, AttributeError):
+        # 0.4.2's `liger_kernel.transformers` package imports Hugging Face model code that newer
+        # transformers removed. Its module is a thin wrapper over this Function, with these defaults.
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        _no_softcap(inp, "Liger-Kernel's bare Function (positional arguments differ between versions)")
+        return loss_steps(lambda: LigerFusedLinearCrossEntropyFunction.apply(inp.x, inp.w, inp.target))
+
+    # mean over non-ignored tokens, ignore -100
+    loss_module = LigerFusedLinearCrossEntropyLoss(
+        **_softcap_kwargs(LigerFusedLinearCrossEntropyLoss, inp, "LigerFusedLinearCrossEntropyLoss"))
+    return loss_steps(lambda: loss_module(inp.w, inp.x, inp.target))
+
+
+def _ce_cut_cross_entropy(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "cut-cross-entropy")
+    from cut_cross_entropy import linear_cross_entropy
+
+    # Default filter_eps ("high"): the setting a user gets, and the one its README benchmarks.
+    kwargs = _softcap_kwargs(linear_cross_entropy, inp, "cut_cross_entropy.linear_cross_entropy")
+    return loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
+
+
+def _ce_torch_linear_cross_entropy(chunked: bool) -> Callable[[Inputs], dict[str, Step]]:
+    """torch ≥ 2.13's `F.linear_cross_entropy`. chunked: with `options=LinearCrossEntropyOptions()`,
+    its chunked path that never forms the [T, V] logits (gradients formed in forward, like Liger);
+    without options (the `_unfused` provider) it runs its reference path: linear, then cross_entropy."""
+
+    def build(inp: Inputs) -> dict[str, Step]:
+        import torch.nn.functional as F
+
+        if not hasattr(F, "linear_cross_entropy"):
+            raise ProviderUnavailable(f"torch {torch.__version__} has no F.linear_cross_entropy")
+        _no_softcap(inp, "F.linear_cross_entropy")
+        # Its ignore_index defaults to None (no masking); pass -100 like every other provider.
+        kwargs: dict[str, Any] = {"ignore_index": IGNORE_INDEX}
+        if chunked:
+            options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+            if options is None:
+                raise ProviderUnavailable(
+                    f"torch {torch.__version__} has no torch.nn.LinearCrossEntropyOptions: F.linear_cross_entropy "
+                    "would run its unfused reference path (provider torch_linear_cross_entropy_unfused)")
+            # Defaults: acc_policy and chunking_method "auto", resolved per device and dtype at call time.
+            # The chunked path needs mean/sum/none, no label smoothing and int64 targets (ours), else it
+            # falls back to the reference path with a warning.
+            kwargs["options"] = options()
+        return loss_steps(lambda: F.linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
+
+    return build
+
+
+def _ce_quack(inp: Inputs) -> dict[str, Step]:
+    """QuACK (`quack-kernels`, Dao-AILab; the 0.6 API): `chunked_linear_cross_entropy` at its defaults
+    (chunks of 4096 tokens, tuned GEMMs), the call its `LinearCrossEntropy` module makes when given a
+    chunk size. Like Liger it forms dX and dW inside its forward (whatever the grad mode)."""
+    _require_cuda(inp, "QuACK")
+    _no_softcap(inp, "QuACK's chunked_linear_cross_entropy")
+    tokens, hidden = inp.x.shape
+    if tokens % 8 or hidden % 8 or inp.w.shape[0] % 8:
+        raise ProviderUnavailable("QuACK's chunked path needs tokens, hidden and vocab multiples of 8 (TMA)")
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    except ImportError as error:
+        if error.name == "quack":
+            raise  # not installed: skipped, like the other optional providers
+        # Its CUTLASS DSL installed with `pip --target` is found only through a .pth file that
+        # PYTHONPATH does not run (reference README §6).
+        raise ProviderUnavailable(f"quack failed to import ({error}); with pip --target, put "
+                                  "<target>/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH too") from error
+    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
+        raise ProviderUnavailable(f"quack failed to import: {type(error).__name__}: {error}") from error
+
+    return loss_steps(lambda: chunked_linear_cross_entropy(inp.x, inp.w, inp.target, ignore_index=IGNORE_INDEX))
+
+
+def _three_gemm_steps(x2d: torch.Tensor, w: torch.Tensor, grad_logits: torch.Tensor) -> dict[str, Step]:
+    """The floor's steps given a pre-made logits gradient G [T, V]."""
+    from fusedkern.reference import cublas_3gemm
+
+    def full(_):
+        with torch.no_grad():
+            cublas_3gemm(x2d, w, grad_logits)
+
+    def backward(_):
+        # The backward floor when G is formed in forward: dX = G W and dW = Gᵀ x only.
+        with torch.no_grad():
+            grad_logits @ w
+            grad_logits.T @ x2d
+
+    return {"backward": Step(backward), "full": Step(full)}
+
+
+def _cublas_3gemm(inp: Inputs) -> dict[str, Step]:
+    x2d, w = inp.x2d(), inp.w.detach()
+    # A pre-made logits gradient G of N(0, 1) values (the reference floor's convention); the GPU's
+    # GEMM time does depend on the values through power, see `_cublas_3gemm_real_grad`.
+    return _three_gemm_steps(x2d, w, torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device))
+
+
+def mean_ce_logits_grad(inp: Inputs, chunk_rows: int = 1024) -> torch.Tensor:
+    """G = ∂(mean cross-entropy)/∂z [T, V] in the inputs' dtype for this workload, its softcap included
+    (computed in fp32, chunk by chunk, untimed)."""
+    x2d, w = inp.x2d(), inp.w.detach()
+    target = inp.target.reshape(-1)
+    valid = target != IGNORE_INDEX
+    count = valid.sum().clamp(min=1).to(torch.float32)
+    grad = torch.empty(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device)
+    with torch.no_grad():
+        for c0 in range(0, x2d.shape[0], chunk_rows):
+            c1 = min(c0 + chunk_rows, x2d.shape[0])
+            logits = (x2d[c0:c1] @ w.T).float()  # [C, V]
+            dsoftcap = None
+            if inp.softcap is not None:
+                logits, dsoftcap = softcap_with_derivative_(logits, inp.softcap)
+            grad[c0:c1] = logits_to_mean_ce_grad_(logits, target[c0:c1], valid[c0:c1], count,
+                                                   dsoftcap=dsoftcap).to(x2d.dtype)
+    return grad
+
+
+def _cublas_3gemm_real_grad(inp: Inputs) -> dict[str, Step]:
+    """The three GEMMs of `_cublas_3gemm` with the workload's true ∂L/∂z as G (for SimPO, the mean
+    cross-entropy's: the same softmax − one-hot structure, other per-row scales; ignored tokens give zero
+    rows, but the GEMMs still run over all T tokens). On the H200 a GEMM's
+    time depends on its operands' values (power): a profile measured the chunked path's GEMMs 5 % faster
+    than the same shapes on the logits (data/measured/h200/profile_ce.csv), so this floor is expected
+    to be the stricter one."""
+    return _three_gemm_steps(inp.x2d(), inp.w.detach(), mean_ce_logits_grad(inp))
+
+
+def _cublas_1gemm(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import cublas_1gemm
+
+    x2d, w = inp.x2d(), inp.w.detach()
+
+    def logits_only(_):
+        with torch.no_grad():
+            cublas_1gemm(x2d, w)
+
+    return {"loss_only": Step(logits_only), "forward": Step(logits_only)}
+
+
+# SimPO providers ------------------------------------------------------------------------------
+
+
+
+
+def _hf_simpo_fp32_softcapped(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, softcap: float) -> torch.Tensor:
+    """`reference.hf_linear_simpo_loss` (TRL defaults β 0.1, γ 0.5, α 1) with the softcap a Gemma 2 head
+    applies to its logits before the loss: the same fp32 logits, log_softmax, gather and second
+    cross-entropy pass over the chosen half."""
+    import torch.nn.functional as F
+
+    from fusedkern.reference import simpo_from_logprobs
+
+    n_pairs = x.shape[0] // 2
+    logits = _softcapped(F.linear(x, w).float(), softcap)  # [2B, S, V] fp32
+    mask = target != IGNORE_INDEX  # [2B, S]
+    safe_target = torch.where(mask, target, 0)
+    logps = logits.log_softmax(dim=-1).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # [2B, S]
+    chosen_nll = F.cross_entropy(logits[:n_pairs].reshape(-1, logits.shape[-1]), target[:n_pairs].reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="sum") / mask[:n_pairs].sum().clamp_min(1)
+    return simpo_from_logprobs(logps, mask, beta=0.1, gamma=0.5, alpha=1.0, label_smoothing=0.0,
+                                chosen_nll=chosen_nll)[0]
+
+
+def _simpo_hf_fp32(inp: Inputs) -> dict[str, Step]:
+    from fusedkern.reference import hf_linear_simpo_loss
+
+    if inp.softcap is not None:
+        return loss_steps(lambda: _hf_simpo_fp32_softcapped(inp.x, inp.w, inp.target, inp.softcap))
+    return loss_steps(lambda: hf_linear_simpo_loss(inp.x, inp.w, inp.target)[0])
+
+
+def _simpo_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_simpo_loss
+
+        kwargs = {**options, **_softcap_kwargs(linear_simpo_loss, inp, "fusedkern.linear_simpo_loss")}
+        return loss_steps(lambda: linear_simpo_loss(inp.x, inp.w, inp.target, **kwargs)[0])
+
+    return build
+
+
+def _simpo_fusedkern_generic(inp: Inputs) -> dict[str, Step]:
+    """SimPO through the generic log-prob primitive: logits recomputed in backward (four GEMMs)."""
+    from fusedkern import linear_logprobs
+    from fusedkern.simpo import simpo_loss_from_logps
+
+    kwargs = _softcap_kwargs(linear_logprobs, inp, "fusedkern.linear_logprobs")
+
+    def loss_fn():
+        logps = linear_logprobs(inp.x, inp.w, inp.target, **kwargs)
+        return simpo_loss_from_logps(logps, inp.target != -100)[0]
+
+    return loss_steps(loss_fn)
+
+
+def _simpo_liger(inp: Inputs) -> dict[str, Step]:
+    _require_cuda(inp, "Liger-Kernel")
+    from liger_kernel.chunked_loss import LigerFusedLinearSimPOLoss
+
+    # Defaults β=0.1, γ=0.5, α=1 with the NLL term on: CPO-SimPO as in TRL and fusedkern. Left at
+    # compiled=True (torch.compile of its per-chunk step) like the seed; warm-up absorbs the compile.
+    softcap = _softcap_kwargs(LigerFusedLinearSimPOLoss, inp, "LigerFusedLinearSimPOLoss")
+    loss_module = LigerFusedLinearSimPOLoss(**softcap)
+
+    def loss_fn() -> torch.Tensor:
+        out = loss_module(inp.w, inp.x, inp.target)
+        return out[0] if isinstance(out, tuple) else out  # 0.8.5 returns (loss, metrics)
+
+    return loss_steps(loss_fn)
+
+
+PROVIDERS: dict[str, dict[str, Provider]] = {
+    "ce": {
+        p.key: p
+        for p in (
+            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, _key_label("cublas_3gemm_real_grad"),
+                     is_floor=True, accuracy=False),
+            Provider("huggingface_bf16", _ce_hf_bf16, _key_label("huggingface_bf16")),
+            Provider("torch_fp32_upcast", _ce_upcast, _key_label("torch_fp32_upcast")),
+            Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
+            Provider(
+                "fusedkern_chunked_lean",
+                _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
+                _key_label("fusedkern_chunked_lean"),
+            ),
+            Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
+            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked"),
+                     _key_label("fusedkern_chunked_counted")),
+            Provider("fusedkern_chunked_lean_counted",
+                     _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_counted")),
+            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="chunked"),
+                     _key_label("fusedkern_chunked_device_count")),
+            Provider("fusedkern_chunked_lean_device_count",
+                     _ce_fusedkern(counted="device", impl="chunked", weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_device_count")),
+            # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
+            *(
+                Provider(f"fusedkern_chunked{suffix}_c{c}",
+                         _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum),
+                         _key_label(f"fusedkern_chunked{suffix}_c{c}"))
+                for c in (512, 2048, 4096, 8192)
+                for suffix, accum in (("", "fp32"), ("_lean", "weight_dtype"))
+            ),
+            Provider("liger", _ce_liger, _dist_label("liger-kernel")),
+            Provider("cut_cross_entropy", _ce_cut_cross_entropy, _key_label("cut_cross_entropy")),
+            Provider("quack", _ce_quack, _key_label("quack")),
+            # torch ≥ 2.13: with LinearCrossEntropyOptions() (chunked, no [T, V] logits) and without (unfused)
+            Provider("torch_linear_cross_entropy", _ce_torch_linear_cross_entropy(chunked=True),
+                     _key_label("torch_linear_cross_entropy")),
+            Provider("torch_linear_cross_entropy_unfused", _ce_torch_linear_cross_entropy(chunked=False),
+                     _key_label("torch_linear_cross_entropy_unfused")),
+        )
+    },
+    "simpo": {
+        p.key: p
+        for p in (
+            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, _key_label("cublas_3gemm_real_grad"),
+                     is_floor=True, accuracy=False),
+            Provider("huggingface_fp32", _simpo_hf_fp32, _key_label("huggingface_fp32")),
+            Provider("fusedkern_chunked", _simpo_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
+            Provider(
+                "fusedkern_chunked_lean",
+                _simpo_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
+                _key_label("fusedkern_chunked_lean"),
+            ),
+            # chunks of 2048 tokens hold a whole chosen/rejected pair at seq 1024: three GEMMs, 501 MiB
+            Provider("fusedkern_chunked_c2048", _simpo_fusedkern(impl="chunked", chunk_tokens=2048),
+                     _key_label("fusedkern_chunked_c2048")),
+            Provider("fusedkern_chunked_lean_c2048",
+                     _simpo_fusedkern(impl="chunked", chunk_tokens=2048, weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean_c2048")),
+            Provider("fusedkern_generic", _simpo_fusedkern_generic, _key_label("fusedkern_generic")),
+            Provider("liger", _simpo_liger, _dist_label("liger-kernel")),
+        )
+    },
+}
+
+
+def select_providers(op: str, names: list[str] | None, *, accuracy: bool = False) -> list[Provider]:
+    registry = PROVIDERS[op]
+    if names is None:
+        return [p for p in registry.values() if p.accuracy or not accuracy]
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise ValueError(f"unknown {op} providers {unknown}; choose from {sorted(registry)}")
+    return [registry[n] for n in names]
