@@ -202,7 +202,7 @@ for name in ("fused_mem", "fused_budget"):
 # %% [markdown]
 # ## Two caveats from a kernel-time profile, and what the next calls measured
 #
-# `scripts/profile_ce.py` (`profile_ce.csv`) sums torch.profiler's kernel times per forward+backward
+# `probes/profile_ce.py` (`profile_ce.csv`) sums torch.profiler's kernel times per forward+backward
 # by category, next to the wall time of a separate, unprofiled loop of the same steps. It raised two
 # questions about every ratio above:
 #
@@ -216,7 +216,7 @@ for name in ("fused_mem", "fused_budget"):
 #    range check's device→host sync before the first GEMM, and the `grad == 1` test in backward (a
 #    sync after the last). Both are gone — the range check is read after the launches
 #    (`_validation.TargetRangeCheck`), the rescale by ∂L/∂loss is skipped on the device
-#    (`kernels/scale.py`) — and `scripts/probe_host.py` measured each one put back, in the
+#    (`kernels/scale.py`) — and `probes/probe_host.py` measured each one put back, in the
 #    benchmark's own loop (`probe_host.jsonl`, below).
 
 # %%
@@ -245,7 +245,7 @@ if probe_host_path.exists():
     print("4096 tokens, × cublas_3gemm of the same process (probe_host.jsonl): as shipped, and with each "
           "old host wait put back")
     display(waits.pivot_table(index="variant", columns="mode", values=["ratio", "extra_ms"], sort=False).round(3))
-    host_caption = ("scripts/probe_host.py on the H200 (data/measured/h200/probe_host.jsonl, commit 68bff9a): "
+    host_caption = ("probes/probe_host.py on the H200 (data/measured/h200/probe_host.jsonl, commit 68bff9a): "
                     "CE forward + backward, 4096 tokens, H = 4096, V = 128256, bf16, 20 reps back to back.")
     display(plotting.save_figure(plotting.host_waits_figure(waits, caption=host_caption), figures_dir / "04_host_waits"))
 
@@ -285,7 +285,7 @@ if vs_liger_rows:
 # ## Loss only: the tile shape
 #
 # Without a gradient the logits are formed in [C, Vs] tiles within 64 MiB (one GEMM and a
-# statistics pass each, `chunked._run_tiles`). `scripts/probe_loss_tiles.py` timed seven shapes and
+# statistics pass each, `chunked._run_tiles`). `probes/probe_loss_tiles.py` timed seven shapes and
 # the tile GEMMs alone, next to `cublas_1gemm` (`probe_loss_tiles.jsonl`). The prediction — squarer
 # tiles shed 1–3 % of GEMM shape loss — held at 8192 tokens only: there 4096 × 8192 tiles ran 14.13 ms
 # against the shipped 2048 × 16384's 14.41 (1.9 %, p20–p80 apart; their GEMMs alone 1.04× one GEMM

@@ -108,7 +108,7 @@ if have:
 # %% [markdown]
 # ## Where a chunk's time goes
 #
-# `scripts/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
+# `probes/probe_rows.py` timed each piece of one chunk alone on the H200: the three GEMMs at the
 # chunk's size, the dW GEMM accumulating (β = 1) into a bf16 or an fp32 dW instead of writing it,
 # and the row kernel. Adding the pieces predicts the sweep's ratios well — lean (C = 1024, bf16)
 # 1.10× against 1.10–1.13× measured (1.08–1.10× in `ce_final.csv`, after the host waits were
@@ -129,17 +129,17 @@ probe_path = measured / "probe_rows.jsonl"
 if probe_path.exists():
     costs = tables.chunk_cost_table(pd.read_json(probe_path, lines=True))
     display(costs)
-    fig = plotting.chunk_cost_figure(costs, caption=f"data/measured/{gpu}/probe_rows.jsonl (scripts/probe_rows.py, "
+    fig = plotting.chunk_cost_figure(costs, caption=f"data/measured/{gpu}/probe_rows.jsonl (probes/probe_rows.py, "
                                      "H200, bf16, H = 4096, V = 128256; each part timed alone, medians of 15)")
     display(plotting.save_figure(fig, figures_dir / "07_chunk_cost"))
 else:
-    print(f"Not measured yet: {probe_path.as_posix()} (run scripts/probe_rows.py on a GPU)")
+    print(f"Not measured yet: {probe_path.as_posix()} (run probes/probe_rows.py on a GPU)")
 
 # %% [markdown]
 # ## Hiding the row kernel under a GEMM: a second CUDA stream
 #
 # The row kernel is memory-bound and the GEMMs compute-bound, so running one beside the other looks
-# free. `scripts/probe_overlap.py` tried it on the H200 (`probe_overlap.jsonl`). The prediction,
+# free. `probes/probe_overlap.py` tried it on the H200 (`probe_overlap.jsonl`). The prediction,
 # written before the run: a large cuBLAS GEMM holds every SM's registers and shared memory, so a
 # second kernel's blocks find room only at the GEMM's wave tails — at most 30 % of the row kernel
 # hidden, ≤ 1.5 % of a chunk. Measured: nothing hidden at all. A 4096-token logits GEMM and a row
@@ -171,4 +171,4 @@ if overlap_path.exists():
     print("loss only, × cublas_1gemm of the same process:")
     display(loss_rows.pivot_table(index="what", columns="T", values="ratio", sort=False).round(3))
 else:
-    print(f"Not measured yet: {overlap_path.as_posix()} (run scripts/probe_overlap.py on a GPU)")
+    print(f"Not measured yet: {overlap_path.as_posix()} (run probes/probe_overlap.py on a GPU)")

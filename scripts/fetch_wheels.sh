@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Download, on a machine with a package index, the pure-Python wheels that the GPU machine lacks,
-# so that they travel with the working tree (the GPU machine has no index; see
-# shared reference notes, §5). Competitors are benchmarked at the versions the reference
+# so that they travel with the working tree (the GPU machine has no package index). Competitors are benchmarked at the versions the reference
 # anchors were measured with: liger-kernel 0.8.5 (current) and 0.4.2 (the seed pages' version),
 # cut-cross-entropy 25.1.1. The two liger versions go to separate folders because they cannot be
 # installed side by side; scripts/h200_measure.sh installs each into its own --target.

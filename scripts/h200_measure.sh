@@ -16,8 +16,8 @@
 # `ce` runs 1–2 and the chunk study (everything a cross-entropy ratio is divided by stays in one
 # call), `simpo` runs 3–4.
 #
-# Time budget (H200 anchors of the shared reference notes, §4; fusedkern's own times are
-# guesses): a case costs (warmup + reps + 1 memory run) × its wall time, reps sized to ~1 s per
+# Time budget (the H200 anchors of data/reference/h200_anchors_2026-12-02.csv; fusedkern's own
+# times are guesses): a case costs (warmup + reps + 1 memory run) × its wall time, reps sized to ~1 s per
 # case. ce ≈ 130 s of timed work (CCE's 622 ms full at 32768 tokens is the largest single cost,
 # HF bf16 170 ms, three GEMMs 154 ms), Liger 0.4.2 ≈ 25 s, simpo ≈ 50 s + Liger's torch.compile,
 # accuracy ≈ 20 s, plus ~10 s start-up per process: about 6 minutes in all. The caps below

@@ -244,7 +244,7 @@ def _ce_quack(inp: Inputs) -> dict[str, Step]:
         if error.name == "quack":
             raise  # not installed: skipped, like the other optional providers
         # Its CUTLASS DSL installed with `pip --target` is found only through a .pth file that
-        # PYTHONPATH does not run (reference README §6).
+        # PYTHONPATH does not run.
         raise ProviderUnavailable(f"quack failed to import ({error}); with pip --target, put "
                                   "<target>/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH too") from error
     except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run

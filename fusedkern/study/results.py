@@ -379,7 +379,7 @@ def load_results(csv_path: str | os.PathLike):
 # ----------------------------------------------------------------------------------------------
 
 
-# The floor each timing mode is compared with (docs/design.md, reference README §3): the loss alone
+# The floor each timing mode is compared with (docs/design.md, "The floor"): the loss alone
 # needs the logits GEMM; forward + backward needs three GEMMs (logits, dX, dW).
 FLOOR_OF_MODE = {
     "loss_only": "cublas_1gemm",

@@ -195,7 +195,7 @@ CHUNK_COST_PARTS = (  # (probe label, bar label); the dW parts are the surcharge
 
 def chunk_cost_table(probe: pd.DataFrame) -> pd.DataFrame:
     """Per chunk size C and accumulation: ms of each part of a chunk, from the JSON lines of
-    `scripts/probe_rows.py` (each GEMM and the row kernel timed alone). The accumulate surcharge is
+    `probes/probe_rows.py` (each GEMM and the row kernel timed alone). The accumulate surcharge is
     (accumulating GEMM − writing GEMM); the row kernel is the shipped layout's net time."""
     rows = []
     for C, part in probe.groupby("C"):
@@ -214,7 +214,7 @@ def chunk_cost_table(probe: pd.DataFrame) -> pd.DataFrame:
 
 
 def host_waits_table(probe: pd.DataFrame) -> pd.DataFrame:
-    """`scripts/probe_host.py`'s JSON lines, one row per (variant, mode) of the fusedkern steps:
+    """`probes/probe_host.py`'s JSON lines, one row per (variant, mode) of the fusedkern steps:
     ms_p50, its ratio to the floor of the same process, and extra_ms over the code as shipped."""
     steps = probe[probe.case.str.match(r"^(default|lean)_")].copy()
     steps[["mode", "variant"]] = steps.case.str.split("_", n=1, expand=True)

@@ -4,7 +4,7 @@ allocation above the inputs and the gradients' own storage.
 
 Protocols: `shuffled` runs one rep of every provider per round in a new random order each round;
 `fixed` interleaves the same way in a rotating fixed order; `sequential` times one provider after
-the other. Run order moves cuBLAS by 5–10 % on the H200 (reference README §6): whatever ran just
+the other. Run order moves cuBLAS by 5–10 % on the H200 (docs/results.md): whatever ran just
 before a GEMM-heavy provider changes its clocks, and only a fresh order per round spreads that evenly.
 """
 
@@ -163,7 +163,7 @@ def time_steps_interleaved(
     Order within a round: rng None (the `fixed` protocol): the steps in their given order, rotated to
     start from step r mod n. With an rng (the `shuffled` protocol): a fresh random permutation every
     round, drawn from `rng`, so no step always follows the same one (on the H200 a cuBLAS GEMM after
-    another GEMM-heavy step ran 5–10 % slower than after a light Triton kernel, reference README §6).
+    another GEMM-heavy step ran 5–10 % slower than after a light Triton kernel).
     `order_log`, when given, receives each round's order (the steps that ran in it).
 
     Returns {name: timing dict as `time_step`'s}, or {name: the exception} for a step that failed

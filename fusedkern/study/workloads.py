@@ -44,7 +44,7 @@ class Head:
     softcap: float | None = None
 
 
-# Reference README §6: the heads users train. The default sweep (V 128256, H 4096) is Llama 3's.
+# The heads users train (Llama 3, Qwen2.5-7B, Gemma 2). The default sweep (V 128256, H 4096) is Llama 3's.
 HEADS = {
     "llama3": Head(vocab=128256, hidden=4096),
     "qwen25_7b": Head(vocab=151936, hidden=3584),

@@ -19,7 +19,7 @@ that much back. The probe measures, per piece: (1) a GEMM and a row kernel alone
 chunk shipped vs split in halves. Back-to-back timing like the benchmark. JSON lines to
 $OUT/probe_overlap.jsonl.
 
-    python scripts/probe_overlap.py [concurrency] [loss_only] [chunks]     (default: all three)
+    python probes/probe_overlap.py [concurrency] [loss_only] [chunks]     (default: all three)
 """
 
 import sys
@@ -30,7 +30,7 @@ import fusedkern  # noqa: F401
 from fusedkern.chunked import LossOptions, _accumulate_weight_grad, chunked_loss
 from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
 
-from _probe_common import ms_quantiles_back_to_back, recorder
+from probe_common import ms_quantiles_back_to_back, recorder
 
 H, V = 4096, 128256
 record = recorder("probe_overlap.jsonl")

@@ -2,7 +2,7 @@
 per category, next to the wall time from CUDA events. Writes $OUT/profile_ce.csv (one row per case
 and category) and prints it.
 
-    python scripts/profile_ce.py
+    python probes/profile_ce.py
 
 Categories: `gemm` (cuBLAS/CUTLASS kernels), `row_kernel` (fusedkern's Triton row statistics and
 gradient), `elementwise` (every other kernel: fills, casts, rescales, reductions), `gpu_idle` =

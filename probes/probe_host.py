@@ -1,6 +1,6 @@
 """Probe on the H200: how much of a chunked forward+backward is the GPU waiting for the host?
 
-`scripts/profile_ce.py` found 1.4–2.8 ms per step not covered by kernels (7 % at 4096 tokens), but
+`probes/profile_ce.py` found 1.4–2.8 ms per step not covered by kernels (7 % at 4096 tokens), but
 from two loops that may run at different clocks. Here, in one process:
   1. the benchmark's own loop (CUDA events per rep, no sync between reps) for the default and lean
      modes at 4096 tokens, as shipped (no device→host sync in a step: the target range check is read
@@ -11,7 +11,7 @@ from two loops that may run at different clocks. Here, in one process:
      Python running during them.
 Writes $OUT/probe_host.jsonl and $OUT/trace_*.json.gz.
 
-    python scripts/probe_host.py
+    python probes/probe_host.py
 """
 import gzip
 import importlib
@@ -25,7 +25,7 @@ import fusedkern
 from fusedkern import _validation
 from fusedkern.study.workloads import make_ce_inputs
 
-from _probe_common import ms_quantiles_back_to_back, recorder
+from probe_common import ms_quantiles_back_to_back, recorder
 
 # the module, not the function that `fusedkern` re-exports under the same name
 lce_module = importlib.import_module("fusedkern.linear_cross_entropy")

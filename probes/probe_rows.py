@@ -1,7 +1,7 @@
 """Probe on the H200: where a chunk's time goes besides the three GEMMs, and which row-kernel layout
 streams the [C, V] logits fastest. Prints one line per measurement; JSON lines to $OUT/probe_rows.jsonl.
 
-    python scripts/probe_rows.py
+    python probes/probe_rows.py
 
 Per chunk of C tokens (C = 1024: lean mode, C = 4096: default mode's buffer inside dW):
   1. the chunk's GEMMs one by one: logits, dX, dW written (β = 0), dW accumulated in bf16 (β = 1),
@@ -23,7 +23,7 @@ import fusedkern  # noqa: F401
 from fusedkern.kernels import ce_rows as rows_mod
 from fusedkern.kernels.ce_rows import ce_rows
 
-from _probe_common import ms_quantiles, recorder
+from probe_common import ms_quantiles, recorder
 
 H, V = 4096, 128256
 record = recorder("probe_rows.jsonl")

@@ -8,14 +8,14 @@ Vs = 16384 columns (8 slices, the last 13568 wide). After the host syncs were re
 Counted first (T = 32768, V = 128256, H = 4096, bf16): the GEMM work is 34.4 TFLOP whatever the tile
 (~49 ms at the measured floor); the statistics pass reads each logit once (8.4 GB ≈ 2.5 ms at
 3.4 TB/s, +5 %) — so a tile shape can only win back the GEMMs' shape loss (prediction: tile GEMMs
-alone 1.04–1.06×, as `probe_loss_split` measured; squarer tiles with whole waves of 132 SMs should
-shed 1–3 %) and the per-tile launch costs (8–16 tiles of ~6 ms: negligible).
+alone 1.04–1.06×, as a probe of the row split measured, `probe_loss_split.jsonl`; squarer tiles with
+whole waves of 132 SMs should shed 1–3 %) and the per-tile launch costs (8–16 tiles of ~6 ms: negligible).
 
 Per tile shape and token count: the GEMMs alone (same tiles, no statistics) and the whole loss-only
 pass, timed back to back like the benchmark, next to `cublas_1gemm` in the same process.
 JSON lines to $OUT/probe_loss_tiles.jsonl.
 
-    python scripts/probe_loss_tiles.py
+    python probes/probe_loss_tiles.py
 """
 
 import torch
@@ -23,7 +23,7 @@ import torch
 import fusedkern  # noqa: F401
 from fusedkern.chunked import LossOptions, chunked_loss
 
-from _probe_common import ms_quantiles_back_to_back, recorder
+from probe_common import ms_quantiles_back_to_back, recorder
 
 H, V = 4096, 128256
 TOKENS = (4096, 8192, 32768)

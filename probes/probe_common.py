@@ -1,6 +1,6 @@
-"""What the GPU probes in scripts/ share: CUDA-event timing of one callable and a JSON-lines record.
+"""What the GPU probes in probes/ share: CUDA-event timing of one callable and a JSON-lines record.
 
-    from _probe_common import ms_quantiles, recorder      (the scripts run as `python scripts/x.py`)
+    from probe_common import ms_quantiles, recorder      (the probes run as `python probes/x.py`)
 
 `ms_quantiles` syncs after every rep (a kernel's own time, launch latency included);
 `ms_quantiles_back_to_back` times reps queued back to back, as the benchmark does.
