@@ -1,5 +1,5 @@
 """How the chunked strategy sizes its logits buffer: pure integer rules, no torch, so that the launchers
-(`chunked.py`, `simpo_chunked.py`) and the memory model (`memory_model.py`) share one definition.
+(`chunked.py`, `simpo_chunked.py`) and the study's memory model (`study/memory_model.py`) share one definition.
 
 Memory contract (docs/design.md, "Memory"): the extra memory of a forward+backward is at most a
 256 MiB logits buffer, plus one fp32 V×H accumulator when dW is accumulated in fp32 for a bf16/fp16

@@ -2,7 +2,7 @@
 # # 03 · Memory: a model of every provider's peak, next to the measured peaks
 #
 # What a loss implementation costs in memory is decided by which T×V (tokens × vocab) buffers are
-# alive at the same moment. `fusedkern/memory_model.py` writes that down term by term for each
+# alive at the same moment. `fusedkern/study/memory_model.py` writes that down term by term for each
 # provider; this notebook prints the terms, checks the model against measurements, and plots it
 # over tokens (cross-entropy) and batch (SimPO).
 #
@@ -209,7 +209,7 @@ ax_simpo.set_xlabel(f"batch (rows of {seq} tokens, chosen + rejected)")
 ax_simpo.set_title("SimPO: peak extra memory, forward + backward")
 
 sources = [results.runs_provenance(df, f"data/measured/{gpu}")[1] for df in (ce, simpo) if df is not None]
-caption = ("Model: fusedkern/memory_model.py. Reference anchors: data/reference/h200_anchors_2026-12-02.csv "
+caption = ("Model: fusedkern/study/memory_model.py. Reference anchors: data/reference/h200_anchors_2026-12-02.csv "
            "(H200, torch 2.11, measured before this project). ")
 caption += ("Measured: " + " | ".join(sources)) if sources else "No measurement of this project's own yet."
 plotting.add_caption(fig, caption)
