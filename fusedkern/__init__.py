@@ -8,6 +8,7 @@ Benchmarks: `python -m fusedkern.bench --help`.
 
 from fusedkern import _runtime  # noqa: F401  (first: picks GPU or Triton's interpreter before kernels import)
 from fusedkern.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
+from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import linear_logprobs
 from fusedkern.simpo import LinearSimPOLoss, linear_simpo_loss
 
@@ -15,6 +16,7 @@ __all__ = [
     "linear_cross_entropy",
     "LinearCrossEntropyLoss",
     "linear_logprobs",
+    "linear_preference_loss",
     "linear_simpo_loss",
     "LinearSimPOLoss",
 ]

@@ -519,3 +519,239 @@ def fp64_linear_cross_entropy_grads_chunked(
         grad_x[start:stop] = grad @ w64
         grad_w.addmm_(grad.T, x_chunk)
     return loss_sum / n_valid, grad_x.reshape(x.shape), grad_w
+
+
+# ----------------------------------------------------------------------------------------------
+# Preference losses: TRL's DPOTrainer (sigmoid, ipo, hinge, robust), CPOTrainer (cpo, simpo),
+# ORPOTrainer (orpo), KTOTrainer (kto) — written from the formulas, independently of
+# fusedkern.preference (softplus rather than logsigmoid, per-group masks rather than slices), so
+# the tests compare two derivations. Same conventions: summed log-probs S, averages A = S/max(n, 1),
+# an ORPO pair with an empty response contributes 0, NLL over the chosen targets /max(N_w, 1).
+# ----------------------------------------------------------------------------------------------
+
+
+def preference_from_logprobs(
+    logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float | None = None,
+    label_smoothing: float = 0.0,
+    reference_free: bool = False,
+    ref_chosen_logps: torch.Tensor | None = None,
+    ref_rejected_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    kto_labels: torch.Tensor | None = None,
+    kl: torch.Tensor | None = None,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token log-probs [R, S] (mask [R, S] bool) -> (loss 0-d, metrics) in `logps.dtype`, for
+    loss_type in sigmoid/ipo/hinge/robust/cpo/simpo/orpo (R = 2B, chosen rows first) and kto (R = N,
+    kto_labels [N] bool, ref_logps [N], kl one element). alpha None: 1 for cpo/simpo/orpo, else 0."""
+    dt = logps.dtype
+    logps = torch.where(mask, logps, torch.zeros_like(logps))
+    n = mask.to(dt).sum(dim=-1)  # [R]
+    s = logps.sum(dim=-1)  # [R]
+    a = s / torch.clamp(n, min=1.0)  # [R]
+    eps = label_smoothing
+
+    def smoothed(z):  # −(1−ε)·logσ(z) − ε·logσ(−z) with −logσ(x) = softplus(−x)
+        return (1 - eps) * F.softplus(-z) + eps * F.softplus(z)
+
+    if loss_type == "kto":
+        z0 = torch.clamp(kl.detach().reshape(()).to(dt), min=0.0)
+        want = kto_labels
+        r = s - ref_logps.to(dt)  # [N]
+        per_seq = torch.zeros_like(r)
+        per_seq = per_seq + want.to(dt) * desirable_weight * torch.sigmoid(-beta * (r - z0))  # 1 − σ(x) = σ(−x)
+        per_seq = per_seq + (~want).to(dt) * undesirable_weight * torch.sigmoid(-beta * (z0 - r))
+        reward = beta * r.detach()
+        chosen_reward = reward[want].sum() / want.to(dt).sum()
+        rejected_reward = reward[~want].sum() / (~want).to(dt).sum()
+        return per_seq.mean(), {
+            "kl": z0,
+            "rewards/chosen": chosen_reward,
+            "rewards/rejected": rejected_reward,
+            "rewards/margins": chosen_reward - rejected_reward,
+            "logps/chosen": s.detach()[want].sum() / want.to(dt).sum(),
+            "logps/rejected": s.detach()[~want].sum() / (~want).to(dt).sum(),
+        }
+
+    pairs = logps.shape[0] // 2
+    chosen = torch.arange(logps.shape[0], device=logps.device) < pairs  # [2B]
+    s_w, s_l, a_w, a_l, n_w, n_l = s[chosen], s[~chosen], a[chosen], a[~chosen], n[chosen], n[~chosen]
+    nll = -(s_w.sum()) / torch.clamp(n_w.sum(), min=1.0)
+    if alpha is None:
+        alpha = 1.0 if loss_type in ("cpo", "simpo", "orpo") else 0.0
+    extra = {}
+    if loss_type in ("sigmoid", "ipo", "hinge", "robust"):
+        if reference_free:
+            rw = rl = torch.zeros_like(s_w)
+        else:
+            rw, rl = ref_chosen_logps.to(dt), ref_rejected_logps.to(dt)
+        if loss_type == "ipo":
+            h = (s_w - rw) / torch.clamp(n_w, min=1.0) - (s_l - rl) / torch.clamp(n_l, min=1.0)
+            per_pair = (h - 1.0 / (2.0 * beta)) ** 2
+        else:
+            h = (s_w - rw) - (s_l - rl)
+            if loss_type == "sigmoid":
+                per_pair = smoothed(beta * h)
+            elif loss_type == "robust":
+                per_pair = ((1 - eps) * F.softplus(-beta * h) - eps * F.softplus(beta * h)) / (1 - 2 * eps)
+            else:
+                per_pair = torch.clamp(1 - beta * h, min=0.0)
+        lw, ll = (a_w, a_l) if (reference_free and loss_type == "ipo") else (s_w, s_l)
+        reward_w, reward_l = beta * (lw - rw), beta * (ll - rl)
+    elif loss_type == "cpo":
+        per_pair = smoothed(beta * (s_w - s_l))
+        lw, ll = s_w, s_l
+        reward_w, reward_l = beta * s_w, beta * s_l
+    elif loss_type == "simpo":
+        per_pair = smoothed(beta * (a_w - a_l) - gamma)
+        lw, ll = a_w, a_l
+        reward_w, reward_l = beta * a_w, beta * a_l
+    elif loss_type == "orpo":
+        ok = (n_w > 0) & (n_l > 0)
+        pw, pl = torch.where(ok, a_w, -torch.ones_like(a_w)), torch.where(ok, a_l, -torch.ones_like(a_l))
+
+        def log_one_minus_p(x):  # log(1 − eˣ), x < 0
+            return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+        odds = (pw - log_one_minus_p(pw)) - (pl - log_one_minus_p(pl))
+        odds = odds * ok.to(dt)
+        log_sig = -F.softplus(-odds) * ok.to(dt)
+        per_pair = -beta * log_sig
+        extra = {"log_odds_ratio": log_sig.detach().mean(), "log_odds_chosen": odds.detach().mean()}
+        lw, ll = a_w, a_l
+        reward_w, reward_l = beta * a_w, beta * a_l
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    reward_w, reward_l = reward_w.detach(), reward_l.detach()
+    loss = per_pair.mean() + alpha * nll
+    return loss, {
+        "rewards/chosen": reward_w.mean(),
+        "rewards/rejected": reward_l.mean(),
+        "rewards/margins": (reward_w - reward_l).mean(),
+        "rewards/accuracies": (reward_w > reward_l).to(dt).mean(),
+        "logps/chosen": lw.detach().mean(),
+        "logps/rejected": ll.detach().mean(),
+        "nll_loss": nll.detach(),
+        **extra,
+    }
+
+
+def linear_preference_loss_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    **loss_args,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Exact reference of `fusedkern.linear_preference_loss`: the logits materialized in float64,
+    then `preference_from_logprobs` in float64 (reference log-probs and kl cast to float64).
+    Differentiable; input [R, S, H], linear_weight [V, H], target [R, S]."""
+    logps = linear_logprobs_fp64(input, linear_weight, target, linear_bias=linear_bias,
+                                 ignore_index=ignore_index, softcap=softcap)  # [R, S] float64
+    cast = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in loss_args.items()}
+    return preference_from_logprobs(logps, target != ignore_index, **cast)
+
+
+def upcast_linear_preference_loss(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    **loss_args,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's own computation: logits GEMM in the input dtype, `.float()` on the whole [R, S, V] logits,
+    (softcap,) log_softmax, gather, then `preference_from_logprobs` in float32. The same-dtype
+    yardstick of the accuracy rule, and what a materializing trainer costs."""
+    logits = F.linear(input, linear_weight, linear_bias).float()  # [R, S, V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    mask, safe_target = _safe_target(target, ignore_index)
+    logps = logits.log_softmax(dim=-1).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # [R, S]
+    cast = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in loss_args.items()}
+    return preference_from_logprobs(logps, mask, **cast)
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy-gradient family: tempered log-probs, entropy, GRPO (TRL GRPOTrainer), from the formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_logprobs_entropy_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p_t(y_t), H_t) in float64 under p = softmax(softcap(x Wᵀ + b) / τ), both 0 where ignored.
+
+    Softcap first, then the temperature (Gemma-2 sampling in vLLM, verl's log-probs). H_t = −Σ_v p_v log p_v.
+    input [..., H], linear_weight [V, H], target [...] -> two [...] float64 tensors, differentiable.
+    """
+    _check_softcap(softcap)
+    s = _apply_softcap(_fp64_logits(input, linear_weight, linear_bias), softcap) / float(temperature)  # [..., V]
+    log_p = s - torch.logsumexp(s, dim=-1, keepdim=True)
+    mask, safe_target = _safe_target(target, ignore_index)
+    logp = log_p.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    zero = torch.zeros_like(logp)
+    return torch.where(mask, logp, zero), torch.where(mask, entropy, zero)
+
+
+def grpo_loss_from_logps(
+    logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | None = None,
+) -> torch.Tensor:
+    """TRL GRPOTrainer's loss (token-level importance sampling), written from its formulas in plain PyTorch.
+
+    logps, mask [B, T]; advantages [B] or [B, T]. ratio r = exp(logp − old) (old = logp.detach() when None),
+    per-token loss −min(r·A, clip(r, 1 − ε, 1 + ε_high)·A) + β·(exp(ref − logp) − (ref − logp) − 1);
+    "grpo": mean over sequences of each one's token mean; "bnpo": token mean over the batch; "dapo": token
+    sum / num_items_in_batch (the batch's token count by default); "dr_grpo": token sum / (B·max_completion_length).
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    old = logps.detach() if old_logps is None else old_logps
+    m = mask.to(logps.dtype)
+    ratio = torch.exp(logps - old)
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
+    if beta != 0.0:
+        d = ref_logps - logps
+        per_token = per_token + beta * (torch.exp(d) - d - 1)
+    total = (per_token * m).sum()
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return total / m.sum().clamp(min=1.0)
+    if loss_type == "dapo":
+        return total / (m.sum().clamp(min=1.0) if num_items_in_batch is None else max(float(num_items_in_batch), 1.0))
+    if loss_type == "dr_grpo":
+        return total / (logps.shape[0] * max_completion_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
