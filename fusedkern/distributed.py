@@ -1,0 +1,360 @@
+"""Vocabulary-parallel LM-head losses over torch.distributed: cross-entropy and per-token log-probs when each
+rank of a process group holds a contiguous shard of the head's vocabulary rows (tensor parallelism).
+
+Per chunk of C tokens, rank r (shard W_r [V_r, H], columns v_r … v_r + V_r − 1):
+  Z_r = X_c W_rᵀ (+ b_r) [C, V_r] → the row kernel's partial statistics of its columns (max, Σ exp − 1,
+  Σ w·s, the target logit where the target falls in the shard) in its own slots of a [3, C, P] array
+  → one all-reduce (a sum: every slot has one owner, the other ranks hold 0) → every rank merges the
+  same statistics into the whole vocabulary's lse and loss → its shard of ∂L/∂Z in place (the row kernel
+  at the shard's column offset) → dX_c += G_r W_r (all-reduced, asynchronously per chunk, so it overlaps
+  the next chunk) and dW_r += G_rᵀ X_c (local). No [tokens, V] tensor exists anywhere; each rank's extra
+  memory is the single-GPU plan's for its shard (`chunk_plan.py`).
+
+Trade-off against Megatron-LM's vocab-parallel cross-entropy (three all-reduces of T floats: max, sum-exp,
+target logit, over a materialized fp32 [T, V_r] logits tensor): one all-reduce of (3P + 1)·C floats per
+chunk (P = the power of two ≥ world · slices per row; 13 floats per token at world 2 on the H200 plan)
+in exchange for reusing the single-GPU kernels unchanged; dX's all-reduce (2·T·H bytes in bf16) is the
+same in both and dominates. docs/design.md ("Vocabulary parallelism") derives the volumes.
+
+Scalar reductions with gradients form them in the forward pass (three GEMMs, as on one GPU); "none" and
+the log-probs recompute the logits in backward from the saved statistics (four GEMMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fusedkern import _validation as V_
+from fusedkern.chunked import (
+    LossOptions,
+    chunk_grads,
+    grad_buffers,
+    logits_buffer,
+    logits_into,
+    plan_for_grads,
+    row_kernel_args,
+)
+from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
+from fusedkern.linear_cross_entropy import (
+    check_target_type,
+    finish_checks,
+    first_order_only,
+    follows_autocast,
+    mean_denominator,
+    rescaled_grads,
+    save_precomputed_grads,
+    start_checks,
+    validate_loss_options,
+    validate_strategy,
+)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of the head: vocabulary indices start … start + rows − 1 of vocab_size, in a group
+    of `world` ranks. Slots of the statistics exchange are laid out for `slot_cols` columns per rank."""
+
+    group: object
+    rank: int
+    world: int
+    start: int
+    rows: int
+    vocab_size: int
+
+    @property
+    def slot_cols(self) -> int:
+        # the same on every rank (the slices per row must agree), whatever the shards' actual sizes
+        return -(-self.vocab_size // self.world)
+
+
+def even_vocab_shard(vocab_size: int, group=None) -> tuple[int, int]:
+    """(start, stop) of this rank's rows when `vocab_size` rows are split as evenly as possible over the
+    group, the first ranks taking one row more (a convenience; any contiguous split works)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    base, extra = divmod(vocab_size, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def _resolve_shard(linear_weight: torch.Tensor, group, vocab_start: int | None, vocab_size: int | None) -> VocabShard:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fusedkern.distributed needs an initialized torch.distributed process group "
+                           "(torch.distributed.init_process_group)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = linear_weight.shape[0]
+    if (vocab_start is None) != (vocab_size is None):
+        raise ValueError("pass both vocab_start and vocab_size (this rank's first row and the whole vocabulary), "
+                         "or neither (then the shard sizes are exchanged, which waits for the device)")
+    if vocab_start is None:
+        # one small exchange of the shard sizes: a host synchronization, once per call
+        sizes = torch.zeros(world, dtype=torch.int64, device=linear_weight.device)
+        sizes[rank] = rows
+        dist.all_reduce(sizes, group=group)
+        sizes = sizes.tolist()
+        vocab_start, vocab_size = sum(sizes[:rank]), sum(sizes)
+    vocab_start, vocab_size = V_.check_int("vocab_start", vocab_start), V_.check_int("vocab_size", vocab_size)
+    if not (0 <= vocab_start and vocab_start + rows <= vocab_size):
+        raise ValueError(f"linear_weight's {rows} rows starting at vocab_start={vocab_start} must lie inside "
+                         f"the vocabulary of vocab_size={vocab_size}")
+    return VocabShard(group, rank, world, vocab_start, rows, vocab_size)
+
+
+def _validate(input, linear_weight, target, linear_bias, weight, shard_rows: int, reduction, ignore_index,
+              label_smoothing, z_loss, softcap, weight_grad_accum, chunk_tokens, sequence_parallel) -> None:
+    V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
+    V_.check_tensor("linear_weight", linear_weight, ndim=2, dtypes=V_.FLOAT_DTYPES)
+    V_.check_kernel_device("input", input)
+    V_.check_same_device("input", input, linear_weight=linear_weight, target=target, linear_bias=linear_bias,
+                         weight=weight)
+    V_.check_same_dtype("input", input, linear_weight=linear_weight, linear_bias=linear_bias)
+    if input.shape[-1] != linear_weight.shape[1]:
+        raise ValueError(f"input's last dimension ({input.shape[-1]}) must equal linear_weight.shape[1] (hidden); "
+                         f"linear_weight is this rank's [vocab rows, hidden] = {tuple(linear_weight.shape)}")
+    if linear_bias is not None:
+        V_.check_tensor("linear_bias", linear_bias, ndim=1)
+        V_.check_shape("linear_bias", linear_bias, (shard_rows,), "this rank's shard of the bias")
+    validate_loss_options(weight=weight, reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    check_target_type(target, input.shape[:-1])
+    validate_strategy("chunked", weight_grad_accum, chunk_tokens)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the chunk loop
+
+
+def _exchange_stats(parts: torch.Tensor, target_logit: torch.Tensor, group) -> None:
+    """Sum the ranks' disjoint slots of (parts, target_logit) in one all-reduce."""
+    flat = torch.cat([parts.reshape(-1), target_logit])
+    dist.all_reduce(flat, group=group)
+    parts.view(-1).copy_(flat[: parts.numel()])
+    target_logit.copy_(flat[parts.numel():])
+
+
+def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard, C: int, *, loss_tok, stats,
+                  compute_stats: bool, grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None,
+                  reduce_dx: bool = True) -> None:
+    """Logits GEMM of the shard → (statistics exchange →) row kernel → gradient GEMMs, chunk by chunk.
+    compute_stats: form loss_tok / stats from all ranks' partials; else read the saved stats.
+    reduce_dx: all-reduce each chunk's rows of dX (asynchronously, awaited before returning)."""
+    T, V_r = x.shape[0], w.shape[0]
+    buf = logits_buffer(min(C, T), V_r, x, scratch)
+    kernel_args = row_kernel_args(class_weight, opts)
+    pending = []
+    for i, c0 in enumerate(range(0, T, C)):
+        c1 = min(c0 + C, T)
+        x_c, y_c = x[c0:c1], y[c0:c1]
+        z = logits_into(buf, x_c, w, b)
+        if compute_stats:
+            parts, target_logit, split = tile_partials(c1 - c0, shard.world * shard.slot_cols, shard.slot_cols,
+                                                       x.device)
+            parts[0, :, : shard.world * split] = 0.0  # other ranks' slots: 0 in the sum (padding stays −inf)
+            row_stats_tile(z, y_c, parts, target_logit, tile_index=shard.rank, split=split, col_base=shard.start,
+                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)
+            _exchange_stats(parts, target_logit, shard.group)
+            merge_row_stats(parts, target_logit, y_c, shard.vocab_size, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
+                            **kernel_args)
+        if grad is None:
+            continue
+        ce_rows(z, y_c, loss=None, stats=stats[:, c0:c1], grad=grad[c0:c1] if per_token_grad else grad,
+                compute_stats=False, per_token_grad=per_token_grad, col_base=shard.start,
+                vocab_total=shard.vocab_size, **kernel_args)
+        dx_rows = None if dx is None else dx[c0:c1]
+        chunk_grads(z, x_c, w, dx_rows, dw, db, first=i == 0)
+        if dx_rows is not None and reduce_dx and shard.world > 1:
+            pending.append(dist.all_reduce(dx_rows, group=shard.group, async_op=True))
+    for work in pending:
+        work.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+
+
+class _ScalarLossWithGrads(torch.autograd.Function):
+    """mean / sum with gradients: formed in the forward pass, rescaled by the upstream gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, y, class_weight, opts, reduction, shard, chunk_tokens, weight_grad_accum, reduce_dx):
+        ctx.set_materialize_grads(False)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
+        T = x.shape[0]
+        if reduction == "mean":
+            denom = mean_denominator(y, class_weight, opts.ignore_index)
+            grad_scale = (1.0 / denom).reshape(1)
+        else:
+            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
+        plan = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens)
+        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+        loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
+        stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
+        _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
+                      compute_stats=True, grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db,
+                      scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx)
+        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
+        finish_checks(checks)
+        save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
+        lse = stats[0] + stats[1]
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss, _grad_lse):
+        if grad_loss is None:
+            return (None,) * 11
+        return (*rescaled_grads(ctx, grad_loss, "vocab_parallel_cross_entropy"), *([None] * 8))
+
+
+class _PerTokenLoss(torch.autograd.Function):
+    """Per-token loss [T] (and lse); the backward recomputes each shard's logits chunk from the saved statistics."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, y, class_weight, opts, shard, chunk_tokens, weight_grad_accum, reduce_dx):
+        ctx.set_materialize_grads(False)
+        checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
+        T = x.shape[0]
+        loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
+        stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
+        C = plan_for_grads(T, w, False, weight_grad_accum, chunk_tokens).chunk_tokens
+        _shard_chunks(x, w, b, y, class_weight, opts, shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
+                      grad=None, per_token_grad=False)
+        finish_checks(checks)
+        ctx.save_for_backward(x, w, b, y, class_weight, stats)
+        ctx.config = (opts, shard, chunk_tokens, weight_grad_accum, reduce_dx)
+        lse = stats[0] + stats[1]
+        ctx.mark_non_differentiable(lse)
+        return loss_tok, lse
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_tok, _grad_lse):
+        if grad_tok is None:
+            return (None,) * 10
+        x, w, b, y, class_weight, stats = ctx.saved_tensors
+        opts, shard, chunk_tokens, weight_grad_accum, reduce_dx = ctx.config
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
+        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+        _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, loss_tok=None, stats=stats,
+                      compute_stats=False, grad=grad_tok.float().contiguous(), per_token_grad=True, dx=dx, dw=dw,
+                      db=db, scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx)
+        if dw_out is not None:
+            dw = dw_out.copy_(dw)
+        return (dx, dw, None if db is None else db.to(b.dtype), *([None] * 7))
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Sequence parallelism: all-gather the ranks' token shards [T_r, ...] along dim 0 (equal T_r on every
+    rank); the backward reduce-scatters the ranks' partial gradients of the gathered tensor."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = local.new_empty((world * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        local = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group)
+        return local, None
+
+
+# ----------------------------------------------------------------------------------------------
+# public functions
+
+
+def _flat_inputs(input, target, sequence_parallel: bool, group):
+    x2d = input.reshape(-1, input.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    y = target.reshape(-1).contiguous()
+    if sequence_parallel and dist.get_world_size(group) > 1:
+        x2d = _GatherTokens.apply(x2d, group)
+        y = _GatherTokens.apply(y, group)
+    return x2d, y
+
+
+@follows_autocast
+def vocab_parallel_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                                 group=None, linear_bias: torch.Tensor | None = None,
+                                 weight: torch.Tensor | None = None, reduction: str = "mean",
+                                 ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                                 softcap: float | None = None, vocab_start: int | None = None,
+                                 vocab_size: int | None = None, sequence_parallel: bool = False,
+                                 chunk_tokens: int | None = None, weight_grad_accum: str = "fp32",
+                                 return_lse: bool = False):
+    """`fusedkern.linear_cross_entropy` with the head's vocabulary rows sharded over `group`.
+
+    Args:
+        input: [..., H] activations, the same tokens on every rank (or, with sequence_parallel, this rank's
+            equal-sized share of them along the flattened leading dimensions).
+        linear_weight: [V_r, H] this rank's contiguous rows of the head (sizes may differ by rank).
+        target: [...] class indices of the whole vocabulary (input's leading shape).
+        group: the process group the vocabulary is sharded over (None: the default group).
+        linear_bias: this rank's [V_r] rows of the bias.  weight: [vocab_size] class weights (every rank).
+        reduction, ignore_index, label_smoothing, z_loss, softcap, chunk_tokens, weight_grad_accum,
+            return_lse: as in `linear_cross_entropy` (the chunked strategy on each rank's shard).
+        vocab_start, vocab_size: this rank's first row and the whole vocabulary's size. Without them the
+            ranks exchange their shard sizes, which waits for the device once per call; pass them in a
+            training loop (`even_vocab_shard` gives the even split).
+        sequence_parallel: input and target are this rank's token shard: they are all-gathered (every rank
+            computes the loss of all tokens over its vocabulary shard) and dX is reduce-scattered back.
+
+    Returns:
+        the loss (fp32, the same on every rank; 0-d for mean/sum, the gathered leading shape for "none"),
+        and the lse when `return_lse`. Gradients: dX is summed over the vocabulary shards (all-reduced, or
+        reduce-scattered with sequence_parallel), each rank gets dW and db of its own rows.
+    """
+    shard = _resolve_shard(linear_weight, group, vocab_start, vocab_size)
+    _validate(input, linear_weight, target, linear_bias, weight, shard.rows, reduction, ignore_index,
+              label_smoothing, z_loss, softcap, weight_grad_accum, chunk_tokens, sequence_parallel)
+    if weight is not None:
+        V_.check_shape("weight", weight, (shard.vocab_size,), "one class weight per entry of the whole vocabulary")
+    x2d, y = _flat_inputs(input, target, sequence_parallel, group)
+    class_weight = None if weight is None else weight.float().contiguous()
+    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
+    reduce_dx = not sequence_parallel  # with sequence parallelism the gather's backward reduce-scatters dX
+    wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or linear_weight.requires_grad
+                                              or (linear_bias is not None and linear_bias.requires_grad))
+    if reduction != "none" and wants_grad:
+        loss, lse = _ScalarLossWithGrads.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction,
+                                               shard, chunk_tokens, weight_grad_accum, reduce_dx)
+    else:
+        loss, lse = _PerTokenLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, shard, chunk_tokens,
+                                        weight_grad_accum, reduce_dx)
+        if reduction == "sum":
+            loss = loss.sum()
+        elif reduction == "mean":
+            loss = loss.sum() / mean_denominator(y, class_weight, ignore_index)
+    lead_shape = y.shape if sequence_parallel else input.shape[:-1]  # sequence parallel: all ranks' tokens, flat
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+    return (loss, lse.reshape(lead_shape)) if return_lse else loss
+
+
+@follows_autocast
+def vocab_parallel_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                            group=None, linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
+                            softcap: float | None = None, vocab_start: int | None = None,
+                            vocab_size: int | None = None, sequence_parallel: bool = False,
+                            chunk_tokens: int | None = None, weight_grad_accum: str = "fp32") -> torch.Tensor:
+    """`fusedkern.linear_logprobs` with the vocabulary sharded over `group` (arguments as in
+    `vocab_parallel_cross_entropy`): per-token log p(target), 0 where ignored, differentiable. The
+    preference losses take it from here: `fusedkern.preference.preference_loss_from_logps`."""
+    nll = vocab_parallel_cross_entropy(input, linear_weight, target, group=group, linear_bias=linear_bias,
+                                       reduction="none", ignore_index=ignore_index, softcap=softcap,
+                                       vocab_start=vocab_start, vocab_size=vocab_size,
+                                       sequence_parallel=sequence_parallel, chunk_tokens=chunk_tokens,
+                                       weight_grad_accum=weight_grad_accum)
+    return -nll

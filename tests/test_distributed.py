@@ -1,0 +1,233 @@
+"""fusedkern.distributed on CPU: 2 and 3 gloo processes with uneven vocabulary shards, against the fp64 reference
+(2× torch's own same-dtype error) and the single-process op, loss and every gradient, for every option.
+
+Every case of a world size runs in one spawn (process start-up and Triton's interpreter dominate the cost); the
+parent draws fresh inputs each run, the ranks write what they computed, the parent checks it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fusedkern
+from fusedkern import reference
+from tests._accuracy import assert_close_to_ref, torch_linear_cross_entropy
+
+T, H, V = 12, 16, 37  # T divisible by 2 and 3 (sequence parallelism splits it evenly)
+SPLITS = {2: [21, 16], 3: [10, 15, 12]}  # uneven vocabulary shards
+SPAWN_TIMEOUT_S = 240
+# one xdist worker runs them all, so that each world size is spawned once
+pytestmark = pytest.mark.xdist_group("distributed")
+
+ALL_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, bias=True, weight=True)
+CASES = {
+    "mean-plain": dict(reduction="mean"),
+    "sum-all": dict(reduction="sum", **ALL_OPTIONS),
+    "none-all": dict(reduction="none", **ALL_OPTIONS),
+    "mean-smoothing-weight": dict(reduction="mean", label_smoothing=0.2, weight=True),
+    "mean-chunks-fp32accum-bf16": dict(reduction="mean", dtype=torch.bfloat16, chunk_tokens=5, bias=True),
+    "none-bf16": dict(reduction="none", dtype=torch.bfloat16, softcap=3.0),
+    "mean-sequence-parallel": dict(reduction="mean", sequence_parallel=True, bias=True, z_loss=1e-2),
+    "none-sequence-parallel": dict(reduction="none", sequence_parallel=True),
+    "mean-all-ignored": dict(reduction="mean", ignore="all"),
+    "mean-one-shard-ignored": dict(reduction="mean", ignore="first_shard"),  # no target falls in rank 0's rows
+    "logprobs": dict(logprobs=True, bias=True, softcap=5.0),
+    "mean-no-grad": dict(reduction="mean", no_grad=True, label_smoothing=0.1),
+}
+
+
+def make_case(name: str, spec: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    dtype = spec.get("dtype", torch.float32)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 3).to(dtype)
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.rand(T, generator=g) < 0.25] = -100
+    if spec.get("ignore") == "all":
+        y[:] = -100
+    elif spec.get("ignore") == "first_shard":
+        y = torch.randint(SPLITS[3][0] + SPLITS[2][0], V, (T,), generator=g)  # past rank 0's rows in both splits
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if spec.get("bias") else None
+    cw = torch.rand(V, generator=g) + 0.5 if spec.get("weight") else None
+    reduction = spec.get("reduction", "none")
+    upstream = torch.randn(T, generator=g, dtype=torch.float64) if reduction == "none" or spec.get("logprobs") \
+        else torch.tensor(1.7, dtype=torch.float64)
+    return dict(name=name, spec=spec, x=x, w=w, y=y, b=b, cw=cw, upstream=upstream)
+
+
+def loss_kwargs(spec: dict) -> dict:
+    keys = ("reduction", "label_smoothing", "z_loss", "softcap")
+    return {k: spec[k] for k in keys if k in spec}
+
+
+def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str) -> None:
+    """One rank: every case on its vocabulary shard; writes out_dir/rank{r}.pt (or rank{r}.err)."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        torch.set_num_threads(1)
+        from fusedkern.distributed import vocab_parallel_cross_entropy, vocab_parallel_logprobs
+
+        sizes = SPLITS[world]
+        start = sum(sizes[:rank])
+        stop = start + sizes[rank]
+        results = {}
+        for case in torch.load(case_file, weights_only=False):
+            spec = case["spec"]
+            sp = spec.get("sequence_parallel", False)
+            rows = slice(rank * T // world, (rank + 1) * T // world) if sp else slice(None)
+            x = case["x"][rows].clone().requires_grad_()
+            w = case["w"][start:stop].clone().requires_grad_()
+            b = None if case["b"] is None else case["b"][start:stop].clone().requires_grad_()
+            y = case["y"][rows]
+            common = dict(linear_bias=b, sequence_parallel=sp, chunk_tokens=spec.get("chunk_tokens"))
+            # half the cases name the shard, the others let the ranks exchange their sizes
+            if len(results) % 2:
+                common.update(vocab_start=start, vocab_size=V)
+            with torch.set_grad_enabled(not spec.get("no_grad")):
+                if spec.get("logprobs"):
+                    out = vocab_parallel_logprobs(x, w, y, softcap=spec.get("softcap"), **common)
+                else:
+                    out = vocab_parallel_cross_entropy(x, w, y, weight=case["cw"], **loss_kwargs(spec), **common)
+            res = dict(loss=out.detach())
+            if out.requires_grad:
+                out.backward(case["upstream"].to(out.dtype))
+                res.update(dx=x.grad, dw=w.grad, db=None if b is None else b.grad)
+            results[case["name"]] = res
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, cases: list, tmp_path) -> list[dict]:
+    case_file = str(tmp_path / "cases.pt")
+    torch.save(cases, case_file)
+    ctx = mp.start_processes(run_rank, args=(world, free_port(), case_file, str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=SPAWN_TIMEOUT_S)
+    try:
+        while not ctx.join(timeout=5):
+            if datetime.datetime.now() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish within {SPAWN_TIMEOUT_S} s (a hung collective?)")
+    except mp.ProcessRaisedException:
+        errors = [p.read_text() for p in tmp_path.glob("rank*.err")]
+        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def world_results(request, tmp_path_factory):
+    world = request.param
+    seed = int.from_bytes(os.urandom(4), "little")
+    cases = [make_case(name, spec, seed + i) for i, (name, spec) in enumerate(CASES.items())]
+    return world, seed, {c["name"]: c for c in cases}, spawn(world, cases, tmp_path_factory.mktemp(f"world{world}"))
+
+
+def references(case: dict):
+    """(fp64 outputs and gradients, torch same-dtype outputs and gradients, the single-process fusedkern op's)."""
+    spec, x, w, y, b, cw = case["spec"], case["x"], case["w"], case["y"], case["b"], case["cw"]
+    leaves = lambda dt: [t.detach().to(dt).requires_grad_() for t in (x, w, b) if t is not None]  # noqa: E731
+    f64, same, ours = leaves(torch.float64), leaves(x.dtype), leaves(x.dtype)
+    bias = lambda ls: ls[2] if b is not None else None  # noqa: E731
+    if spec.get("logprobs"):
+        ref = reference.linear_logprobs_fp64(f64[0], f64[1], y, linear_bias=bias(f64), softcap=spec.get("softcap"))
+        s = torch.nn.functional.linear(same[0], same[1], bias(same))
+        s = spec["softcap"] * torch.tanh(s / spec["softcap"])
+        lp = torch.log_softmax(s, -1).gather(-1, torch.where(y == -100, 0, y)[:, None])[:, 0]
+        tch = torch.where(y == -100, torch.zeros_like(lp), lp)
+        single = fusedkern.linear_logprobs(ours[0], ours[1], y, linear_bias=bias(ours), softcap=spec.get("softcap"))
+    else:
+        opts = loss_kwargs(spec)
+        ref = reference.linear_cross_entropy_fp64(f64[0], f64[1], y, linear_bias=bias(f64),
+                                                  weight=None if cw is None else cw.double(), **opts)
+        tch = torch_linear_cross_entropy(same[0], same[1], y, b=bias(same), weight=cw, **opts)
+        single = fusedkern.linear_cross_entropy(ours[0], ours[1], y, linear_bias=bias(ours), weight=cw, **opts)
+    return (ref, f64), (tch, same), (single, ours)
+
+
+def sharded_torch_dx(case: dict, world: int) -> torch.Tensor:
+    """The yardstick for dX: torch's same-dtype logits gradient, times each rank's rows of W in that dtype, summed
+    over the ranks in that dtype — the computation a vocabulary-parallel head does (Megatron's too), whose second
+    rounding the single-GPU torch dX does not have."""
+    spec, x, w, y, b, cw = case["spec"], case["x"], case["w"], case["y"], case["b"], case["cw"]
+    s = torch.nn.functional.linear(x, w, b).detach().requires_grad_()
+    eye = torch.eye(V, dtype=s.dtype)  # s @ Iᵀ is exact: the loss of the same logits
+    if spec.get("logprobs"):
+        capped = spec["softcap"] * torch.tanh(s / spec["softcap"])
+        lp = torch.log_softmax(capped, -1).gather(-1, torch.where(y == -100, 0, y)[:, None])[:, 0]
+        out = torch.where(y == -100, torch.zeros_like(lp), lp)
+    else:
+        out = torch_linear_cross_entropy(s, eye, y, weight=cw, **loss_kwargs(spec))
+    (g,) = torch.autograd.grad(out, s, case["upstream"].to(out.dtype))
+    bounds = [0]
+    for n in SPLITS[world]:
+        bounds.append(bounds[-1] + n)
+    dx = None
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = g[:, lo:hi] @ w[lo:hi]
+        dx = part if dx is None else dx + part
+    return dx
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_fp64_and_the_single_process_op(world_results, name):
+    world, seed, cases, ranks = world_results
+    case, spec = cases[name], cases[name]["spec"]
+    (ref, f64), (tch, same), (single, ours) = references(case)
+    atol = 1e-6 if case["x"].dtype == torch.float32 else 1e-3
+    where = f"world {world}, seed {seed}"
+    for r, res in enumerate(ranks):  # every rank returns the whole loss
+        got = res[name]["loss"]
+        if torch.isnan(ref).all():
+            assert torch.isnan(got).all(), where
+        else:
+            assert_close_to_ref(f"loss ({where}, rank {r})", got, ref, tch.detach(), atol=atol)
+            torch.testing.assert_close(got, single.detach().to(got.dtype), rtol=1e-5, atol=atol)
+    if spec.get("no_grad"):
+        assert all("dx" not in res[name] for res in ranks)
+        return
+    up = case["upstream"]
+    if torch.isnan(ref).all():  # all targets ignored: zero gradients, like the single-process op
+        for res in ranks:
+            assert torch.count_nonzero(res[name]["dx"]) == 0 and torch.count_nonzero(res[name]["dw"]) == 0
+        return
+    g_ref = torch.autograd.grad(ref, f64, up)
+    g_tch = torch.autograd.grad(tch, same, up.to(tch.dtype))
+    g_one = torch.autograd.grad(single, ours, up.to(single.dtype))
+    sizes = SPLITS[world]
+    if spec.get("sequence_parallel"):
+        dx = torch.cat([res[name]["dx"] for res in ranks])
+    else:
+        dx = ranks[0][name]["dx"]
+        for res in ranks[1:]:  # dX is all-reduced: identical on every rank
+            torch.testing.assert_close(res[name]["dx"], dx, rtol=0, atol=0)
+    got = [dx, torch.cat([res[name]["dw"] for res in ranks])]
+    if case["b"] is not None:
+        got.append(torch.cat([res[name]["db"] for res in ranks]))
+    assert [res[name]["dw"].shape[0] for res in ranks] == sizes
+    g_tch = (sharded_torch_dx(case, world), *g_tch[1:])
+    for label, g, gr, gt, go in zip(("dX", "dW", "db"), got, g_ref, g_tch, g_one):
+        assert g.dtype == case["x"].dtype
+        assert_close_to_ref(f"{label} ({where})", g, gr, gt, atol=atol)
+        if label != "dX" or g.dtype == torch.float32:  # (a half-precision dX is rounded once more: see above)
+            assert_close_to_ref(f"{label} vs one process ({where})", g, gr, go, factor=2.0, atol=2 * atol)
