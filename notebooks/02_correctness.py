@@ -150,8 +150,8 @@ def ce_case(group, T, H, V, dtype, impl, name, opts):
                                                                reduction=opts.get("reduction", "mean"))
     errs = {"fusedkern": (loss, grads)}
     errs.update({k: grads_of(f, leaves) for k, f in base.items()})
-    for who, (l, g) in errs.items():
-        row[f"{who} loss"] = rel_err(l, ref_loss)
+    for who, (value, g) in errs.items():
+        row[f"{who} loss"] = rel_err(value, ref_loss)
         row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
         row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
         row[f"{who} db"] = rel_err(g[2], ref_grads[2])
@@ -186,8 +186,8 @@ def logprobs_case(T, H, V, dtype, impl, softcap):
         (lambda z: z if softcap is None else softcap * torch.tanh(z / softcap))((x @ w.T).float()), -1
     ).gather(-1, y.clamp(min=0)[:, None])[:, 0].where(y != -100, 0.0)
     base, base_grads = grads_of(x32, leaves)
-    for who, (l, g) in {"fusedkern": (got, grads), "upcast": (base, base_grads)}.items():
-        row[f"{who} loss"] = rel_err(l, ref)
+    for who, (value, g) in {"fusedkern": (got, grads), "upcast": (base, base_grads)}.items():
+        row[f"{who} loss"] = rel_err(value, ref)
         row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
         row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
     rows.append(row)
@@ -206,8 +206,8 @@ def simpo_case(B, S, H, V, dtype, impl):
                options="β 2, γ 1, α 0.5, one empty response", yardstick="hf")
     got, grads = grads_of(lambda: fusedkern.linear_simpo_loss(x, w, y, impl=impl, **simpo_options), leaves)
     base, base_grads = grads_of(lambda: reference.hf_linear_simpo_loss(x, w, y, **simpo_options), leaves)
-    for who, (l, g) in {"fusedkern": (got, grads), "hf": (base, base_grads)}.items():
-        row[f"{who} loss"] = rel_err(l, ref)
+    for who, (value, g) in {"fusedkern": (got, grads), "hf": (base, base_grads)}.items():
+        row[f"{who} loss"] = rel_err(value, ref)
         row[f"{who} dX"] = rel_err(g[0], ref_grads[0])
         row[f"{who} dW"] = rel_err(g[1], ref_grads[1])
     rows.append(row)

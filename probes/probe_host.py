@@ -42,7 +42,9 @@ def main():
     dx, dw = torch.empty_like(x), torch.empty_like(w)
 
     def floor():
-        torch.mm(x, w.t(), out=z); torch.mm(z, w, out=dx); torch.mm(z.t(), x, out=dw)
+        torch.mm(x, w.t(), out=z)
+        torch.mm(z, w, out=dx)
+        torch.mm(z.t(), x, out=dw)
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
 
@@ -89,7 +91,8 @@ def main():
         if mode != "default":
             continue
         run = step(**options)
-        run(); torch.cuda.synchronize()
+        run()
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             for _ in range(2):
                 run()

@@ -149,7 +149,8 @@ def sweep(args, counts: dict, buf: dict) -> None:
                     t.append(start.elapsed_time(end))
                 p50 = quantiles(t)[1]
                 tflops = 2.0 * n * V * H / (p50 * 1e-3) / 1e12
-                rows.append(dict(kernel=kernel, count=n, config=str(config), ms_p50=f"{p50:.4f}", tflops=f"{tflops:.1f}"))
+                rows.append(dict(kernel=kernel, count=n, config=str(config), ms_p50=f"{p50:.4f}",
+                                 tflops=f"{tflops:.1f}"))
                 print(f"sweep {kernel:<12} n={n:>5} {p50:8.3f} ms {tflops:6.1f} TFLOP/s  {config}", flush=True)
     buf["dw32"].zero_()
     with path.open("w", newline="") as f:
@@ -263,7 +264,7 @@ def main() -> int:
         print(f"{r['kernel']:<12} {r['count']:>5} {r['impl']:<13} {r['ms_p20']:>8} {r['ms_p50']:>8} {r['ms_p80']:>8} "
               f"{r['tflops']:>8} {r['max_abs_err']:>10} {p50[(*key, 'cublas_full')] / float(r['ms_p50']):>7.2f}x "
               f"{p50[(*key, 'cublas_exact')] / float(r['ms_p50']):>7.2f}x")
-    print(f"\n('vs full' / 'vs exact': that cuBLAS time / this time; > 1 means faster)")
+    print("\n('vs full' / 'vs exact': that cuBLAS time / this time; > 1 means faster)")
     print(f"wrote {out} ({len(rows)} rows) in {time.time() - t_start:.0f} s; contract {'OK' if ok_all else 'FAILED'}")
     return 0 if ok_all else 1
 

@@ -89,13 +89,15 @@ def ptxas_info(compiled) -> str:
             f.write(compiled.asm["ptx"])
         report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", cubin], capture_output=True,
                                 text=True).stderr
-    lines = [line.split("info    :")[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
+    lines = [line.split("info    :")[-1].strip() for line in report.splitlines()
+             if "registers" in line or "spill" in line]
     return " | ".join(lines)
 
 
 def main() -> int:
     configs = ce_rows._CONFIGS
-    ends = [min(configs, key=lambda c: c.kwargs["BLOCK_V"]), max(configs, key=lambda c: (c.kwargs["BLOCK_V"], c.num_warps))]
+    ends = [min(configs, key=lambda c: c.kwargs["BLOCK_V"]),
+            max(configs, key=lambda c: (c.kwargs["BLOCK_V"], c.num_warps))]
     cases = []
     for on in (False, True):
         cases.append(("stats", ce_rows._row_stats_kernel, STATS_SIGNATURE,
@@ -105,8 +107,8 @@ def main() -> int:
                                                         (16, True, False, False)):
         for on in (False, True):
             cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
-                          dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
-                               PER_TOKEN_GRAD=per_token)))
+                          dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats,
+                               WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
     with_info = "--ptxas-info" in sys.argv[1:]
     for name, kernel, signature, flags, config in runs + fused_cases():

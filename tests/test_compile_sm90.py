@@ -1,5 +1,6 @@
-"""The Triton kernels (row kernels and the fused strategy) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is never
-compiled, so an op the GPU backend rejects would otherwise first fail on a GPU machine."""
+"""The Triton kernels (row kernels and the fused strategy) lower to H200 (sm_90) machine code: what the
+interpreter runs on CPU is never compiled, so an op the GPU backend rejects would otherwise first fail
+on a GPU machine."""
 
 import os
 import subprocess

@@ -172,8 +172,10 @@ def test_chunk_size_variants_follow_their_parent():
 def test_chunk_tradeoff_table_keeps_the_default_row_where_it_meets_a_study_point():
     def row(provider, x, ms, mib, mode="full"):
         return dict(op="ce", provider=provider, x_name="tokens", x=x, mode=mode, ms_p50=ms, peak_extra_mib=mib)
-    timing = pd.DataFrame([row("fusedkern_chunked", 32768, 160.0, 2004.0), row("fusedkern_chunked_c4096", 32768, 161.0, 2004.0),
-                           row("fusedkern_chunked_c512", 32768, 200.0, 2004.0), row("fusedkern_chunked_lean", 32768, 170.0, 251.0)])
+    timing = pd.DataFrame([row("fusedkern_chunked", 32768, 160.0, 2004.0),
+                           row("fusedkern_chunked_c4096", 32768, 161.0, 2004.0),
+                           row("fusedkern_chunked_c512", 32768, 200.0, 2004.0),
+                           row("fusedkern_chunked_lean", 32768, 170.0, 251.0)])
     floor = pd.DataFrame([row("cublas_3gemm", 32768, 150.0, 8016.0)])
     table = tables.chunk_tradeoff_table(
         timing, None, floor=floor, default_chunk=lambda provider, tokens: 1024 if provider.endswith("_lean") else 4096)
@@ -216,7 +218,8 @@ def test_measured_runs_merge_per_size_and_mode(tmp_path):
 def test_host_waits_and_protocol_figures_draw_what_they_are_given(tmp_path):
     probe = pd.DataFrame([
         dict(case="cublas_3gemm", ms_p50=10.0), dict(case="default_shipped", ms_p50=10.3, ratio=1.03),
-        dict(case="default_sync_target_check", ms_p50=10.9, ratio=1.09), dict(case="lean_shipped", ms_p50=10.7, ratio=1.07),
+        dict(case="default_sync_target_check", ms_p50=10.9, ratio=1.09),
+        dict(case="lean_shipped", ms_p50=10.7, ratio=1.07),
         dict(case="lean_sync_target_check", ms_p50=11.8, ratio=1.18), dict(case="cublas_3gemm_again", ms_p50=10.1)])
     waits = tables.host_waits_table(probe)
     assert waits.set_index(["variant", "mode"]).extra_ms.round(6).to_dict() == {
@@ -317,10 +320,10 @@ def test_notebook_08_figures_draw_what_they_are_given(tmp_path):
                                         caption="test", title="test")
     ax = fig.axes[0]
     red = plotting.style_for("fusedkern_chunked")["color"]
-    line = next(l for l in ax.get_lines() if l.get_color() == red)
+    line = next(ln for ln in ax.get_lines() if ln.get_color() == red)
     assert list(line.get_xdata()) == [0.0, 50.0]
     assert list(line.get_ydata()) == pytest.approx([1.1, 0.5 * 1.1 / 0.95])
-    ideal = next(l for l in ax.get_lines() if l.get_linestyle() == ":")
+    ideal = next(ln for ln in ax.get_lines() if ln.get_linestyle() == ":")
     assert list(ideal.get_ydata()) == pytest.approx([1.0, 0.5])
     plt.close(fig)
 
