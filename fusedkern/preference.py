@@ -26,9 +26,9 @@ snapshot v1.9.0+26, and v0.20.0 where TRL changed), one line each:
   + α·NLL, γ = simpo_gamma = 0.5, α = 1.0 — CPOTrainer.cpo_loss with loss_type "simpo"; rewards = β·A.
 - NLL (cpo, simpo, orpo, and any type with α > 0, RPO-style as TRL v0.20's rpo_alpha or TRL v1's "sft" loss
   weight): token mean of −log p over the chosen responses' targets — CPOTrainer.concatenated_forward's
-  cross_entropy_loss. ORPOTrainer takes its NLL over prompt and response tokens alike (concatenated_forward's
-  "computed over the full prompt and response"): here it covers the tokens the target does not ignore, so pass
-  the prompt's targets to match TRL there (the odds term then sees them too).
+  cross_entropy_loss. ORPOTrainer.concatenated_forward takes its NLL over prompt and response tokens alike:
+  here it covers the tokens the target does not ignore, so pass the prompt's targets to match TRL there (the
+  odds term then sees them too).
 - orpo: log_odds = (A_w − A_l) − (log(1 − e^A_w) − log(1 − e^A_l)) (stable log1mexp), loss =
   NLL − β·mean(logσ(log_odds)); metrics log_odds_ratio = mean logσ(log_odds), log_odds_chosen = mean log_odds,
   rewards = β·A — ORPOTrainer.odds_ratio_loss / get_batch_loss_metrics; ORPOConfig β = 0.1.

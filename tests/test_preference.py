@@ -68,28 +68,26 @@ def inputs(case, dtype, *, seed=0, bias=True):
 def check_against_fp64(case, dtype, *, impl=FAST_IMPL, softcap=None, x=None, w=None, y=None, b=None, extra=None,
                        seed=0):
     """Loss, metrics and every gradient of linear_preference_loss vs the fp64 reference; torch's own
-    computation (logits in `dtype`, then fp32) is the yardstick of the 2× rule. Returns the gradients."""
+    computation (logits in `dtype`, then fp32) is the yardstick of the 2× rule. With a bias; returns the gradients."""
     if x is None:
         x, w, y, b, extra = inputs(case, dtype, seed=seed)
-    kw = {**case, **extra}
-    tensors = (x, w) if b is None else (x, w, b)
-    leaves = [t.clone().requires_grad_() for t in tensors]
-    loss, metrics = fusedkern.linear_preference_loss(leaves[0], leaves[1], y, linear_bias=leaves[2] if b is not None else None,
-                                                     softcap=softcap, impl=impl, **kw)
-    f64 = [t.double().requires_grad_() for t in tensors]
-    ref, ref_metrics = reference.linear_preference_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2] if b is not None else None,
-                                                             softcap=softcap, **kw)
-    same = [t.clone().requires_grad_() for t in tensors]
-    tch, _ = reference.upcast_linear_preference_loss(same[0], same[1], y, linear_bias=same[2] if b is not None else None,
-                                                     softcap=softcap, **kw)
+    kw = {**case, **extra, "softcap": softcap}
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss, metrics = fusedkern.linear_preference_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], impl=impl, **kw)
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref, ref_metrics = reference.linear_preference_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **kw)
+    same = [t.clone().requires_grad_() for t in (x, w, b)]
+    tch, tch_metrics = reference.upcast_linear_preference_loss(same[0], same[1], y, linear_bias=same[2], **kw)
     atol = ATOL[dtype]
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert_close_to_ref("loss", loss, ref, tch, atol=atol)
     assert set(metrics) == set(ref_metrics)
-    # the inputs' values are exact in fp64 and the core accumulates in fp32: metrics are fp32-accurate in bf16 too
+    # the inputs' values are exact in fp64 and the core accumulates in fp32: metrics are fp32-accurate in bf16
+    # too (at the CPU shapes within 2e-5; at the GPU's, whose sums run over ~1000 tokens, within 2× torch's error)
     for key, value in metrics.items():
         want = ref_metrics[key].item()
-        assert abs(value.item() - want) <= 2e-5 * max(1.0, abs(want)), (key, value.item(), want)
+        allowed = max(2e-5 * max(1.0, abs(want)), 2 * abs(tch_metrics[key].item() - want))
+        assert abs(value.item() - want) <= allowed, (key, value.item(), want, tch_metrics[key].item())
     upstream = 0.7
     grads = torch.autograd.grad(loss, leaves, torch.tensor(upstream))
     grads_ref = torch.autograd.grad(ref, f64, torch.tensor(upstream, dtype=torch.float64))
@@ -159,6 +157,31 @@ def test_simpo_equals_linear_simpo_loss():
         torch.testing.assert_close(m_a[key], m_c[key], rtol=1e-6, atol=1e-7, msg=key)
     for name, ga, gc in zip(("dX", "dW", "db"), torch.autograd.grad(loss_a, a), torch.autograd.grad(loss_c, c)):
         torch.testing.assert_close(ga, gc, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_bf16_realistic(name):
+    """bf16 at 4 pairs (KTO: 8 sequences) × seq 1024, H 1024, V 32003, the default strategy; reference
+    log-probs within a few nats of the policy's, as in training."""
+    R, seq = 8, 1024
+    x, w, y, b, _ = make_inputs(R * seq, 1024, 32003, torch.bfloat16, ignore_frac=0.0, bias=True, device="cuda",
+                                seed=7)
+    x, y = x.reshape(R, seq, -1), y.reshape(R, seq)
+    y[:, :128] = -100  # the prompt
+    y[1, :] = -100  # an empty response
+    with torch.no_grad():
+        sums = reference.linear_logprobs_fp64(x, w, y, linear_bias=b).sum(-1)  # [R] float64
+    g = torch.Generator(device="cuda").manual_seed(8)
+    near = (sums + 5 * torch.randn(R, generator=g, device="cuda", dtype=torch.float64)).float()
+    if name == "kto":
+        extra = dict(ref_logps=near, kl=torch.tensor(0.4, device="cuda"),
+                     kto_labels=torch.tensor([True, False, True, True, False, False, True, False], device="cuda"))
+    elif CASES[name]["loss_type"] in ("sigmoid", "ipo", "hinge", "robust") and not CASES[name].get("reference_free"):
+        extra = dict(ref_chosen_logps=near[:R // 2], ref_rejected_logps=near[R // 2:])
+    else:
+        extra = {}
+    check_against_fp64(CASES[name], torch.bfloat16, impl="auto", x=x, w=w, y=y, b=b, extra=extra)
 
 
 # ------------------------------------------------------------------ preference_loss_from_logps by hand
@@ -259,7 +282,8 @@ def test_kto_by_hand():
 def test_gradient_reaches_only_response_tokens(loss_type):
     logps, mask, rc, rr = _batch(seed=1)
     logps = logps.clone().requires_grad_()
-    refs = dict(ref_chosen_logps=rc, ref_rejected_logps=rr) if loss_type in ("sigmoid", "ipo", "hinge", "robust") else {}
+    dpo = loss_type in ("sigmoid", "ipo", "hinge", "robust")
+    refs = dict(ref_chosen_logps=rc, ref_rejected_logps=rr) if dpo else {}
     loss, _ = preference_loss_from_logps(logps, mask, loss_type=loss_type, beta=0.5, alpha=0.3, **refs)
     (g,) = torch.autograd.grad(loss, logps)
     assert torch.isfinite(loss)
@@ -291,23 +315,22 @@ def test_bad_inputs_raise_naming_the_argument():
         lp(x, w, y, loss_type="cpo", beta=0.0)
     with pytest.raises(ValueError, match="reference_free"):
         lp(x, w, y, loss_type="orpo", reference_free=True)
-    kto = dict(loss_type="kto", ref_logps=torch.zeros(6), kl=torch.tensor(0.1))
+    labels, ref6, kl = (torch.ones(6, dtype=torch.bool, device=DEVICE), torch.zeros(6, device=DEVICE),
+                        torch.tensor(0.1, device=DEVICE))
     with pytest.raises(ValueError, match="kto_labels"):
-        lp(x, w, y, kto_labels=torch.ones(5, dtype=torch.bool), **kto)
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kl=kl, kto_labels=labels[:5])
     with pytest.raises(TypeError, match="kto_labels"):
-        lp(x, w, y, kto_labels=torch.ones(6), **kto)
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kl=kl, kto_labels=labels.float())
     with pytest.raises(TypeError, match="kto_labels"):
-        lp(x, w, y, kto_labels=[True] * 6, **kto)
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kl=kl, kto_labels=[True] * 6)
     with pytest.raises(TypeError, match="kl"):
-        lp(x, w, y, loss_type="kto", ref_logps=torch.zeros(6), kto_labels=torch.ones(6, dtype=torch.bool))
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kto_labels=labels)
     with pytest.raises(ValueError, match="kl"):
-        lp(x, w, y, loss_type="kto", ref_logps=torch.zeros(6), kto_labels=torch.ones(6, dtype=torch.bool),
-           kl=torch.zeros(2))
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kto_labels=labels, kl=ref6[:2])
     with pytest.raises(ValueError, match="ref_logps"):
-        lp(x, w, y, loss_type="kto", ref_logps=torch.zeros(5), kto_labels=torch.ones(6, dtype=torch.bool),
-           kl=torch.tensor(0.1))
+        lp(x, w, y, loss_type="kto", ref_logps=ref6[:5], kto_labels=labels, kl=kl)
     with pytest.raises(ValueError, match="alpha"):
-        lp(x, w, y, alpha=0.5, kto_labels=torch.ones(6, dtype=torch.bool), **kto)
+        lp(x, w, y, loss_type="kto", ref_logps=ref6, kto_labels=labels, kl=kl, alpha=0.5)
     with pytest.raises(ValueError, match="input"):
         lp(x[0], w, y[0], loss_type="cpo")
     with pytest.raises(ValueError, match=r"\[2B, \.\.\.\]"):
