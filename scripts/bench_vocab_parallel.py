@@ -8,6 +8,8 @@ MAX of the per-rank CUDA-event times), reported as p20/p50/p80 over the rounds, 
   megatron_torch  logits [T, V/world] materialized in bf16, upcast to fp32, Megatron-LM's vocab-parallel CE
                   written in plain PyTorch (all-reduces of max, target logit and sum-exp; softmax saved for backward)
   gemm3_shard     the three cuBLAS GEMMs of one rank's shard (X·W_rᵀ, G·W_r, Gᵀ·X): the per-rank compute floor
+  fusedkern_one_gpu  (world of one only) fusedkern.linear_cross_entropy on the whole head: what the
+                  vocabulary-parallel path costs beyond the single-GPU op
 
     torchrun --nproc-per-node 8 scripts/bench_vocab_parallel.py --out vocab_parallel_world8.csv
     python scripts/bench_vocab_parallel.py --device cpu --tokens 16 --hidden 8 --vocab 37 --rounds 2   # smoke test
@@ -32,9 +34,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fusedkern import linear_cross_entropy  # noqa: E402
 from fusedkern.distributed import even_vocab_shard, vocab_parallel_cross_entropy  # noqa: E402
 
-PROVIDERS = ("fusedkern", "megatron_torch", "gemm3_shard")
+PROVIDERS = ("fusedkern", "megatron_torch", "gemm3_shard", "fusedkern_one_gpu")
 
 
 class _CopyToParallelRegion(torch.autograd.Function):
@@ -159,9 +162,14 @@ def main(argv=None) -> int:
             loss.backward()
             return loss
 
+        def one_gpu():
+            loss = linear_cross_entropy(x, w, y)
+            loss.backward()
+            return loss
+
         steps = {"fusedkern": fusedkern_step, "megatron_torch": megatron,
-                 "gemm3_shard": lambda: gemm3_step(x.detach(), w.detach(), grad_buf)}
-        steps = {k: v for k, v in steps.items() if k in args.providers}
+                 "gemm3_shard": lambda: gemm3_step(x.detach(), w.detach(), grad_buf), "fusedkern_one_gpu": one_gpu}
+        steps = {k: v for k, v in steps.items() if k in args.providers and (world == 1 or k != "fusedkern_one_gpu")}
         times = {k: [] for k in steps}
         peak, losses = {}, {}
         for name, fn in steps.items():  # warm-up (autotuning, allocations), then the extra memory of one step

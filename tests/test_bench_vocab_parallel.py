@@ -21,7 +21,7 @@ def run(cmd: list[str], out: Path) -> pd.DataFrame:
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     df = pd.read_csv(out)
-    assert set(df.provider) == {"fusedkern", "megatron_torch", "gemm3_shard"}
+    assert {"fusedkern", "megatron_torch", "gemm3_shard"} <= set(df.provider)
     assert {"protocol", "workload", "world_size", "ms_p20", "ms_p50", "ms_p80"} <= set(df.columns)
     assert (df.ms_p20 <= df.ms_p50).all() and (df.ms_p50 <= df.ms_p80).all() and (df.ms_p20 > 0).all()
     assert out.with_suffix(".json").exists()

@@ -67,8 +67,9 @@ def loss_kwargs(spec: dict) -> dict:
     return {k: spec[k] for k in keys if k in spec}
 
 
-def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str) -> None:
-    """One rank: every case on its vocabulary shard; writes out_dir/rank{r}.pt (or rank{r}.err)."""
+def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str, device: str) -> None:
+    """One rank: every case on its vocabulary shard; writes out_dir/rank{r}.pt (or rank{r}.err). On a GPU the
+    ranks share it and talk over gloo (NCCL needs one GPU per rank)."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -83,10 +84,11 @@ def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str) -> 
             spec = case["spec"]
             sp = spec.get("sequence_parallel", False)
             rows = slice(rank * T // world, (rank + 1) * T // world) if sp else slice(None)
-            x = case["x"][rows].clone().requires_grad_()
-            w = case["w"][start:stop].clone().requires_grad_()
-            b = None if case["b"] is None else case["b"][start:stop].clone().requires_grad_()
-            y = case["y"][rows]
+            x = case["x"][rows].to(device).requires_grad_()
+            w = case["w"][start:stop].to(device).requires_grad_()
+            b = None if case["b"] is None else case["b"][start:stop].to(device).requires_grad_()
+            y = case["y"][rows].to(device)
+            cw = None if case["cw"] is None else case["cw"].to(device)
             common = dict(linear_bias=b, sequence_parallel=sp, chunk_tokens=spec.get("chunk_tokens"))
             # half the cases name the shard, the others let the ranks exchange their sizes
             if len(results) % 2:
@@ -95,11 +97,11 @@ def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str) -> 
                 if spec.get("logprobs"):
                     out = vocab_parallel_logprobs(x, w, y, softcap=spec.get("softcap"), **common)
                 else:
-                    out = vocab_parallel_cross_entropy(x, w, y, weight=case["cw"], **loss_kwargs(spec), **common)
-            res = dict(loss=out.detach())
+                    out = vocab_parallel_cross_entropy(x, w, y, weight=cw, **loss_kwargs(spec), **common)
+            res = dict(loss=out.detach().cpu())
             if out.requires_grad:
-                out.backward(case["upstream"].to(out.dtype))
-                res.update(dx=x.grad, dw=w.grad, db=None if b is None else b.grad)
+                out.backward(case["upstream"].to(device, out.dtype))
+                res.update(dx=x.grad.cpu(), dw=w.grad.cpu(), db=None if b is None else b.grad.cpu())
             results[case["name"]] = res
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -115,10 +117,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, cases: list, tmp_path) -> list[dict]:
+def spawn(world: int, cases: list, tmp_path, device: str) -> list[dict]:
     case_file = str(tmp_path / "cases.pt")
     torch.save(cases, case_file)
-    ctx = mp.start_processes(run_rank, args=(world, free_port(), case_file, str(tmp_path)), nprocs=world,
+    ctx = mp.start_processes(run_rank, args=(world, free_port(), case_file, str(tmp_path), device), nprocs=world,
                              join=False, start_method="spawn")
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=SPAWN_TIMEOUT_S)
     try:
@@ -135,12 +137,14 @@ def spawn(world: int, cases: list, tmp_path) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[(2, "cpu"), (3, "cpu"), pytest.param((2, "cuda"), marks=pytest.mark.gpu)],
+                ids=["world2", "world3", "gpu-world2"])
 def world_results(request, tmp_path_factory):
-    world = request.param
+    world, device = request.param
     seed = int.from_bytes(os.urandom(4), "little")
     cases = [make_case(name, spec, seed + i) for i, (name, spec) in enumerate(CASES.items())]
-    return world, seed, {c["name"]: c for c in cases}, spawn(world, cases, tmp_path_factory.mktemp(f"world{world}"))
+    ranks = spawn(world, cases, tmp_path_factory.mktemp(f"world{world}-{device}"), device)
+    return world, seed, {c["name"]: c for c in cases}, ranks
 
 
 def references(case: dict):
