@@ -36,7 +36,8 @@ FINISH_SIGNATURE = {
     "logits_ptr": "*bf16", "loss_ptr": "*fp32", "row_max_ptr": "*fp32", "log_sumexp_ptr": "*fp32",
     "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "target_ptr": "*i64",
     "target_logit_ptr": "*fp32", "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32",
-    "V": "i32", "stride_row": "i64", "span": "i32", "ignore_index": "i32", "label_smoothing": "fp32", "z_loss": "fp32",
+    "V": "i32", "stride_row": "i64", "span": "i32", "col_base": "i32", "vocab_total": "i32", "ignore_index": "i32",
+    "label_smoothing": "fp32", "z_loss": "fp32",
     "softcap": "fp32",
 }
 
