@@ -29,12 +29,14 @@ from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, 
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The per-token loss of docs/design.md: ε, z-loss, softcap, ignore_index."""
+    """The per-token loss of docs/design.md: ε, z-loss, softcap, ignore_index; logit_scale multiplies the
+    softcapped logits in fp32 inside the row kernels (1/τ of `linear_logprobs`' temperature)."""
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
+    logit_scale: float = 1.0
 
 
 def plan_for_grads(n_tokens: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
@@ -94,6 +96,7 @@ def row_kernel_args(class_weight: torch.Tensor | None, opts: LossOptions) -> dic
         label_smoothing=opts.label_smoothing,
         z_loss=opts.z_loss,
         softcap=opts.softcap,
+        logit_scale=opts.logit_scale,
     )
 
 
@@ -103,9 +106,11 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
 
 
 def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
-                grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None) -> None:
+                grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None, entropy=None,
+                grad_entropy=None) -> None:
     """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs.
-    scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it."""
+    scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it.
+    entropy [T] / grad_entropy [T]: the per-token entropy and its upstream gradient (`ce_rows`), or None."""
     T, V = x.shape[0], w.shape[0]
     buf = logits_buffer(min(C, T), V, x, scratch)
     kernel_args = row_kernel_args(class_weight, opts)
@@ -115,12 +120,14 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
         z = logits_into(buf, x_c, w, b)
         ce_rows(z, target[c0:c1], loss=None if loss_tok is None else loss_tok[c0:c1], stats=stats[:, c0:c1],
                 grad=grad[c0:c1] if per_token_grad else grad, compute_stats=compute_stats,
-                per_token_grad=per_token_grad, **kernel_args)
+                per_token_grad=per_token_grad, entropy=None if entropy is None else entropy[c0:c1],
+                grad_entropy=None if grad_entropy is None else grad_entropy[c0:c1], **kernel_args)
         if grad is not None:
             chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
 
 
-def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats) -> None:
+def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats,
+               entropy=None) -> None:
     """Loss-only pass over [C, Vs] logits tiles: per chunk of C tokens, every vocabulary slice's GEMM
     and partial statistics, then one merge into lse and loss (`ce_rows.merge_row_stats`)."""
     T, V = x.shape[0], w.shape[0]
@@ -129,23 +136,26 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
         x_c, y_c = x[c0:c1], target[c0:c1]
-        parts, target_logit, split = tile_partials(c1 - c0, V, Vs, x.device)
+        parts, target_logit, split = tile_partials(c1 - c0, V, Vs, x.device, entropy=entropy is not None)
         for k, v0 in enumerate(range(0, V, Vs)):
             v1 = min(v0 + Vs, V)
             tile = logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
                                 None if b is None else b[v0:v1])
             row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
-                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)
-        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1], **kernel_args)
+                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing,
+                           logit_scale=opts.logit_scale)
+        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
+                        entropy=None if entropy is None else entropy[c0:c1], **kernel_args)
 
 
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
-                 tile: tuple[int, int] | None = None):
+                 tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None):
     """Per-token loss and row statistics, no gradient: one GEMM's work within 64 MiB.
 
     x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`).
     chunk_tokens: whole-row chunks of that many tokens. Otherwise [C, Vs] tiles, `chunk_plan.loss_tile`
-    (or `tile` = (C, Vs), for tests).
+    (or `tile` = (C, Vs), for tests). entropy: a [T] fp32 buffer to receive each token's entropy of
+    softmax(s) (0 where ignored), or None (the statistic is compiled out).
     """
     T, V = x.shape[0], w.shape[0]
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
@@ -156,9 +166,9 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
         C, Vs = tile or loss_tile(T, V, x.element_size())
     if Vs >= V:
         _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
-                    grad=None, per_token_grad=False)
+                    grad=None, per_token_grad=False, entropy=entropy)
     else:
-        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats)
+        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats, entropy=entropy)
     return loss_tok, stats
 
 
@@ -211,15 +221,17 @@ def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
 
 def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch.Tensor, grad_tok: torch.Tensor, *,
                   need_dx: bool, need_dw: bool, need_db: bool, weight_grad_accum: str,
-                  chunk_tokens: int | None = None):
+                  chunk_tokens: int | None = None, entropy: torch.Tensor | None = None,
+                  grad_entropy: torch.Tensor | None = None):
     """Backward with a per-token upstream gradient: recompute each logits chunk (statistics saved),
-    then the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t.
-    Returns (dx, dw in the weight's dtype, db fp32)."""
+    then the two gradient GEMMs. stats [2, T] from the forward; grad_tok [T] fp32 = ∂L/∂ℓ_t; with
+    entropy [T] (the forward's) and grad_entropy [T] fp32 = ∂L/∂H_t, the entropy's gradient joins in the
+    same pass (no extra GEMM). Returns (dx, dw in the weight's dtype, db fp32)."""
     plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
     dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
     _run_chunks(x, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=None, stats=stats,
                 compute_stats=False, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
-                scratch=dw_out if plan.buffer_in_dw_storage else None)
+                scratch=dw_out if plan.buffer_in_dw_storage else None, entropy=entropy, grad_entropy=grad_entropy)
     if dw_out is not None:
         dw = dw_out.copy_(dw)
     return dx, dw, db

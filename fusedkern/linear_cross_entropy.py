@@ -391,6 +391,94 @@ def _(x, w, b, target, class_weight, stats, grad_tok, ignore_index, label_smooth
             torch.empty_like(b) if need_db and b is not None else _empty(w))
 
 
+def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                      ignore_index: int, softcap: float | None, logit_scale: float, with_entropy: bool,
+                      weight_grad_accum: str, chunk_tokens: int | None, forward_chunk_tokens: int | None,
+                      check_target: torch.Tensor | None, count: torch.Tensor | None,
+                      count_int: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_per_token` for `linear_logprobs` at a temperature (chunked, no class weights, ε = z-loss = 0):
+    s = softcap(z)·logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy
+    H_t of softmax(s) [T] fp32 (0 where ignored; else [0]) from one more row statistic of the same pass.
+    The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
+    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
+    entropy = torch.empty(x.shape[0] if with_entropy else 0, device=x.device, dtype=torch.float32)
+    loss_tok, stats = chunked_loss(x, w, b, target, None, LossOptions(ignore_index, softcap=softcap,
+                                                                      logit_scale=logit_scale),
+                                   forward_chunk_tokens, entropy=entropy if with_entropy else None)
+    finish_checks(checks)
+    return loss_tok, stats, entropy
+
+
+logprobs_entropy = torch.library.custom_op("fusedkern::logprobs_entropy", _logprobs_entropy, mutates_args=(),
+                                           tags=CHECKING_OP_TAGS)
+
+
+@logprobs_entropy.register_fake
+def _(x, w, b, target, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
+      forward_chunk_tokens, check_target, count, count_int):
+    T = x.shape[0]
+    f32 = torch.float32
+    return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
+            x.new_empty((T if with_entropy else 0,), dtype=f32))
+
+
+def _setup_logprobs_entropy(ctx, inputs, output):
+    x, w, b, target, ignore_index, softcap, logit_scale, _, accum, chunk_tokens = inputs[:10]
+    ctx.save_for_backward(x, w, b, target, output[1], output[2])
+    ctx.options = (ignore_index, softcap, logit_scale, accum, chunk_tokens)
+    ctx.mark_non_differentiable(output[1])
+
+
+@first_order_only
+def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
+    x, w, b, target, stats, entropy = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and b is not None
+    if grad_loss_tok is None and grad_entropy is None:
+        return (None,) * 14
+    # an output nothing flowed into has no gradient (set_materialize_grads(False)): the log-probs' weight is 0,
+    # an entropy used only as a metric passes [0] and the row kernel compiles its term out
+    grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
+    with_entropy = grad_entropy is not None and entropy.numel() > 0
+    grad_h = grad_entropy.float().contiguous() if with_entropy else _empty(entropy)
+    dx, dw, db = call_op(logprobs_entropy_backward, x, w, b, target, stats, entropy if with_entropy else grad_h,
+                         grad_tok, grad_h, *ctx.options, need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 11))
+
+
+register_op(logprobs_entropy, _logprobs_entropy, _setup_logprobs_entropy, _backward_logprobs_entropy)
+
+
+def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                               stats: torch.Tensor, entropy: torch.Tensor, grad_tok: torch.Tensor,
+                               grad_entropy: torch.Tensor, ignore_index: int, softcap: float | None,
+                               logit_scale: float, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool,
+                               need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_t grad_tok[t]·ℓ_t + grad_entropy[t]·H_t, recomputing the logits chunk by chunk: one
+    in-place gradient per chunk carries both terms, so the entropy costs no GEMM. entropy and grad_entropy
+    [0]: no entropy term. Shapes as `_per_token_backward`."""
+    with_entropy = grad_entropy.numel() > 0
+    opts = LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale)
+    dx, dw, db = chunked_grads(x, w, b, target, None, opts, stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
+                               need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                               entropy=entropy if with_entropy else None,
+                               grad_entropy=grad_entropy if with_entropy else None)
+    return (_or_empty(_cast(dx, x.dtype), x), _or_empty(_cast(dw, w.dtype), w),
+            _empty(w) if db is None else db.to(b.dtype))
+
+
+logprobs_entropy_backward = torch.library.custom_op("fusedkern::logprobs_entropy_backward",
+                                                    _logprobs_entropy_backward, mutates_args=())
+_EAGER[logprobs_entropy_backward] = _OpSpec(_logprobs_entropy_backward, None, None)  # no gradient of its own
+
+
+@logprobs_entropy_backward.register_fake
+def _(x, w, b, target, stats, entropy, grad_tok, grad_entropy, ignore_index, softcap, logit_scale, weight_grad_accum,
+      chunk_tokens, need_dx, need_dw, need_db):
+    return (torch.empty_like(x) if need_dx else _empty(x), torch.empty_like(w) if need_dw else _empty(w),
+            torch.empty_like(b) if need_db and b is not None else _empty(w))
+
+
 # ----------------------------------------------------------------------------------------------
 # validation and dispatch
 

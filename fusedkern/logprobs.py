@@ -1,51 +1,127 @@
-"""`linear_logprobs`: per-token log p(target) of a linear layer's softmax, without the logits.
+"""`linear_logprobs`: per-token log p(target) of a linear layer's softmax — at a sampling temperature,
+optionally with the per-token entropy — without the logits.
 
 The primitive of the preference/RL family (DPO, CPO, SimPO, ORPO, KTO, IPO, policy gradients): those
-losses touch the logits only through masked sums or means of these log-probabilities, so one fused
-op that returns them and accepts any per-token upstream gradient serves them all. It is the
-cross-entropy core with ε = 0, no class weights, no z-loss: log p_t = −ℓ_t (docs/design.md).
+losses touch the logits only through masked sums or means of these log-probabilities (and, for RL, the
+entropy), so one fused op that returns them and accepts any per-token upstream gradient serves them all.
+It is the cross-entropy core with ε = 0, no class weights, no z-loss: log p_t = −ℓ_t (docs/design.md).
+
+Temperature: the chunked row kernels multiply the softcapped logits by 1/τ in fp32 (a runtime scale, compiled
+out at τ = 1) and their gradient by the same 1/τ. The kernel-free alternative — the same op on input/τ and
+bias/τ with softcap c/τ, since s/τ = (c/τ)·tanh((z/τ)/(c/τ)) — rounds x/τ to bf16 once more: measured against
+fp64 (tests/test_logprobs.py) its bf16 log-probs had 1.2–1.8× the error of torch's bf16-logits/fp32-softmax
+computation at 256 tokens and 2.4× at 13, outside the 2× rule; it remains the fused strategy's way (no scale
+in those kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
+from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import follows_autocast, loss_over_tokens, resolve_impl, validate_call
+from fusedkern.linear_cross_entropy import (
+    call_op,
+    follows_autocast,
+    logprobs_entropy,
+    loss_over_tokens,
+    resolve_impl,
+    valid_rows_first,
+    validate_call,
+)
 
 
 @follows_autocast
 def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                     linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
-                    softcap: float | None = None, impl: str = "auto", chunk_tokens: int | None = None,
-                    weight_grad_accum: str = "fp32", num_valid_tokens: int | None = None) -> torch.Tensor:
-    """log_softmax(input @ linear_weightᵀ + linear_bias)[..., target], 0 where target == ignore_index.
+                    softcap: float | None = None, temperature: float = 1.0, return_entropy: bool = False,
+                    impl: str = "auto", chunk_tokens: int | None = None, weight_grad_accum: str = "fp32",
+                    num_valid_tokens: int | None = None):
+    """log_softmax(softcap(input @ linear_weightᵀ + linear_bias) / temperature)[..., target], 0 where
+    target == ignore_index; with `return_entropy`, also the entropy of that same distribution per token.
 
     input [..., H] (fp32/fp16/bf16) · linear_weight [V, H] · target [...] int → float32 [...].
+    softcap (c·tanh(z/c)) is applied before the temperature, as Gemma-2's sampling in vLLM and verl's
+    log-probs do: s = softcap(z), p = softmax(s/τ).
+    temperature: τ > 0 (RL frameworks compute the policy's log-probs at the sampling temperature).
+    return_entropy: return (logps, entropy) with entropy_t = −Σ_v p_v log p_v [...] float32 (0 where
+        ignored), both differentiable; the backward takes both upstream gradients in one pass, so the
+        entropy costs one more row statistic and no GEMM. Chunked strategy only: impl="fused" with
+        return_entropy=True raises ValueError ("auto" picks "chunked").
     Differentiable with respect to input, linear_weight and linear_bias; the backward recomputes the
-    logits chunk by chunk (or tile by tile with impl="fused") from the saved log-sum-exp.
+    logits chunk by chunk (or tile by tile with impl="fused") from the saved log-sum-exp (four GEMMs).
     num_valid_tokens: the count of non-ignored targets, when the caller has it on the host: only those
     rows are computed (see `linear_cross_entropy`).
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
+    validate_logprobs_options(temperature, return_entropy, impl)
     return logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                               softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
-                              weight_grad_accum=weight_grad_accum, num_valid_tokens=num_valid_tokens)
+                              weight_grad_accum=weight_grad_accum, num_valid_tokens=num_valid_tokens,
+                              temperature=temperature, return_entropy=return_entropy)
+
+
+def validate_logprobs_options(temperature, return_entropy, impl: str, entropy_name: str = "return_entropy") -> None:
+    """The options `linear_logprobs` adds to `linear_cross_entropy.validate_call`'s (entropy_name: what the
+    caller calls the entropy flag)."""
+    V_.check_real("temperature", temperature, low=0.0, low_inclusive=False)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"{entropy_name} must be a bool, got {type(return_entropy).__name__}")
+    if return_entropy and impl == "fused":
+        raise ValueError(f"{entropy_name}=True needs impl='chunked' (or 'auto'): the fused strategy has no entropy "
+                         "statistic")
 
 
 def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_index, softcap, impl, chunk_tokens,
-                       weight_grad_accum, num_valid_tokens=None) -> torch.Tensor:
-    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy.validate_call`);
-    the operator it calls checks the targets' range (and the count)."""
+                       weight_grad_accum, num_valid_tokens=None, temperature: float = 1.0,
+                       return_entropy: bool = False):
+    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy.validate_call`,
+    `validate_logprobs_options`); the operator it calls checks the targets' range (and the count)."""
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
-    opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
-    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
+    softcap = None if softcap is None else float(softcap)
+    # the entropy exists in the chunked strategy only, so "auto" must not fall back to "fused" for it
+    impl = "chunked" if return_entropy else resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
+    if impl == "chunked" and (return_entropy or temperature != 1.0):
+        logps, entropy = _tempered(x2d, linear_weight, linear_bias, y, ignore_index, softcap, 1.0 / float(temperature),
+                                   return_entropy, weight_grad_accum, chunk_tokens, num_valid_tokens)
+        lead = input.shape[:-1]
+        return (logps.reshape(lead), entropy.reshape(lead)) if return_entropy else logps.reshape(lead)
+    if temperature != 1.0:  # the fused kernels have no scale: s/τ = (c/τ)·tanh((z/τ)/(c/τ)) on input/τ, bias/τ
+        inv_tau = 1.0 / float(temperature)
+        x2d = x2d * inv_tau
+        linear_bias = None if linear_bias is None else linear_bias * inv_tau
+        softcap = None if softcap is None else softcap * inv_tau
+    opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
     nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", impl, weight_grad_accum,
                                   chunk_tokens, num_valid_tokens, need_lse=False)
     return (-nll_tok).reshape(input.shape[:-1])
+
+
+def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
+              num_valid_tokens):
+    """(logps [T], entropy [T] or [0]) through the `logprobs_entropy` operator (fp32 scale 1/τ in the row
+    kernels). A host count gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back
+    among zeros; a device count is checked and the rows computed densely."""
+    # as `linear_cross_entropy`: a forward that a backward follows runs in 64 MiB tiles, a loss-only one in
+    # the caller's chunks when given
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, w, b))
+    forward_chunk = None if wants_grad else chunk_tokens
+    common = (ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens, forward_chunk)
+    if isinstance(num_valid_tokens, torch.Tensor):
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1)
+        return -nll, entropy
+    count_int = -1 if num_valid_tokens is None else num_valid_tokens
+    if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int)
+        return -nll, entropy
+    rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
+    nll, _, entropy = call_op(logprobs_entropy, x2d.index_select(0, rows), w, b, y.index_select(0, rows), *common,
+                              y, None, count_int)
+    scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
+    return -scatter(nll), scatter(entropy) if with_entropy else entropy

@@ -17,6 +17,10 @@ Precision where one class dominates (p_y → 1, common for easy tokens): the sta
 Σ exp(s − max) − 1 rather than Σ exp(s − max) ≈ 1, so log Σ = log1p(·) keeps fp32's relative
 precision in the small mass of the other classes, and the target's p_y − 1 is formed with expm1.
 Without both, 1 − p_y = 1e-5 keeps ~2 digits in fp32 (test_confident_prediction_gradient_keeps_its_digits).
+
+Entropy (HAS_ENTROPY, compiled out otherwise): one more row statistic, A = Σ exp(s − m)·(s − m), merged
+like the sum-exp, gives H = lse − Σ p s = log Σ − A/Σ; its gradient ∂H/∂s_v = −p_v·(log p_v + H) joins
+the in-place gradient with the token's own upstream weight (`linear_logprobs(return_entropy=True)`).
 """
 
 from __future__ import annotations
@@ -89,18 +93,35 @@ if interpreting():  # tiny shapes on CPU: a small block keeps the masked tail pa
 
 
 @triton.jit
-def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+def _softcapped(z, softcap, logit_scale, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr,
+                USE_LIBDEVICE: tl.constexpr):
+    """s = softcap(z)·scale in fp32 (scale = 1/τ, a sampling temperature; HAS_SCALE compiles it in)."""
     if HAS_SOFTCAP:
-        return softcap * _tanh(z / softcap, USE_LIBDEVICE)
+        s = softcap * _tanh(z / softcap, USE_LIBDEVICE)
     else:
-        return z
+        s = z
+    if HAS_SCALE:
+        s = s * logit_scale
+    return s
 
 
 @triton.jit
-def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane, ws_lane, MASKED: tl.constexpr,
-                 HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 USE_LIBDEVICE: tl.constexpr):
-    """One BLOCK_V step of the per-lane online (max m, rest = Σ exp(s − m) − 1, Σ w·s). MASKED: the slice's tail.
+def _merge_entropy(m_parts, rest_parts, a_parts, m):
+    """Merge partial A_i = Σ exp(s − m_i)·(s − m_i) into the row's A = Σ exp(s − m)·(s − m), m the row's max:
+    A = Σ_i e_i·(A_i + (m_i − m)·(rest_i + 1)), e_i = exp(m_i − m). Empty parts (m_i = −inf) carry nothing
+    (and must not reach −inf·0)."""
+    valid = m_parts != -float("inf")
+    e = tl.where(valid, tl.exp(m_parts - m), 0.0)
+    shift = tl.where(valid, m_parts - m, 0.0)
+    return tl.sum(tl.where(valid, e * (a_parts + shift * (rest_parts + 1.0)), 0.0), axis=0)
+
+
+@triton.jit
+def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, logit_scale, m_lane, d_lane, ws_lane, a_lane,
+                 MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """One BLOCK_V step of the per-lane online (max m, rest = Σ exp(s − m) − 1, Σ w·s, and with HAS_ENTROPY
+    A = Σ exp(s − m)·(s − m)). MASKED: the slice's tail.
     Full blocks skip every mask and the label-smoothing sum is compiled in only when ε > 0: the H200
     measured the earlier form of this loop at 1.25–2.15 TB/s, well below its memory bandwidth, so the
     instructions per element are what it costs."""
@@ -109,13 +130,23 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
         z = tl.load(row_ptr + cols, mask=mask, other=0.0)
     else:
         z = tl.load(row_ptr + cols)
-    s = _softcapped(z.to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)  # 0 on masked-out lanes
+    s = _softcapped(z.to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE, USE_LIBDEVICE)  # 0 if masked out
     # One exp per element: with u = exp(−|s − m|), a new max gives rest' = (rest + 1)·u and m = s,
     # otherwise rest + u (rest = Σ exp(s − m) without the max's own 1, see `_merge_mass`). The lane
     # starts at m = −inf, so a finite first s gives u = exp(−inf) = 0; an s = −inf (a −inf bias masking
     # padded vocabulary) carries no mass, and must not meet m = −inf in −inf − (−inf) = NaN.
     u = tl.where(s == -float("inf"), 0.0, tl.exp(-tl.abs(s - m_lane)))
     is_new_max = s > m_lane
+    if HAS_ENTROPY:
+        # t = −|s − m|: a new max rescales the lane's terms by u and shifts each by t (A' = u·A + u·t·(rest + 1),
+        # the new max's own term being 0), else the element adds u·t. u = 0 (first element, −inf, underflow)
+        # adds nothing: u·t would be 0·(−inf) there.
+        ut = u * tl.where(u == 0.0, 0.0, -tl.abs(s - m_lane))
+        a_new = tl.where(is_new_max, u * a_lane + ut * (d_lane + 1.0), a_lane + ut)
+        if MASKED:
+            a_new = tl.where(mask, a_new, a_lane)
+    else:
+        a_new = a_lane
     d_new = tl.where(is_new_max, (d_lane + 1.0) * u, d_lane + u)
     m_new = tl.maximum(m_lane, s)
     if MASKED:  # masked-out lanes keep (m, d)
@@ -126,17 +157,19 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, m_lane, d_lane,
             ws_lane += tl.load(class_weight_ptr + cols, mask=cols < col1, other=0.0) * s
         else:
             ws_lane += s
-    return m_new, d_new, ws_lane
+    return m_new, d_new, ws_lane, a_new
 
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),
-                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT"])
+                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT",
+                      "HAS_ENTROPY", "HAS_SCALE"])
 @triton.jit
 def _row_stats_kernel(
     # pointers
     partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
     partial_sumexp_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max) − 1 over the slice (0 if empty)
     partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (label smoothing; else 0)
+    partial_ent_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max)·(s − max) over the slice (HAS_ENTROPY)
     logits_ptr,  # (C, V) input dtype, read only
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
     target_ptr,  # (C,) class indices (FIND_TARGET)
@@ -148,9 +181,11 @@ def _row_stats_kernel(
     col_base,  # vocabulary index of the tile's column 0 (a vocabulary-sliced loss-only tile; else 0)
     # options
     softcap,
+    logit_scale,  # s = softcap(z)·logit_scale (HAS_SCALE): 1/τ of a sampling temperature
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FIND_TARGET: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    FIND_TARGET: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROW_COUNT:
@@ -169,28 +204,34 @@ def _row_stats_kernel(
     m_lane = tl.full((BLOCK_V,), -float("inf"), tl.float32)  # (BLOCK_V,)
     d_lane = tl.zeros((BLOCK_V,), tl.float32)
     ws_lane = tl.zeros((BLOCK_V,), tl.float32)
+    a_lane = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(col0, full_end, BLOCK_V):
-        m_lane, d_lane, ws_lane = _stats_block(row_ptr, start + offs, col1, class_weight_ptr, softcap, m_lane, d_lane,
-                                               ws_lane, False, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, USE_LIBDEVICE)
+        m_lane, d_lane, ws_lane, a_lane = _stats_block(
+            row_ptr, start + offs, col1, class_weight_ptr, softcap, logit_scale, m_lane, d_lane, ws_lane, a_lane, False,
+            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_SCALE, HAS_ENTROPY, USE_LIBDEVICE)
     if full_end < col0 + width:
-        m_lane, d_lane, ws_lane = _stats_block(row_ptr, full_end + offs, col1, class_weight_ptr, softcap, m_lane,
-                                               d_lane, ws_lane, True, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                                               USE_LIBDEVICE)
+        m_lane, d_lane, ws_lane, a_lane = _stats_block(
+            row_ptr, full_end + offs, col1, class_weight_ptr, softcap, logit_scale, m_lane, d_lane, ws_lane, a_lane,
+            True, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_SCALE, HAS_ENTROPY, USE_LIBDEVICE)
     m, d = _merge_mass(m_lane, d_lane, offs)
     ws = tl.sum(ws_lane, axis=0)
     out = row * partial_stride + split
     tl.store(partial_max_ptr + out, m)  # -inf for an empty slice (V < SPLIT·span): merged as 0 mass
     tl.store(partial_sumexp_ptr + out, d)
     tl.store(partial_wsum_ptr + out, ws)
+    if HAS_ENTROPY:
+        tl.store(partial_ent_ptr + out, _merge_entropy(m_lane, d_lane, a_lane, m))
     if FIND_TARGET:
         col_y = tl.load(target_ptr + row).to(tl.int64) - col_base  # outside [col0, col1) when ignored
         if (col_y >= col0) & (col_y < col1):
-            s_y = _softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, HAS_SOFTCAP, USE_LIBDEVICE)
+            s_y = _softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE,
+                              USE_LIBDEVICE)
             tl.store(target_logit_ptr + row, s_y)
 
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),
-                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "HAS_ROW_COUNT"],
+                 key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "HAS_ROW_COUNT",
+                      "HAS_ENTROPY", "HAS_SCALE"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
 @triton.jit
@@ -200,7 +241,9 @@ def _row_finish_kernel(
     loss_ptr,  # (C,) fp32 out: per-token loss ℓ_t, 0 where ignored (COMPUTE_STATS)
     row_max_ptr,  # (C,) fp32 m = max_v s_v: out when COMPUTE_STATS, else in (saved by the forward)
     log_sumexp_ptr,  # (C,) fp32 log Σ_v exp(s_v − m), so lse = m + log_sumexp: out / in like row_max
-    partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
+    partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr, partial_ent_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
+    entropy_ptr,  # (C,) fp32 entropy H_t of softmax(s), 0 where ignored: out / in like row_max (HAS_ENTROPY)
+    grad_entropy_ptr,  # (C,) fp32 upstream ∂L/∂H_t (HAS_ENTROPY and WRITE_GRAD; with PER_TOKEN_GRAD)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
     target_logit_ptr,  # (C,) fp32 s_y, copied out by the stats kernel (COMPUTE_STATS; see `ce_rows`)
     class_weight_ptr,  # (vocab_total,) fp32 class weights w_v of the whole vocabulary (HAS_WEIGHT)
@@ -216,10 +259,11 @@ def _row_finish_kernel(
     label_smoothing,  # ε
     z_loss,  # coefficient of lse²
     softcap,  # c in s = c·tanh(z/c) (HAS_SOFTCAP)
+    logit_scale,  # s = softcap(z)·logit_scale (HAS_SCALE): 1/τ of a sampling temperature
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, HAS_ROW_COUNT: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if HAS_ROW_COUNT:
@@ -236,12 +280,18 @@ def _row_finish_kernel(
     # 1. lse from the row's partials (every program of the row merges them: SPLIT loads, no sync).
     if COMPUTE_STATS:
         parts = row * SPLIT + tl.arange(0, SPLIT)  # (SPLIT,)
-        m, rest = _merge_mass(tl.load(partial_max_ptr + parts), tl.load(partial_sumexp_ptr + parts),
-                              tl.arange(0, SPLIT))
+        m_parts, rest_parts = tl.load(partial_max_ptr + parts), tl.load(partial_sumexp_ptr + parts)
+        m, rest = _merge_mass(m_parts, rest_parts, tl.arange(0, SPLIT))
         log_d = _log1p(rest)
+        if HAS_ENTROPY:
+            # H = lse − Σ p s = log Σ − A/Σ: two non-negative terms (A ≤ 0), no cancellation
+            entropy = log_d - _merge_entropy(m_parts, rest_parts, tl.load(partial_ent_ptr + parts), m) / (1.0 + rest)
+            entropy = tl.where(is_valid, entropy, 0.0)
     else:
         m = tl.load(row_max_ptr + row)
         log_d = tl.load(log_sumexp_ptr + row)
+        if HAS_ENTROPY:
+            entropy = tl.load(entropy_ptr + row)
     # lse is kept as m + log_d: with |s| ~ 1e3 a rounded fp32 lse would cost p = exp(s − lse) ~1e-4
     # relative error, while s − m is exact and log_d is small
     lse = m + log_d
@@ -266,6 +316,8 @@ def _row_finish_kernel(
             tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
             tl.store(row_max_ptr + row, m)
             tl.store(log_sumexp_ptr + row, log_d)
+            if HAS_ENTROPY:
+                tl.store(entropy_ptr + row, entropy)
 
     # 3. Gradient of the slice, in place: g·{[(1−ε)w_y + ε·W/V + 2·z_loss·lse]·p − (1−ε)w_y·1[v=y] − (ε/V)·w_v}·tanh'
     if WRITE_GRAD:
@@ -278,6 +330,8 @@ def _row_finish_kernel(
         coef_extra = g * (label_smoothing * w_sum / vocab_total + 2.0 * z_loss * lse)  # coef_p − coef_y
         coef_p = coef_y + coef_extra
         coef_w = g * label_smoothing / vocab_total
+        if HAS_ENTROPY:  # ∂H/∂s_v = −p_v·(log p_v + H), weighted by the token's upstream ∂L/∂H
+            g_entropy = tl.where(is_valid, tl.load(grad_entropy_ptr + row), 0.0)
         offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         col0 = split * span
         col1 = tl.minimum(col0 + span, V)
@@ -290,17 +344,23 @@ def _row_finish_kernel(
                 s = softcap * t
             else:
                 s = z
+            if HAS_SCALE:
+                s = s * logit_scale
             log_p = (s - m) - log_d
             p = tl.exp(log_p)
             # at the target, coef_p·p − coef_y = coef_y·(p − 1) + coef_extra·p with p − 1 = expm1(log p):
             # exact where p_y → 1 (a confident prediction), where p − 1 in fp32 keeps few digits
             grad = tl.where(cols == target_col, coef_y * _expm1(log_p) + coef_extra * p, coef_p * p)
+            if HAS_ENTROPY:
+                grad -= g_entropy * p * (log_p + entropy)
             if HAS_WEIGHT:
                 grad -= coef_w * tl.load(class_weight_ptr + col_base + cols, mask=mask, other=0.0)
             else:
                 grad -= coef_w
             if HAS_SOFTCAP:
                 grad *= 1.0 - t * t
+            if HAS_SCALE:
+                grad *= logit_scale
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -333,6 +393,9 @@ def ce_rows(
     row_count: torch.Tensor | None = None,
     col_base: int = 0,
     vocab_total: int | None = None,
+    entropy: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> None:
     """Per-row statistics and (optionally) the in-place logits gradient of a logits chunk.
 
@@ -346,16 +409,22 @@ def ce_rows(
     col_base, vocab_total: the chunk holds columns col_base … col_base + V − 1 of a vocabulary of
     vocab_total (one rank's shard, `fusedkern.distributed`); then `stats` must be the whole vocabulary's
     (compute_stats=False) and class_weight covers the whole vocabulary.
+    entropy: None, or [C] fp32 per-token entropy of softmax(s) (0 where ignored): written when
+    compute_stats, else read (the forward's). grad_entropy: with a per-token grad, [C] fp32 ∂L/∂H_t;
+    the written gradient is then g_t·∂ℓ_t/∂z + grad_entropy_t·∂H_t/∂z. Whole vocabulary only.
+    logit_scale: s = softcap(z)·logit_scale in fp32 (1/τ of a sampling temperature; 1.0 compiles it out).
     """
     C, V = logits.shape
     assert logits.stride(1) == 1 and C > 0
     vocab_total = V if vocab_total is None else vocab_total
     assert not compute_stats or (col_base == 0 and vocab_total == V), "a shard's statistics are partial"
+    assert entropy is None or (col_base == 0 and vocab_total == V), "the entropy needs the whole vocabulary"
+    assert grad_entropy is None or (entropy is not None and per_token_grad and grad is not None)
     split = _split_for(C, V)
     dummy = stats  # any fp32 tensor: never read when its flag is off
     span = _span(V, split)
     if compute_stats:
-        parts = torch.empty((3, C, split), device=logits.device, dtype=torch.float32)
+        parts = torch.empty((3 if entropy is None else 4, C, split), device=logits.device, dtype=torch.float32)
         # The statistics kernel copies out the target's logit s_y for the loss. The finish kernel must not
         # read it from the logits: its SPLIT programs of one row run concurrently and overwrite their
         # slices with the gradient in place, so the program writing the loss could read ∂L/∂z_y instead of
@@ -365,16 +434,17 @@ def ce_rows(
         target_logit = torch.empty(C, device=logits.device, dtype=torch.float32)
         _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
                       class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing,
-                      row_count=row_count)
+                      row_count=row_count, logit_scale=logit_scale)
     else:  # no loss: s_y is not needed
-        parts = (dummy, dummy, dummy)
+        parts = (dummy, dummy, dummy, dummy)
         target_logit = None
     write_grad = grad is not None
     _launch_finish(logits, target, target_logit, parts, (C, split if write_grad else 1), split, span, loss=loss,
                    stats=stats, class_weight=class_weight, class_weight_sum=class_weight_sum, grad=grad,
                    ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                    compute_stats=compute_stats, per_token_grad=per_token_grad, row_count=row_count,
-                   col_base=col_base, vocab_total=vocab_total)
+                   col_base=col_base, vocab_total=vocab_total, entropy=entropy, grad_entropy=grad_entropy,
+                   logit_scale=logit_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,15 +455,17 @@ def ce_rows(
 # P partials of each row to lse and loss, exactly like the whole-row path.
 
 
-def tile_partials(n_tokens: int, vocab: int, slice_cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(parts [3, C, P] fp32, target_logit [C] fp32, split per tile) for `row_stats_tile` / `merge_row_stats`.
+def tile_partials(n_tokens: int, vocab: int, slice_cols: int, device: torch.device,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(parts [3, C, P] fp32 ([4, C, P] with the entropy's statistic), target_logit [C] fp32, split per tile)
+    for `row_stats_tile` / `merge_row_stats`.
 
     P = the next power of two ≥ tiles·split (the merge loads a row's partials as one vector); the
     unused slots hold max = −inf, i.e. zero probability mass."""
     split = _split_for(n_tokens, slice_cols)
     n_tiles = triton.cdiv(vocab, slice_cols)
     P = triton.next_power_of_2(n_tiles * split)
-    parts = torch.empty((3, n_tokens, P), device=device, dtype=torch.float32)
+    parts = torch.empty((4 if entropy else 3, n_tokens, P), device=device, dtype=torch.float32)
     parts[0].fill_(-float("inf"))
     parts[1:].zero_()
     return parts, torch.zeros(n_tokens, device=device, dtype=torch.float32), split
@@ -401,7 +473,7 @@ def tile_partials(n_tokens: int, vocab: int, slice_cols: int, device: torch.devi
 
 def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor, target_logit: torch.Tensor, *,
                    tile_index: int, split: int, col_base: int, class_weight: torch.Tensor | None,
-                   softcap: float | None, label_smoothing: float) -> None:
+                   softcap: float | None, label_smoothing: float, logit_scale: float = 1.0) -> None:
     """Partial statistics of a logits tile [C, Vs] = vocabulary columns col_base … col_base + Vs − 1.
 
     Writes parts[:, :, k·split : (k+1)·split] for k = tile_index, and target_logit[t] for the rows
@@ -412,19 +484,22 @@ def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor
     cw = None if class_weight is None else class_weight[col_base:col_base + Vs]
     view = parts[:, :, slot:slot + split]  # strided: row stride P, passed to the kernel as partial_stride
     _launch_stats(tile, view, split, _span(Vs, split), col_base=col_base, target=target, target_logit=target_logit,
-                  class_weight=cw, softcap=softcap, label_smoothing=label_smoothing, partial_stride=parts.shape[2])
+                  class_weight=cw, softcap=softcap, label_smoothing=label_smoothing, partial_stride=parts.shape[2],
+                  logit_scale=logit_scale)
 
 
 def merge_row_stats(parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, vocab: int, *,
                     loss: torch.Tensor, stats: torch.Tensor, class_weight: torch.Tensor | None,
                     class_weight_sum: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-                    softcap: float | None) -> None:
-    """lse, loss and stats [2, C] of every row from the partials of all its tiles (`row_stats_tile`)."""
+                    softcap: float | None, entropy: torch.Tensor | None = None, logit_scale: float = 1.0) -> None:
+    """lse, loss and stats [2, C] of every row (and its entropy [C] when given: then `parts` has the
+    entropy's statistic) from the partials of all its tiles (`row_stats_tile`)."""
     C, P = parts.shape[1], parts.shape[2]
+    assert (entropy is not None) == (parts.shape[0] == 4)
     _launch_finish(None, target, target_logit, parts, (C, 1), P, _span(vocab, P), loss=loss, stats=stats,
                    class_weight=class_weight, class_weight_sum=class_weight_sum, grad=None, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, compute_stats=True,
-                   per_token_grad=False, vocab=vocab)
+                   per_token_grad=False, vocab=vocab, entropy=entropy, logit_scale=logit_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,38 +512,47 @@ def _span(V: int, split: int) -> int:
 
 
 def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit, class_weight, softcap,
-                  label_smoothing, partial_stride=None, row_count=None) -> None:
+                  label_smoothing, partial_stride=None, row_count=None, logit_scale=1.0) -> None:
     C, V = logits.shape
     dummy = parts[0]
     find_target = target is not None
+    has_entropy = parts.shape[0] == 4  # the entropy's statistic has its own partials
     _row_stats_kernel[(C, split)](
-        parts[0], parts[1], parts[2], logits, dummy if class_weight is None else class_weight,
+        parts[0], parts[1], parts[2], parts[3] if has_entropy else dummy, logits,
+        dummy if class_weight is None else class_weight,
         target if find_target else dummy, target_logit if find_target else dummy,
         dummy if row_count is None else row_count,
         V, logits.stride(0), span, split if partial_stride is None else partial_stride, col_base,
-        float(softcap or 1.0),
+        float(softcap or 1.0), float(logit_scale),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=label_smoothing > 0,
         HAS_SOFTCAP=softcap is not None, FIND_TARGET=find_target, HAS_ROW_COUNT=row_count is not None,
-        USE_LIBDEVICE=not interpreting())
+        HAS_ENTROPY=has_entropy, HAS_SCALE=logit_scale != 1.0, USE_LIBDEVICE=not interpreting())
 
 
 def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
                    class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
-                   per_token_grad, vocab=None, row_count=None, col_base=0, vocab_total=None) -> None:
+                   per_token_grad, vocab=None, row_count=None, col_base=0, vocab_total=None, entropy=None,
+                   grad_entropy=None, logit_scale=1.0) -> None:
     """logits: the [C, V] chunk, or None when merging tile partials (then `vocab` gives V).
     target_logit: s_y per row from the statistics kernel, needed when the loss is computed (never read
-    from the logits: see `ce_rows`); None otherwise."""
+    from the logits: see `ce_rows`); None otherwise. entropy / grad_entropy: see `ce_rows`; with
+    compute_stats, parts[3] holds the entropy's partials."""
     dummy = stats  # any fp32 tensor: never read when its flag is off
     write_grad = grad is not None
+    has_entropy = entropy is not None
     assert target_logit is not None or not compute_stats
+    assert not (has_entropy and compute_stats) or len(parts) == 4
+    assert not (has_entropy and write_grad) or grad_entropy is not None
     _row_finish_kernel[grid](
         dummy if logits is None else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
-        parts[2], target, dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
+        parts[2], parts[3] if has_entropy and compute_stats else dummy, entropy if has_entropy else dummy,
+        grad_entropy if grad_entropy is not None else dummy, target, dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
         dummy if row_count is None else row_count,
         vocab if logits is None else logits.shape[1], 0 if logits is None else logits.stride(0), span,
         col_base, (vocab if logits is None else logits.shape[1]) if vocab_total is None else vocab_total,
-        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
+        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0), float(logit_scale),
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
         COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
-        HAS_ROW_COUNT=row_count is not None, USE_LIBDEVICE=not interpreting())
+        HAS_ROW_COUNT=row_count is not None, HAS_ENTROPY=has_entropy, HAS_SCALE=logit_scale != 1.0,
+        USE_LIBDEVICE=not interpreting())
