@@ -7,6 +7,7 @@ Benchmarks: `python -m fusedkern.bench --help`.
 """
 
 from fusedkern import _runtime  # noqa: F401  (first: picks GPU or Triton's interpreter before kernels import)
+from fusedkern.grpo import linear_grpo_loss
 from fusedkern.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
 from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import linear_logprobs
@@ -16,6 +17,7 @@ __all__ = [
     "linear_cross_entropy",
     "LinearCrossEntropyLoss",
     "linear_logprobs",
+    "linear_grpo_loss",
     "linear_preference_loss",
     "linear_simpo_loss",
     "LinearSimPOLoss",
