@@ -8,6 +8,9 @@ A sharded weight meets fusedkern in two ways, handled here:
 - A DTensor weight passed to the public functions: `full_weights` gathers it with `full_tensor`, whose
   backward reduce-scatters the gradient back to the weight's own placements. The gradient is the sum over
   the ranks of each rank's gradient (DTensor's `Partial`), i.e. that of the sum of the ranks' losses.
+  Under FSDP2 the gradient is FSDP2's own instead, the mean over the ranks; so a unit's weight read
+  outside its forward (a sharded DTensor then) gets world size × what FSDP2 gives the other parameters:
+  nothing on the tensor tells the two cases apart, so use `call_as_forward` (docs/integrations.md).
 DTensor activations or targets are refused: each rank passes its own tokens as plain tensors.
 """
 
