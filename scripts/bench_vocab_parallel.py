@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fusedkern import linear_cross_entropy  # noqa: E402
 from fusedkern.distributed import even_vocab_shard, vocab_parallel_cross_entropy  # noqa: E402
 
+QUANTILES = torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)
 PROVIDERS = ("fusedkern", "megatron_torch", "gemm3_shard", "fusedkern_one_gpu")
 
 
@@ -196,13 +197,14 @@ def main(argv=None) -> int:
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
                 times[name].append(ms.item())
         for name, ts in times.items():
-            q = torch.tensor(ts, dtype=torch.float64).quantile(torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
-            rows.append(dict(provider=name, tokens=tokens, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype,
-                             world_size=world, shard_rows=stop - start, ms_p20=q[0], ms_p50=q[1], ms_p80=q[2],
-                             rounds=len(ts), extra_peak_mib=peak.get(name), loss=losses[name],
+            q = torch.tensor(ts, dtype=torch.float64).quantile(QUANTILES).tolist()
+            rows.append(dict(op="ce_vocab_parallel", provider=name, x_name="tokens", x=tokens, mode="full",
+                             hidden=args.hidden, vocab=args.vocab, dtype=args.dtype, world_size=world,
+                             shard_rows=stop - start, ms_p20=q[0], ms_p50=q[1], ms_p80=q[2], n_reps=len(ts),
+                             peak_extra_mib=peak.get(name), loss=losses[name],
                              protocol="shuffled order each round, slowest rank per round",
                              workload="dense targets, fwd+bwd"))
-        del x, y, w, grad_buf
+        x = y = w = grad_buf = None  # free this size's tensors before the next (the closures above read them)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "fusedkern" in losses and "megatron_torch" in losses:  # the same loss, or the timings mean nothing
