@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import os
 import sys
 import time
 import types
@@ -185,6 +186,10 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible")
+    # importing fusedkern switched the interpreter on if no GPU is visible and the user had not decided
+    if args.device == "cpu" and args.fusedkern and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--device cpu runs fusedkern's kernels through Triton's interpreter, which is on only when no GPU "
+                "is visible or TRITON_INTERPRET=1 is set before Python starts")
     if args.arch == "llama" and not HAS_TRANSFORMERS:
         p.error("--arch llama needs Hugging Face Transformers (pip install 'fusedkern[hf]'); or use --arch torch")
     if args.model is not None and args.arch != "llama":

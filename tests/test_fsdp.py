@@ -27,11 +27,18 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fusedkern
+from fusedkern._runtime import interpreting
 from fusedkern.integrations.fsdp import call_as_forward
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+if not interpreting():
+    pytest.skip("the ranks run the kernels on CPU tensors, through Triton's interpreter (on when no GPU is visible)",
+                allow_module_level=True)
+
+# under pytest-xdist (--dist loadgroup) these tests go to one worker: the ranks are spawned once there
+pytestmark = pytest.mark.xdist_group("fsdp_gloo")
 
 # imported only where used: every spawned rank imports this module, and Transformers takes seconds
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
