@@ -243,8 +243,9 @@ def _kto(sums, ref, desirable, kl, beta, desirable_weight, undesirable_weight):
     """KTOTrainer._compute_loss on summed log-probs: sums, ref [N], desirable [N] bool, kl one element."""
     z0 = kl.detach().reshape(()).to(sums.dtype).clamp(min=0)
     ratio = sums - ref  # [N]
-    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
-                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    # TRL writes 1 − σ(x); σ(−x) is the same value without the cancellation as σ(x) → 1
+    losses = torch.where(desirable, desirable_weight * torch.sigmoid(-beta * (ratio - z0)),
+                         undesirable_weight * torch.sigmoid(-beta * (z0 - ratio)))
     rewards = (beta * ratio).detach()
     d = desirable.to(sums.dtype)
     n_d, n_u = d.sum(), (1 - d).sum()  # a group with no sequence: 0/0 = NaN, TRL leaves its metric out
