@@ -364,15 +364,20 @@ def _row_finish_kernel(
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def _split_for(C: int, V: int) -> int:
-    """Slices per row: enough programs (≥ ~8k) to keep the H200's memory system busy, slices of at
-    least 4096 columns. A power of two (the merge loads the partials as one vector)."""
-    if interpreting():
-        return 2 if V > 64 else 1  # exercise the merge on CPU at tiny shapes
+def gpu_split(C: int, V: int) -> int:
+    """Slices per row on a GPU: enough programs (≥ ~8k) to keep the H200's memory system busy, slices of
+    at least 4096 columns. A power of two (the merge loads the partials as one vector)."""
     split = 1
     while split < 64 and C * split < 8192 and V // (split * 2) >= 4096:
         split *= 2
     return split
+
+
+def _split_for(C: int, V: int) -> int:
+    """`gpu_split`, except under the interpreter: 2 slices (1 for tiny rows) exercise the merge on CPU."""
+    if interpreting():
+        return 2 if V > 64 else 1
+    return gpu_split(C, V)
 
 
 def ce_rows(
