@@ -37,7 +37,7 @@ from fusedkern.chunked import (
     plan_for_grads,
     row_kernel_args,
 )
-from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
+from fusedkern.kernels.ce_rows import ce_rows, gpu_split, merge_row_stats, row_stats_tile, tile_partials
 from fusedkern.linear_cross_entropy import (
     check_target_type,
     finish_checks,
@@ -77,6 +77,13 @@ def even_vocab_shard(vocab_size: int, group=None) -> tuple[int, int]:
     base, extra = divmod(vocab_size, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def exchange_floats_per_token(chunk_tokens: int, vocab_size: int, world: int) -> int:
+    """fp32 values per token in a chunk's statistics all-reduce on a GPU: 3P + 1, P = the power of two
+    ≥ world · slices per row (`ce_rows.gpu_split` of the chunk and the per-rank slot width)."""
+    cols = -(-vocab_size // world)
+    return 3 * (1 << (world * gpu_split(chunk_tokens, cols) - 1).bit_length()) + 1
 
 
 def _resolve_shard(linear_weight: torch.Tensor, group, vocab_start: int | None, vocab_size: int | None) -> VocabShard:

@@ -225,3 +225,49 @@ plotting.save_figure(fig, figures_dir / "03_memory")
 # 33 MiB: the backward kept its dX workspace alive while the dW pass allocated its own; the newer
 # runs, after that fix and the budget covering the O(T + V) vectors too, measure 13–15 MiB).
 # Which to choose is a latency question: notebooks 04 and 05.
+
+# %% [markdown]
+# ## Past one GPU: a vocabulary-parallel head, per rank
+#
+# With the head's rows split over N ranks (`fusedkern.distributed`, docs/design.md "Vocabulary
+# parallelism"), each rank runs the single-GPU plan on its V/N rows, and the ranks exchange only per-token
+# row statistics: one all-reduce per chunk of (3P + 1) fp32 values per token, P the power of two ≥ N ·
+# slices per row. dX's all-reduce (T·H·e bytes) is the same for every vocabulary-parallel implementation
+# and dominates the traffic; what differs is the memory each rank keeps. The Megatron-style baseline
+# (`scripts/bench_vocab_parallel.py`, plain PyTorch) holds the fp32 upcast of its [T, V/N] logits and the
+# working copy that becomes the saved softmax; fusedkern holds one bounded chunk and, by default, the fp32
+# dW accumulator of its shard. Model only: the multi-GPU measurement waits for a machine with several GPUs.
+
+# %%
+vp = pd.DataFrame([memory_model.vocab_parallel_per_rank(t, hidden, vocab, n, dtype)
+                   for n in (1, 2, 4, 8) for t in tokens])
+vp_table = pd.DataFrame({
+    "ranks": vp.world_size, "tokens": vp.tokens, "rows per rank": vp.shard_rows,
+    "stats exchange (KiB)": vp.exchange_bytes / 1024, "Megatron's (KiB)": vp.megatron_exchange_bytes / 1024,
+    "dX all-reduce (MiB)": vp.dx_bytes / 2**20, "stats / dX (%)": 100 * vp.exchange_bytes / vp.dx_bytes,
+    "fusedkern extra (MiB)": vp.fusedkern_extra_bytes / 2**20,
+    "Megatron-style extra (MiB)": vp.megatron_extra_bytes / 2**20,
+})
+display(vp_table.style.format(precision=1).hide(axis="index"))
+
+# %%
+fig, ax = plt.subplots(figsize=(7.5, 4.6), layout="constrained")
+for column, style in (("fusedkern_extra_bytes", dict(marker="o", label="fusedkern (default, fp32 dW)")),
+                      ("megatron_extra_bytes", dict(marker="s", ls="--", label="Megatron-style, plain PyTorch"))):
+    for t, alpha in zip(tokens, (0.4, 0.6, 0.8, 1.0)):
+        part = vp[vp.tokens == t]
+        ax.plot(part.world_size, part[column] / 2**30, alpha=alpha, color="C0" if "fused" in column else "C3",
+                **(style if t == tokens[-1] else {k: v for k, v in style.items() if k != "label"}))
+        if column == "megatron_extra_bytes":
+            ax.annotate(f"{t} tok", (part.world_size.iloc[0], part[column].iloc[0] / 2**30), fontsize=8,
+                        xytext=(4, 0), textcoords="offset points")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+ax.set_xlabel(f"ranks sharing the vocabulary (V = {vocab}, H = {hidden}, {dtype})")
+ax.set_ylabel("peak extra memory per rank (GiB)")
+ax.set_title("Vocabulary-parallel head: memory per rank (model)")
+ax.legend(loc="lower left")
+plotting.add_caption(fig, "Model: fusedkern/study/memory_model.py (vocab_parallel_per_rank); lighter lines: fewer tokens "
+                          f"({', '.join(map(str, tokens))}).")
+plotting.save_figure(fig, figures_dir / "03_vocab_parallel_memory")

@@ -235,3 +235,15 @@ def test_matches_fp64_and_the_single_process_op(world_results, name):
         assert_close_to_ref(f"{label} ({where})", g, gr, gt, atol=atol)
         if label != "dX" or g.dtype == torch.float32:  # (a half-precision dX is rounded once more: see above)
             assert_close_to_ref(f"{label} vs one process ({where})", g, gr, go, factor=2.0, atol=2 * atol)
+
+
+@pytest.mark.gpu
+def test_gpu_exchange_volume_is_what_the_chunk_loop_allocates():
+    from fusedkern.distributed import exchange_floats_per_token
+    from fusedkern.kernels.ce_rows import tile_partials
+
+    for world in (1, 2, 3, 8):
+        for chunk in (512, 4096, 9216):
+            cols = -(-128256 // world)
+            parts, target_logit, _ = tile_partials(chunk, world * cols, cols, torch.device("cuda"))
+            assert exchange_floats_per_token(chunk, 128256, world) == parts[:, 0].numel() + 1

@@ -290,3 +290,26 @@ def terms_table(provider: str, tokens: int, hidden: int, vocab: int, **kwargs) -
     total = peak_extra_mib(provider, tokens, hidden, vocab, **kwargs)
     rows.append({"term": "peak extra", "formula": "sum, ≥ 0", "mib": total})
     return rows
+
+
+def vocab_parallel_per_rank(tokens: int, hidden: int, vocab: int, world: int, dtype="bfloat16") -> dict:
+    """Bytes per rank of a vocabulary-parallel head (docs/design.md, "Vocabulary parallelism"), V/world rows each.
+
+    exchange: fusedkern's statistics all-reduces of one step; dx: the dX all-reduce (both implementations);
+    megatron_exchange: Megatron-LM's three [T] fp32 all-reduces. fusedkern_extra: the single-GPU chunked
+    plan's peak extra on the shard; megatron_extra: the plain-PyTorch Megatron-style baseline of
+    scripts/bench_vocab_parallel.py (the fp32 upcast of the [T, V_r] logits and the working copy that
+    becomes the saved softmax, alive together)."""
+    from fusedkern.distributed import exchange_floats_per_token
+
+    _check_sizes(tokens=tokens, hidden=hidden, vocab=vocab, world=world)
+    e = element_size(dtype)
+    rows = -(-vocab // world)
+    plan = grad_chunk_plan(tokens, rows, hidden, e, need_dw=True, fp32_accum=e < 4)
+    return dict(
+        world_size=world, tokens=tokens, shard_rows=rows, chunk_tokens=plan.chunk_tokens,
+        exchange_bytes=exchange_floats_per_token(plan.chunk_tokens, vocab, world) * 4 * tokens,
+        megatron_exchange_bytes=3 * 4 * tokens, dx_bytes=tokens * hidden * e,
+        fusedkern_extra_bytes=peak_extra_bytes("fusedkern_chunked", tokens, hidden, rows, dtype=dtype),
+        megatron_extra_bytes=2 * 4 * tokens * rows,
+    )
