@@ -248,7 +248,7 @@ vp_table = pd.DataFrame({
     "fusedkern extra (MiB)": vp.fusedkern_extra_bytes / 2**20,
     "Megatron-style extra (MiB)": vp.megatron_extra_bytes / 2**20,
 })
-display(vp_table.style.format(precision=1).hide(axis="index"))
+display(vp_table.round(1))
 
 # %%
 fig, ax = plt.subplots(figsize=(7.5, 4.6), layout="constrained")
