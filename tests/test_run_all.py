@@ -318,3 +318,18 @@ if __name__ == "__main__":  # write invented measurements somewhere for manual c
     target = Path(sys.argv[1])
     shutil.copytree(ROOT / "data" / "reference", target / "reference", dirs_exist_ok=True)
     print(write_fake_measurements(target))
+
+
+def test_a_fresh_render_is_byte_identical_to_the_committed_one(tmp_path):
+    """`python run_all.py` leaves `git status` clean: notebook 03 (every figure type it draws, tables, the
+    committed H200 data) rendered again here equals the committed notebook and figures byte for byte."""
+    out, figs = tmp_path / "rendered", tmp_path / "figures"
+    done = _run("--notebooks", "03", "--measure", "no", "--output-dir", str(out), "--figures-dir", str(figs))
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = (out / "03_memory.ipynb").read_text()
+    text = text.replace(f'figures_dir = \\"{figs}\\"', 'figures_dir = \\"../figures\\"')
+    assert text == (ROOT / "notebooks" / "03_memory.ipynb").read_text()  # (the figures' folder is a parameter)
+    rendered = sorted(p.name for p in figs.iterdir())
+    assert rendered, "notebook 03 saved no figure"
+    for name in rendered:
+        assert (figs / name).read_bytes() == (ROOT / "figures" / name).read_bytes(), name
