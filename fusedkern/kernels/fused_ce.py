@@ -1,76 +1,26 @@
 """Fused LM head + cross-entropy ("fused" strategy): a Triton GEMM whose epilogue is an online
-log-sum-exp, and a backward that recomputes the logit tiles. The [T, V] logits are never stored,
-not even in chunks: the forward keeps per-token statistics only, the backward forms each gradient
-tile G = ∂L/∂z (BLOCK_T × BLOCK_V) in registers and immediately contracts it into dX = G·W and
-dW = Gᵀ·X. Math (loss with every option and its gradient): docs/design.md.
+log-sum-exp, and a backward that recomputes the logit tiles. The [T, V] logits are never stored, not
+even in chunks: the forward keeps per-token statistics only; the backward forms each gradient tile
+G = ∂L/∂z (BLOCK_T × BLOCK_V) in registers and contracts it at once into dX = G·W and dW = Gᵀ·X with
+fp32 atomics. Math (every option and its gradient): docs/design.md.
 
-Based on: the online softmax (Milakov & Gimelshein, 2018) as used by FlashAttention (Dao et al.,
-2022) for the forward epilogue; the Triton matmul tutorial for the tiling; and, for the backward,
-the recompute-and-accumulate scheme of Cut Cross-Entropy (Wijmans et al., 2024), here with fp32
-atomics into budget-sized workspaces instead of locks and low-precision accumulation.
+Inputs: x [T, H], w [V, H] (and bias [V]) in fp32/fp16/bf16, targets [T], optional class weights [V];
+the forward (`fused_ce_forward`) returns per-token (max, log Σ exp) statistics and loss, the backward
+(`fused_ce_backward`) dX, dW, db from the saved statistics and the per-token upstream gradient.
 
-Forward (`fused_ce_forward`)
-    grid = V-splits × T-blocks (split index fastest, so the programs in flight share a few
-    T-blocks' rows of X in L2 and each stream their own slice of W). A program walks its V-split
-    tile by tile; per tile it runs the K-loop over H (tl.dot, fp32 accumulation), adds the bias,
-    softcaps, and folds the tile into a running max and Σ exp − 1 per row (the row kernel's form:
-    exact when one class dominates), the target logit, and
-    Σ_v w_v·s_v (label smoothing). It writes fp32 partials [4, n_split, T]; a few torch ops combine
-    them into lse and ℓ_t. The number of splits is chosen so the GPU is full even for small T.
+Trade-off: memory against FLOPs. Everything beyond inputs and gradients fits 16 MiB
+(`chunk_plan.fused_accumulator_budget`), so bf16 gradients' fp32 accumulators ([T, H] + [V, H]: 2.5 GiB
+at T = 32768) are cut into launches whose workspaces fit: one pass over V-chunks when all of dX fits,
+else pass A over T-chunks (dX, db) and pass B over V-chunks (dW), which recomputes the logits once more.
+That is ≥ 4–5 GEMMs of FLOPs plus 2.7e11 fp32 atomics at the study's largest shape, against the chunked
+strategy's 3 GEMMs and a bounded logits buffer; the roofline is in docs/design.md ("The fused
+strategy's roofline"). Measured on the H200: 3.9–4.1× the three cuBLAS GEMMs at 4096–32768 tokens
+(data/measured/h200/). Atomic adds make dX/dW non-deterministic in the last bits.
 
-Backward (`fused_ce_backward`)
-    Each program recomputes one logit tile (the K-loop again), forms G from the saved lse and three
-    per-row coefficients (G = (a_t·p − b_t·[v = y_t] − c_t·w_v)·s', with the softcap derivative
-    s' = 4e/(1 + e)², e = exp(−2|z/c|), which does not cancel where tanh saturates), then walks H
-    in BLOCK_H chunks: dX[t, h] += G·W[v, h] and dW[v, h] += Gᵀ·X[t, h] (tl.dot on G rounded to the
-    input dtype, fp32 products) with `tl.atomic_add` (relaxed; vectorized v4 on sm_90) into fp32
-    accumulators, and db[v] += Σ_t G. Token blocks whose targets are all ignored exit early.
-    Where the fp32 accumulators live is the memory/time trade-off (`max_workspace_bytes`; by default
-    what a 16 MiB total leaves after the O(T + V) vectors, ~13–14.6 MiB: `chunk_plan.fused_accumulator_budget`):
-      * fp32 operands accumulate straight into the returned gradients: no workspace, one launch;
-      * T ≤ min BLOCK_T (one token block): every dW/db element has one writer: stored directly in
-        the weight's dtype;
-      * otherwise bf16/fp16 gradients need fp32 accumulators, [T, H] for dX and [V, H] for dW:
-        0.5 GiB + 2 GiB at T=32768, V=128256, H=4096, far over budget. The grid is therefore cut
-        into launches whose accumulators fit, each flushed (cast) once complete:
-        - "single pass" when the whole fp32 dX fits next to a V-chunk (small T, or a larger
-          budget): launches over V-chunks of Vc rows, each covering all T;
-        - "two passes" otherwise: pass A over T-chunks of Tc rows (all V) builds dX (+ db), pass B
-          over V-chunks of Vc rows (all T) builds dW (Tc = 896, Vc = 768 at H = 4096, T ≤ 32768).
-          Pass B recomputes the logits once more (+1 GEMM of FLOPs) in exchange for O(budget)
-          memory; the small accumulator stays in L2 while its atomics land.
-      Either way every gradient element is rounded once, from fp32. Atomic adds make dX/dW
-      non-deterministic in the last bits (fp32 summation order).
-
-Where the time goes (H200, bf16, T=32768, H=4096, V=128256; one GEMM = 2·T·V·H = 3.44e13 FLOP,
-~45 ms at ~750 TFLOP/s; three cuBLAS GEMMs ≈ 135 ms):
-    forward   1 GEMM of FLOPs + T·V = 4.2e9 exp (+ tanh with softcap) on the MUFU (~1-2 ms).
-              L2→SM operand traffic (BT+BV)·H·2 bytes per BT·BV tile (64 FLOP/B at 128×128, 85 at
-              128×256); HBM: W is re-read once per group of T-blocks in flight (~30 GB, ~7 ms,
-              overlapped), X rows stay in L2.
-    backward  3 GEMMs of FLOPs (recompute, dX, dW) in one pass, 4 in two passes; plus
-              T·H·V/BV + V·H·T/BT = 2.7e11 fp32 atomic adds (1.1 TB into L2) at BT = BV = 128.
-    total     ≥ 4 GEMMs (one pass: ≥ 1.33× three GEMMs) or ≥ 5 (two passes, the 16 MiB default:
-              ≥ 1.67×) at tensor-core speed, plus the atomics, which the L2's atomic throughput
-              rather than the tensor cores may bound. Measured on the H200 (data/measured/h200/):
-              3.9–4.1× the three cuBLAS GEMMs at 4096–32768 tokens. The 1.5× goal is out of reach of
-              this design under 16 MiB (4 GEMMs need fp32 [T, H] scratch or low-precision
-              accumulation); the chunked strategy is the fast one.
-    memory    forward: 16·n_split·T bytes of partials (within the same budget) + 8·T outputs.
-              backward: ≤ max_workspace_bytes of fp32 accumulators + 12·T + 4·V bytes of
-              coefficients (`workspace_bytes` reports both), plus the gradients themselves.
-
-Block sizes (autotuned): forward 128×128×64, 8 warps, 3 stages; backward 128×128×64, 8 warps,
-3 stages. ptxas on sm_90a (`scripts/compile_sm90.py --ptxas-info`, at 4a7f9d1): the plain forward
-(211 registers) and the plain dX and dW passes (255) spill nothing — the benchmark's paths; with
-every option on the forward spills 12 B, the dX pass 376 B, and the single-pass store (one token
-block) 388–540 B. fp32 operands (ieee dots on the FMA units) get smaller tiles. The interpreter
-uses 16×32×16 so that the tiny CPU test shapes span several tiles.
-
-Indexing: row offsets are formed in int64 (`offs.to(tl.int64) * stride`): with arbitrary strides
-(views into larger buffers) and at LM sizes a row index times a row stride can exceed 2^31 (e.g.
-V=256k × H=16k = 4.2e9, or 32768 × 128256 = 4.2e9 for any [T, V]-sized index), and int32 would
-silently wrap.
+Based on the online softmax (Milakov & Gimelshein, 2018) as FlashAttention uses it, the Triton matmul
+tutorial's tiling, and Cut Cross-Entropy's recompute-and-accumulate backward (Wijmans et al., 2024),
+here with fp32 atomics into budget-sized workspaces. Row offsets are int64: a row index times a row
+stride passes 2^31 at LM sizes (32768 × 128256).
 """
 
 from __future__ import annotations
