@@ -247,3 +247,43 @@ def test_gpu_exchange_volume_is_what_the_chunk_loop_allocates():
             cols = -(-128256 // world)
             parts, target_logit, _ = tile_partials(chunk, world * cols, cols, torch.device("cuda"))
             assert exchange_floats_per_token(chunk, 128256, world) == parts[:, 0].numel() + 1
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo group in this process (the checks run before any collective)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bad_inputs_raise_clear_errors(world_of_one):
+    from fusedkern.distributed import vocab_parallel_cross_entropy as vp
+
+    x, w, y = torch.randn(6, 8), torch.randn(5, 8), torch.randint(0, 9, (6,))
+    shard = dict(vocab_start=4, vocab_size=9)
+    with pytest.raises(ValueError, match="vocab_start=6"):
+        vp(x, w, y, vocab_start=6, vocab_size=9)  # rows 6..10 do not fit a vocabulary of 9
+    with pytest.raises(ValueError, match="both vocab_start and vocab_size"):
+        vp(x, w, y, vocab_start=4)
+    with pytest.raises(ValueError, match="linear_bias"):
+        vp(x, w, y, linear_bias=torch.zeros(9), **shard)  # the whole bias, not this rank's rows
+    with pytest.raises(ValueError, match="weight"):
+        vp(x, w, y, weight=torch.ones(5), **shard)  # class weights cover the whole vocabulary
+    with pytest.raises(ValueError, match="hidden"):
+        vp(torch.randn(6, 7), w, y, **shard)
+    with pytest.raises(TypeError, match="same dtype|dtype"):
+        vp(x.double(), w, y, **shard)
+    with pytest.raises(ValueError, match="reduction"):
+        vp(x, w, y, reduction="avg", **shard)
+    with pytest.raises(ValueError, match="target"):
+        vp(x, w, torch.full((6,), 9), **shard)  # out of the whole vocabulary's range
+    with pytest.raises(TypeError, match="sequence_parallel"):
+        vp(x, w, y, sequence_parallel=1, **shard)
+
+
+def test_needs_an_initialized_process_group():
+    from fusedkern.distributed import vocab_parallel_cross_entropy as vp
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        vp(torch.randn(2, 4), torch.randn(3, 4), torch.zeros(2, dtype=torch.long))
