@@ -1,15 +1,20 @@
 """`linear_preference_loss`: TRL's preference losses (DPO sigmoid/ipo/hinge/robust, CPO, SimPO, ORPO, KTO) over
 an LM head, without the [tokens, vocab] logits.
 
-Built as the math factors: `linear_logprobs` (the fused per-token core) gives the target log-probs of every
-response token; `fusedkern.preference.preference_loss_from_logps` is an O(R·S) tail whose autograd hands the
-core one upstream gradient per token. Cost: four GEMMs — the forward's logits GEMM (log-sum-exp and target
-logit only), then in backward the logits recomputed, dX and dW — against `linear_simpo_loss`'s three, which
-forms the gradient in the forward pass. Every loss here could get that three-GEMM form: each response's
-upstream gradient is a closed form of its pair's (Σ log p, token count) per response (plus the reference
-log-probs, and for KTO its own sequence's and the detached KL), so a chunk holding whole pairs (whole
-sequences for KTO) can form ∂L/∂z before its logits leave; the NLL term's 1/N_w needs only the targets.
-Not built yet: with loss_type="simpo" this path costs four GEMMs, `linear_simpo_loss` three (same result).
+Built as the math factors: per-token target log-probs of every response token (the fused core), then
+`fusedkern.preference.preference_loss_from_logps`, an O(R·S) tail. Two ways to differentiate it:
+
+- three GEMMs (the default, impl "auto"/"chunked", when a logits chunk holds a whole chosen/rejected pair;
+  for KTO one sequence): `fusedkern/preference_chunked.py` forms the gradient in the forward pass. Every loss
+  here allows it: a response's upstream gradient is a closed form of its own pair's (Σ log p, token count)
+  and of constants (reference log-probs, the detached KTO KL, the NLL's N_w from the targets), so it is
+  exact once the chunk holding the pair has its statistics.
+- four GEMMs otherwise (impl="fused", a response longer than half a chunk, reference log-probs that require
+  grad, or under torch.compile): `linear_logprobs` (the forward's logits GEMM keeps only the log-sum-exp and
+  the target logit), then autograd through the tail hands its backward one upstream gradient per token, and
+  the backward recomputes the logits for dX and dW.
+`linear_simpo_loss` keeps its own three-GEMM SimPO path (and a 3.5-GEMM prepass mode for chunks holding one
+response, which this module does not have); loss_type="simpo" gives the same result.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import torch
 
 from fusedkern import _validation as V_
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import follows_autocast, validate_call
+from fusedkern.chunked import LossOptions
+from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
+from fusedkern.preference_chunked import ChunkedPreference, preference_plan
 
 
 @follows_autocast
@@ -56,11 +63,29 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
                           undesirable_weight=undesirable_weight)
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    grad = torch.is_grad_enabled()
+    need = (grad and input.requires_grad, grad and linear_weight.requires_grad,
+            grad and linear_bias is not None and linear_bias.requires_grad)
+    kw = dict(loss_type=loss_type, beta=beta, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
+              reference_free=reference_free, ref_logps=ref_logps, kto_labels=kto_labels, kl=kl,
+              desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+              label_smoothing=label_smoothing, gamma=gamma, alpha=alpha)
+    mask = target != ignore_index
+    refs_frozen = not any(t is not None and t.requires_grad for t in (ref_chosen_logps, ref_rejected_logps, ref_logps))
+    # three GEMMs (gradient formed in the forward pass) where a chunk holds a whole pair (KTO: a sequence);
+    # torch.compile traces the generic path, whose operators it knows
+    if any(need) and refs_frozen and not torch.compiler.is_compiling() and impl != "fused" and \
+            resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
+                         chunk_tokens) == "chunked":
+        paired = loss_type != "kto"
+        plan = preference_plan(input.shape[0], input.shape[1], paired, linear_weight, need[1], weight_grad_accum,
+                               chunk_tokens)
+        if plan[0] > 0:
+            opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
+            loss, logps = ChunkedPreference.apply(input, linear_weight, linear_bias, target, opts, paired, plan,
+                                                  lambda lp: preference_loss_from_logps(lp, mask, **kw)[0])
+            return loss, preference_loss_from_logps(logps, mask, **kw)[1]
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                                softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
                                weight_grad_accum=weight_grad_accum)  # [R, S] float32, 0 where ignored
-    return preference_loss_from_logps(
-        logps, target != ignore_index, loss_type=loss_type, beta=beta, ref_chosen_logps=ref_chosen_logps,
-        ref_rejected_logps=ref_rejected_logps, reference_free=reference_free, ref_logps=ref_logps,
-        kto_labels=kto_labels, kl=kl, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-        label_smoothing=label_smoothing, gamma=gamma, alpha=alpha)
+    return preference_loss_from_logps(logps, mask, **kw)

@@ -6,6 +6,7 @@ and all-ignored responses; bad inputs."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import fusedkern
 from fusedkern import reference
 from fusedkern.preference import LOSS_TYPES, PAIR_LOSS_TYPES, preference_loss_from_logps
+from fusedkern.preference_chunked import ChunkedPreference, preference_plan
 from fusedkern.simpo import simpo_loss_from_logps
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
@@ -22,8 +24,8 @@ from tests.test_property import gpu_bf16_rounding
 
 B, S, H, V = 3, 7, 24, 67  # pairs, sequence, hidden, vocabulary: odd, tiny
 N_KTO = 5  # unpaired sequences
-# the interpreter runs impl="fused" ~4× faster than the chunked default at these shapes; the loss tail is the
-# same code for both, and the chunked core gets its own cases below
+# the matrix runs the generic four-GEMM path (impl="fused": linear_logprobs, then autograd through the tail);
+# the default three-GEMM chunks get their own cases below
 FAST_IMPL = "fused" if "fused" in IMPLS else "chunked"
 
 # loss_type cases: TRL's hyper-parameter names; each exercises its own options
@@ -66,14 +68,15 @@ def inputs(case, dtype, *, seed=0, bias=True):
 
 
 def check_against_fp64(case, dtype, *, impl=FAST_IMPL, softcap=None, x=None, w=None, y=None, b=None, extra=None,
-                       seed=0):
+                       seed=0, chunk_tokens=None):
     """Loss, metrics and every gradient of linear_preference_loss vs the fp64 reference; torch's own
     computation (logits in `dtype`, then fp32) is the yardstick of the 2× rule. With a bias; returns the gradients."""
     if x is None:
         x, w, y, b, extra = inputs(case, dtype, seed=seed)
     kw = {**case, **extra, "softcap": softcap}
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-    loss, metrics = fusedkern.linear_preference_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], impl=impl, **kw)
+    loss, metrics = fusedkern.linear_preference_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], impl=impl,
+                                                     chunk_tokens=chunk_tokens, **kw)
     f64 = [t.double().requires_grad_() for t in (x, w, b)]
     ref, ref_metrics = reference.linear_preference_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **kw)
     same = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -116,10 +119,31 @@ def test_softcap_matches_fp64(name):
     check_against_fp64(CASES[name], torch.float32, softcap=3.0)
 
 
-@pytest.mark.skipif(FAST_IMPL == "chunked", reason="the matrix above already ran the chunked core")
-def test_chunked_core_matches_fp64():
-    """The default core (impl="auto" = chunked), with an odd row count (KTO) and a softcap."""
-    check_against_fp64(CASES["kto"], torch.float32, impl="auto", softcap=2.5)
+@pytest.mark.parametrize("name", [n for n in CASES if "reference-free" not in n])
+def test_three_gemm_path_matches_fp64(name):
+    """The default strategy forms the gradient in the forward pass over chunks of whole pairs (KTO: whole
+    sequences): one pair (two sequences) per chunk here, so the gradient of every chunk is taken while the
+    other rows are not yet known; KTO's odd row count leaves a partial last chunk. With a softcap."""
+    with mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
+        check_against_fp64(CASES[name], torch.float32, impl="auto", softcap=2.5, chunk_tokens=2 * S, seed=9)
+    assert spy.call_count == 1
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "kto"])
+def test_three_gemm_path_bf16_matches_fp64(name):
+    with gpu_bf16_rounding(), mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
+        check_against_fp64(CASES[name], torch.bfloat16, impl="auto", chunk_tokens=4 * S, seed=11)
+    assert spy.call_count == 1
+
+
+def test_generic_path_when_a_chunk_cannot_hold_a_pair():
+    """chunk_tokens < 2·S: no chunk holds a pair, so the four-GEMM path runs (same loss and gradients)."""
+    x, w, y, b, extra = inputs(CASES["sigmoid"], torch.float32)
+    assert preference_plan(2 * B, S, True, w, True, "fp32", 2 * S - 1)[0] == 0
+    with mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
+        check_against_fp64(CASES["sigmoid"], torch.float32, impl="chunked", chunk_tokens=2 * S - 1,
+                           x=x, w=w, y=y, b=b, extra=extra)
+    assert spy.call_count == 0
 
 
 @pytest.mark.parametrize("name", ["sigmoid", "simpo", "orpo", "kto"])
@@ -142,14 +166,15 @@ def test_all_ignored_responses_are_defined(name):
         assert torch.count_nonzero(g) == 0, label
 
 
-def test_simpo_equals_linear_simpo_loss():
-    """loss_type="simpo" (four GEMMs, generic) is linear_simpo_loss (three GEMMs, gradient formed in the forward)."""
+@pytest.mark.parametrize("impl", [FAST_IMPL, "auto"])
+def test_simpo_equals_linear_simpo_loss(impl):
+    """loss_type="simpo" (generic four GEMMs, or the generic three-GEMM chunks) is linear_simpo_loss."""
     hp = dict(beta=2.0, gamma=1.0, alpha=0.5, label_smoothing=0.1)
     x, w, y, b, _ = inputs(CASES["simpo"], torch.float32, seed=5)
     a = [t.clone().requires_grad_() for t in (x, w, b)]
     c = [t.clone().requires_grad_() for t in (x, w, b)]
     loss_a, m_a = fusedkern.linear_preference_loss(a[0], a[1], y, linear_bias=a[2], loss_type="simpo",
-                                                   impl=FAST_IMPL, **hp)
+                                                   impl=impl, **hp)
     loss_c, m_c = fusedkern.linear_simpo_loss(c[0], c[1], y, linear_bias=c[2], **hp)
     torch.testing.assert_close(loss_a, loss_c, rtol=1e-6, atol=1e-7)
     assert set(m_a) == set(m_c)
