@@ -81,7 +81,7 @@ def test_logprobs_and_entropy_match_fp64(case, dtype):
     assert_close_to_ref("logp", logp, ref_logp, tch_logp, atol=atol)
     assert_close_to_ref("entropy", ent, ref_ent, tch_ent, atol=atol)
     g = torch.Generator().manual_seed(1)
-    up_lp, up_h = torch.randn(T, generator=g, dtype=torch.float64), torch.randn(T, generator=g, dtype=torch.float64)
+    up_lp, up_h = (torch.randn(T, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2))
     wanted = [t for t in leaves if t is not None]
     grads = torch.autograd.grad((logp * up_lp.float()).sum() + (ent * up_h.float()).sum(), wanted)
     grads_ref = torch.autograd.grad((ref_logp * up_lp).sum() + (ref_ent * up_h).sum(), [t for t in f64 if t is not None])
@@ -203,8 +203,9 @@ def test_entropy_fullgraph_compile_matches_eager_and_opcheck():
         args = (*_leaves((x, w, b)), y, -100, 3.0, 0.8, with_entropy, "fp32", None, None, None, None, -1)
         torch.library.opcheck(logprobs_entropy, args, test_utils=utils)
     _, stats, ent = logprobs_entropy(x, w, b, y, -100, 3.0, 0.8, True, "fp32", None, None, None, None, -1)
-    torch.library.opcheck(logprobs_entropy_backward, (x, w, b, y, stats, ent, torch.randn(T), torch.randn(T), -100,
-                                                      3.0, 0.8, "fp32", None, True, True, True), test_utils=utils)
+    up = torch.randn(2, T, device=DEVICE)
+    torch.library.opcheck(logprobs_entropy_backward, (x, w, b, y, stats, ent, up[0], up[1], -100, 3.0, 0.8, "fp32",
+                                                      None, True, True, True), test_utils=utils)
 
 
 def test_bad_inputs_raise():
