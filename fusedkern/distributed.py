@@ -179,6 +179,17 @@ def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard
         work.wait()
 
 
+def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, weight_grad_accum, reduce_dx,
+                 **chunk_args):
+    """(dx, dw, db, dw_out) of a pass over the chunks with gradients, in `chunked.grad_buffers`' form."""
+    need_dx, need_dw, need_db = needs
+    plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
+    dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+    _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, dx=dx, dw=dw, db=db,
+                  scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx, **chunk_args)
+    return dx, dw, db, dw_out
+
+
 # ----------------------------------------------------------------------------------------------
 # autograd
 
@@ -197,13 +208,11 @@ class _ScalarLossWithGrads(torch.autograd.Function):
             grad_scale = (1.0 / denom).reshape(1)
         else:
             grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        plan = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens)
-        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
         loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
         stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-        _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
-                      compute_stats=True, grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db,
-                      scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx)
+        dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, opts, shard, (need_dx, need_dw, need_db),
+                                          chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=loss_tok, stats=stats,
+                                          compute_stats=True, grad=grad_scale, per_token_grad=False)
         loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
         finish_checks(checks)
         save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
@@ -247,11 +256,9 @@ class _PerTokenLoss(torch.autograd.Function):
         x, w, b, y, class_weight, stats = ctx.saved_tensors
         opts, shard, chunk_tokens, weight_grad_accum, reduce_dx = ctx.config
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
-        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
-        _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, loss_tok=None, stats=stats,
-                      compute_stats=False, grad=grad_tok.float().contiguous(), per_token_grad=True, dx=dx, dw=dw,
-                      db=db, scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx)
+        dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, opts, shard, (need_dx, need_dw, need_db),
+                                          chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=None, stats=stats,
+                                          compute_stats=False, grad=grad_tok.float().contiguous(), per_token_grad=True)
         if dw_out is not None:
             dw = dw_out.copy_(dw)
         return (dx, dw, None if db is None else db.to(b.dtype), *([None] * 7))
