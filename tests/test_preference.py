@@ -129,10 +129,16 @@ def test_three_gemm_path_matches_fp64(name):
     assert spy.call_count == 1
 
 
+@pytest.mark.parametrize("dtype,chunk_pairs", [(torch.bfloat16, 2), (torch.float16, 1)], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["sigmoid", "kto"])
-def test_three_gemm_path_bf16_matches_fp64(name):
+def test_three_gemm_path_half_precision_matches_fp64(name, dtype, chunk_pairs):
+    """Half-precision weights: dW accumulates in fp32; with one pair per chunk the logits buffer lives in
+    dW's own storage (the chunk plan's buffer_in_dw_storage)."""
+    w_like = torch.empty(V, H, dtype=dtype)
+    assert preference_plan(2 * B, S, True, w_like, True, "fp32", 2 * chunk_pairs * S)[1].buffer_in_dw_storage \
+        == (chunk_pairs == 1)
     with gpu_bf16_rounding(), mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
-        check_against_fp64(CASES[name], torch.bfloat16, impl="auto", chunk_tokens=4 * S, seed=11)
+        check_against_fp64(CASES[name], dtype, impl="auto", chunk_tokens=2 * chunk_pairs * S, seed=11)
     assert spy.call_count == 1
 
 
