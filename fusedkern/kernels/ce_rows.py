@@ -7,10 +7,10 @@ once for a partial online max / sum-exp (and the label-smoothing sum), and copie
 logit. Kernel 2 (`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a
 gradient is wanted, streams its slice again and overwrites it *in place* with ∂L/∂z, so the same
 buffer feeds the dX and dW GEMMs. A row's SPLIT programs of kernel 2 run concurrently, so none of
-them may read the row outside its own slice: the loss takes s_y from kernel 1's copy (reading it
-from the row raced with the slice holding it: a wrong loss on the H200, `probe_overlap.jsonl`).
+them may read the row outside its own slice: the loss takes s_y from kernel 1's copy, never from the
+row (which may already hold another slice's gradient).
 Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
-GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `scripts/probe_rows.py`) in exchange for
+GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `probes/probe_rows.py`) in exchange for
 cuBLAS-speed GEMMs and a buffer that does not grow with the number of tokens. Math: docs/design.md.
 
 Precision where one class dominates (p_y → 1, common for easy tokens): the statistics carry
@@ -306,8 +306,7 @@ def _row_finish_kernel(
 
     if COMPUTE_STATS:
         if split == 0:
-            # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²; s_y from the stats kernel:
-            # read here from the logits it could already be another program's gradient (see `ce_rows`)
+            # ℓ = (1−ε)·w_y·(lse − s_y) + (ε/V)·Σ_v w_v (lse − s_v) + z_loss·lse²; s_y from the stats kernel
             s_y = tl.load(target_logit_ptr + row)
             ws = tl.sum(tl.load(partial_wsum_ptr + parts), axis=0)
             loss = (1.0 - label_smoothing) * w_y * ((m - s_y) + log_d)
@@ -430,12 +429,9 @@ def ce_rows(
     span = _span(V, split)
     if compute_stats:
         parts = torch.empty((3 if entropy is None else 4, C, split), device=logits.device, dtype=torch.float32)
-        # The statistics kernel copies out the target's logit s_y for the loss. The finish kernel must not
-        # read it from the logits: its SPLIT programs of one row run concurrently and overwrite their
-        # slices with the gradient in place, so the program writing the loss could read ∂L/∂z_y instead of
-        # z_y (a wrong loss, right gradients — seen on the H200 under a concurrent stream,
-        # probe_overlap.jsonl). Rows whose target lies in no slice (ignored; out of range, which the host
-        # raises on) are left unwritten: their loss is masked to 0 by `is_valid`, so no fill is needed.
+        # s_y for the loss, copied out by the statistics kernel (see the module docstring). Rows whose target
+        # lies in no slice (ignored; out of range, which the host raises on) are left unwritten: their loss
+        # is masked to 0 by `is_valid`, so no fill is needed.
         target_logit = torch.empty(C, device=logits.device, dtype=torch.float32)
         _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
                       class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing,
