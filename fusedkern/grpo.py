@@ -1,14 +1,14 @@
 """GRPO's clipped policy-gradient loss over an LM head, without the logits (TRL GRPOTrainer semantics).
 
-Built on `linear_logprobs` (per-token log-probs at the sampling temperature, optionally the entropy):
-everything after it is an O(B·T) function in plain PyTorch (`grpo_loss_from_logps`), whose autograd hands
-the fused backward one upstream gradient per token. Cost: four GEMMs for forward + backward — the logits
-GEMM in the forward, then the recomputed logits, dX and dW in the backward — because the generic backward
-only learns ∂L/∂logp_t after the forward has returned. A three-GEMM form exists: with token-level
-importance sampling ∂L/∂logp_t is a function of that token's own logp_t (its ratio exp(logp_t − old_t),
-clip bounds, advantage, reference log-prob and the loss type's normaliser, all known before the pass),
-so the row kernel could write ∂L/∂z in place right after the row's statistics, as the chunked SimPO does
-with its pair-level weights; not built yet.
+The generic path is `linear_logprobs` (per-token log-probs at the sampling temperature, optionally the
+entropy) followed by an O(B·T) function in plain PyTorch (`grpo_loss_from_logps`), whose autograd hands the
+fused backward one upstream gradient per token: four GEMMs for forward + backward (the logits GEMM in the
+forward, then the recomputed logits, dX and dW in the backward), because that backward learns ∂L/∂logp_t
+only after the forward has returned. But with token-level importance sampling ∂L/∂logp_t is a function of
+that token's own logp_t (its ratio exp(logp_t − old_t), the clip bounds, its advantage and reference
+log-prob) and of loss-type weights that depend on the mask alone, so the chunked strategy forms the
+gradient in the forward pass instead (`grpo_chunked.py`): three GEMMs, the default whenever it applies
+(eager, chunked, a gradient wanted, old/reference log-probs and advantages not requiring grad).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from fusedkern import _validation as V_
+from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import follows_autocast, validate_call
+from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -25,6 +26,79 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DEFAULT_EPSILON, DEFAULT_BETA, DEFAULT_LOSS_TYPE = 0.2, 0.0, "dapo"
 CLIP_METRIC_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
                     "clip_ratio/high_max")
+
+
+def grpo_per_token_loss(logps: torch.Tensor, *, advantages: torch.Tensor, old_logps: torch.Tensor | None,
+                        ref_logps: torch.Tensor | None, beta: float, epsilon: float, epsilon_high: float | None):
+    """(per-token loss, ratio, per-token k3 KL or None), each shaped like logps: −min(r·A, clip(r, 1 − ε,
+    1 + ε_high)·A) + β·k3, r = exp(logp − old) (old = logp.detach() when None), k3 = exp(ref − logp) − (ref −
+    logp) − 1. advantages broadcast against logps (a [B, 1] column for [B] advantages). A function of each
+    token's own log-prob: the chunked form (`grpo_chunked.py`) differentiates it chunk by chunk."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    old = logps.detach() if old_logps is None else old_logps.float()
+    ratio = torch.exp(logps - old)
+    per_token = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * advantages)
+    per_token_kl = None
+    if beta != 0.0:
+        log_ref_ratio = ref_logps.float() - logps
+        per_token_kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        per_token = per_token + beta * per_token_kl
+    return per_token, ratio, per_token_kl
+
+
+def off_mask_as_policy(t: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """t (old or reference log-probs) with the policy's own detached log-probs off the mask, so that padding
+    holding any value (−inf, −1e4) gives ratio 1 and KL 0 there rather than an inf·0 = NaN in the loss."""
+    return torch.where(mask, t.float(), logps.detach())
+
+
+def grpo_token_weights(mask: torch.Tensor, *, loss_type: str, max_completion_length: int | None = None,
+                       num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
+    """c [B, T] fp32 with loss = Σ c·per-token loss, 0 off the mask: "grpo" 1/(B·n_b) (the mean over sequences
+    of each one's token mean, n_b clamped at 1), "bnpo" 1/N, "dapo" 1/num_items_in_batch (default N),
+    "dr_grpo" 1/(B·max_completion_length); N = the batch's completion tokens (clamped at 1)."""
+    m = mask.to(torch.float32)
+    if loss_type == "grpo":
+        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * mask.shape[0])
+    if loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
+        return m / m.sum().clamp(min=1.0)
+    if loss_type == "dapo":
+        return m / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).clamp(min=1.0)
+    return m / (mask.shape[0] * max_completion_length)  # "dr_grpo"
+
+
+def grpo_metrics(ratio: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,
+                 epsilon_high: float | None, per_token_kl: torch.Tensor | None = None,
+                 entropy: torch.Tensor | None = None) -> dict:
+    """TRL's logged metrics as detached 0-d tensors: "kl" (when given), "entropy" (when given), the clip ratios."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        n_tokens = m.sum()
+
+        def masked_mean(t):
+            return (t * m).sum() / n_tokens.clamp(min=1.0)
+
+        metrics = {}
+        if per_token_kl is not None:
+            metrics["kl"] = masked_mean(per_token_kl)
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy)
+        low = ((ratio < 1 - epsilon) & (advantages < 0)).to(m.dtype)
+        high = ((ratio > 1 + eps_high) & (advantages > 0)).to(m.dtype)
+        metrics["clip_ratio/low_mean"] = masked_mean(low)
+        metrics["clip_ratio/high_mean"] = masked_mean(high)
+        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
+        # per-sequence means; TRL's nanmin / nanmax skip the sequences with no token (NaN when all are empty)
+        per_seq = m.sum(-1)
+        has = per_seq > 0
+        nan = torch.full_like(per_seq, float("nan"))
+        inf = torch.full_like(per_seq, float("inf"))
+        low_seq = (low * m).sum(-1) / per_seq.clamp(min=1.0)
+        high_seq = (high * m).sum(-1) / per_seq.clamp(min=1.0)
+        metrics["clip_ratio/low_min"] = torch.where(has.any(), torch.where(has, low_seq, inf).min(), nan[0])
+        metrics["clip_ratio/high_max"] = torch.where(has.any(), torch.where(has, high_seq, -inf).max(), nan[0])
+    return metrics
 
 
 def grpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, advantages: torch.Tensor,
@@ -45,55 +119,16 @@ def grpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, advantages:
     Returns (loss 0-d, metrics: detached 0-d tensors named as TRL logs them — "kl" when β ≠ 0, "entropy" when
     `entropy` [B, T] is given, and the clip ratios).
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float()
-    old = logps.detach() if old_logps is None else old_logps.float()
-    m = mask.to(logps.dtype)
-    n_tokens = m.sum()
-    ratio = torch.exp(logps - old)
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + eps_high) * adv)
-    if beta != 0.0:
-        log_ref_ratio = ref_logps.float() - logps
-        per_token_kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        per_token = per_token + beta * per_token_kl
-    token_sum = (per_token * m).sum()
-    if loss_type == "grpo":
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = token_sum / n_tokens.clamp(min=1.0)
-    elif loss_type == "dapo":
-        count = n_tokens if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=m.dtype,
-                                                                             device=m.device)
-        loss = token_sum / count.clamp(min=1.0)
-    else:  # "dr_grpo"
-        loss = token_sum / (logps.shape[0] * max_completion_length)
-
-    def masked_mean(t):
-        return ((t * m).sum() / n_tokens.clamp(min=1.0)).detach()
-
-    with torch.no_grad():
-        metrics = {}
-        if beta != 0.0:
-            metrics["kl"] = masked_mean(per_token_kl)
-        if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy)
-        low = ((ratio < 1 - epsilon) & (adv < 0)).to(m.dtype)
-        high = ((ratio > 1 + eps_high) & (adv > 0)).to(m.dtype)
-        metrics["clip_ratio/low_mean"] = masked_mean(low)
-        metrics["clip_ratio/high_mean"] = masked_mean(high)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high))
-        # per-sequence means; TRL's nanmin / nanmax skip the sequences with no token (NaN when all are empty)
-        per_seq = m.sum(-1)
-        has = per_seq > 0
-        nan = torch.full_like(per_seq, float("nan"))
-        low_seq = torch.where(has, (low * m).sum(-1) / per_seq.clamp(min=1.0), nan)
-        high_seq = torch.where(has, (high * m).sum(-1) / per_seq.clamp(min=1.0), nan)
-        inf = torch.full_like(per_seq, float("inf"))
-        low_min = torch.where(has, low_seq, inf).min()
-        high_max = torch.where(has, high_seq, -inf).max()
-        metrics["clip_ratio/low_min"] = torch.where(has.any(), low_min, nan[0])
-        metrics["clip_ratio/high_max"] = torch.where(has.any(), high_max, nan[0])
-    return loss, metrics
+    old_logps, ref_logps = (None if t is None else off_mask_as_policy(t, logps, mask) for t in (old_logps, ref_logps))
+    per_token, ratio, per_token_kl = grpo_per_token_loss(logps, advantages=adv, old_logps=old_logps,
+                                                         ref_logps=ref_logps, beta=beta, epsilon=epsilon,
+                                                         epsilon_high=epsilon_high)
+    weights = grpo_token_weights(mask, loss_type=loss_type, max_completion_length=max_completion_length,
+                                 num_items_in_batch=num_items_in_batch)
+    loss = (per_token * weights).sum()
+    return loss, grpo_metrics(ratio, mask, adv, epsilon=epsilon, epsilon_high=epsilon_high,
+                              per_token_kl=per_token_kl, entropy=entropy)
 
 
 def _check_per_token(name: str, t, shape, *, allow_rows: bool = False) -> None:
@@ -156,8 +191,10 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     (dapo; TRL passes the accumulated batch's active-token count, divided by the number of processes).
     compute_entropy: also log "entropy" (the masked mean of each token's entropy at that temperature;
     chunked strategy, no extra GEMM).
-    Returns (loss 0-d fp32, metrics dict of detached 0-d tensors, see `grpo_loss_from_logps`). Four GEMMs in
-    forward + backward (this module's header says why). A sequence with no completion token adds 0.
+    Returns (loss 0-d fp32, metrics dict of detached 0-d tensors, see `grpo_loss_from_logps`). Three GEMMs in
+    forward + backward on the chunked path (gradient formed in the forward pass, the backward rescales it:
+    one backward per call), else four (this module's header says when). A sequence with no completion
+    token adds 0.
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
@@ -166,13 +203,67 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     validate_grpo_options(target, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, beta=beta,
                           epsilon=epsilon, epsilon_high=epsilon_high, loss_type=loss_type,
                           max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch)
+    hp = dict(beta=beta, epsilon=epsilon, epsilon_high=epsilon_high)
+    norm = dict(loss_type=loss_type, max_completion_length=max_completion_length,
+                num_items_in_batch=num_items_in_batch)
+    mask = target != ignore_index
+    if forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, impl=impl,
+                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens):
+        return _chunked(input, linear_weight, linear_bias, target, mask, advantages, old_logps, ref_logps, hp, norm,
+                        ignore_index=ignore_index, softcap=softcap, temperature=temperature,
+                        compute_entropy=compute_entropy, weight_grad_accum=weight_grad_accum,
+                        chunk_tokens=chunk_tokens)
     out = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                              softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
                              weight_grad_accum=weight_grad_accum, temperature=temperature,
                              return_entropy=compute_entropy)
     logps, entropy = out if compute_entropy else (out, None)
-    return grpo_loss_from_logps(logps, target != ignore_index, advantages=advantages, old_logps=old_logps,
-                                ref_logps=ref_logps, beta=beta, epsilon=epsilon, epsilon_high=epsilon_high,
-                                loss_type=loss_type, max_completion_length=max_completion_length,
-                                num_items_in_batch=num_items_in_batch,
-                                entropy=None if entropy is None else entropy.detach())
+    return grpo_loss_from_logps(logps, mask, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                                entropy=None if entropy is None else entropy.detach(), **hp, **norm)
+
+
+def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, *, impl,
+                              weight_grad_accum, chunk_tokens) -> bool:
+    """Whether `linear_grpo_loss` takes the three-GEMM chunked path: a gradient is wanted, the strategy is
+    chunked, nothing traces the call (torch.compile takes the generic path, whose operators it knows) and no
+    gradient is asked of the per-token inputs (the chunked form treats them as constants)."""
+    params = [t for t in (input, linear_weight, linear_bias) if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
+        return False
+    if torch.compiler.is_compiling() or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in params):
+        return False
+    if any(t is not None and t.requires_grad for t in (advantages, old_logps, ref_logps)):
+        return False
+    x2d = input.reshape(-1, input.shape[-1])
+    return resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens) == "chunked"
+
+
+def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,
+             temperature, compute_entropy, weight_grad_accum, chunk_tokens):
+    """`linear_grpo_loss` through `grpo_chunked.ChunkedGRPO`: (loss, metrics) as the generic path gives them."""
+    from fusedkern.grpo_chunked import ChunkedGRPO
+
+    x2d = input.reshape(-1, input.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    y = target.reshape(-1).contiguous()
+    adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float().expand(target.shape)
+    adv_flat, mask_flat = adv.reshape(-1), mask.reshape(-1)
+    flat = [None if t is None else t.float().reshape(-1) for t in (old_logps, ref_logps)]
+
+    def per_token_loss(logp_c, rows):
+        m = mask_flat[rows]
+        old_c, ref_c = (None if t is None else off_mask_as_policy(t[rows], logp_c, m) for t in flat)
+        return grpo_per_token_loss(logp_c, advantages=adv_flat[rows], old_logps=old_c, ref_logps=ref_c, **hp)[0]
+
+    weights = grpo_token_weights(mask, **norm).reshape(-1)
+    opts = LossOptions(ignore_index, softcap=None if softcap is None else float(softcap),
+                       logit_scale=1.0 / float(temperature))
+    loss, logp, entropy = ChunkedGRPO.apply(x2d, w, b, y, opts, per_token_loss, weights, weight_grad_accum,
+                                            chunk_tokens, compute_entropy)
+    logps = logp.view(target.shape)
+    old, ref = (None if t is None else off_mask_as_policy(t, logps, mask) for t in (old_logps, ref_logps))
+    _, ratio, per_token_kl = grpo_per_token_loss(logps, advantages=adv, old_logps=old, ref_logps=ref, **hp)
+    return loss, grpo_metrics(ratio, mask, adv, epsilon=hp["epsilon"], epsilon_high=hp["epsilon_high"],
+                              per_token_kl=per_token_kl, entropy=entropy.view(target.shape) if compute_entropy
+                              else None)

@@ -6,16 +6,20 @@ min/clip can flip by rounding."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 
 import fusedkern
+from fusedkern import grpo as grpo_mod
 from fusedkern import reference
 from fusedkern.grpo import CLIP_METRIC_KEYS, grpo_loss_from_logps
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
+
+lce_mod = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
 
 B, S, H, V = 3, 5, 16, 83
 ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
@@ -90,6 +94,51 @@ def test_loss_and_grads_match_fp64(loss_type, dtype):
         assert g.dtype == leaf.dtype and g.shape == leaf.shape
         assert_close_to_ref(name, g, g64, gt, atol=atol)
     assert set(metrics) == {"kl", *CLIP_METRIC_KEYS}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_three_gemm_path_matches_the_generic_one(loss_type, monkeypatch):
+    """The chunked path forms the gradient in the forward pass (no logits recomputed: the per-token backward is
+    never called) and gives the generic four-GEMM path's loss, metrics and gradients; several chunks, entropy."""
+    x, w, b, y, adv, old, ref_lp = make_batch(torch.float32, seed=9)
+    kw = dict(advantages=adv, old_logps=old, ref_logps=ref_lp, beta=0.04, loss_type=loss_type, temperature=TAU,
+              softcap=SOFTCAP, compute_entropy=True, chunk_tokens=4)
+    results = []
+    for chunked in (True, False):
+        with monkeypatch.context() as mp:
+            if chunked:
+                mp.setattr(lce_mod, "chunked_grads", lambda *a, **k: pytest.fail("logits recomputed in backward"))
+            else:
+                mp.setattr(grpo_mod, "forms_gradient_in_forward", lambda *a, **k: False)
+            leaves = _leaves((x, w, b))
+            loss, metrics = fusedkern.linear_grpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], **kw)
+            results.append((loss, metrics, torch.autograd.grad(1.7 * loss, leaves)))
+    (loss_c, met_c, grads_c), (loss_g, met_g, grads_g) = results
+    torch.testing.assert_close(loss_c, loss_g, rtol=1e-6, atol=1e-7)
+    assert met_c.keys() == met_g.keys()
+    for key in met_c:
+        torch.testing.assert_close(met_c[key], met_g[key], rtol=1e-5, atol=1e-7, equal_nan=True)
+    for a, e in zip(grads_c, grads_g):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    assert grpo_mod.forms_gradient_in_forward(*_leaves((x, w)), None, adv, old, ref_lp, impl="auto",
+                                              weight_grad_accum="fp32", chunk_tokens=None)
+    assert not grpo_mod.forms_gradient_in_forward(*_leaves((x, w)), None, adv, old.requires_grad_(), ref_lp,
+                                                  impl="auto", weight_grad_accum="fp32", chunk_tokens=None)
+
+
+def test_padding_values_off_the_mask_do_not_reach_the_loss():
+    """old/reference log-probs off the completion mask may hold anything (−1e4 padding): ratio 1, KL 0 there."""
+    x, w, b, y, adv, old, ref_lp = make_batch(torch.float32, seed=10)
+    off = y == -100
+    clean = fusedkern.linear_grpo_loss(x, w, y, advantages=adv, old_logps=old, ref_logps=ref_lp, beta=0.1)[0]
+    for chunked in (True, False):
+        leaves = _leaves((x, w)) if chunked else (x, w)
+        loss, metrics = fusedkern.linear_grpo_loss(*leaves, y, advantages=adv, old_logps=old.masked_fill(off, -1e4),
+                                                   ref_logps=ref_lp.masked_fill(off, -1e4), beta=0.1)
+        torch.testing.assert_close(loss.detach(), clean, rtol=1e-6, atol=1e-7)
+        assert all(torch.isfinite(v) for v in metrics.values())
+        if chunked:
+            assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, leaves))
 
 
 def test_loss_types_normalise_as_trl_does():
