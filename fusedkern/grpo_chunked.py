@@ -24,7 +24,13 @@ from fusedkern.chunked import (
     row_kernel_args,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import first_order_only, rescaled_grads, save_precomputed_grads
+from fusedkern.linear_cross_entropy import (
+    finish_checks,
+    first_order_only,
+    rescaled_grads,
+    save_precomputed_grads,
+    start_checks,
+)
 
 
 class ChunkedGRPO(torch.autograd.Function):
@@ -37,6 +43,8 @@ class ChunkedGRPO(torch.autograd.Function):
     def forward(ctx, x, w, b, target, opts: LossOptions, per_token_loss, weights, weight_grad_accum, chunk_tokens,
                 with_entropy):
         n = x.shape[0]
+        # targets out of range raise after the kernels are queued, as in every operator (no sync before)
+        checks = start_checks(target, w.shape[0], opts.ignore_index, None, None, -1)
         need_dx, need_dw = x.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
         plan = plan_for_grads(n, w, need_dw, weight_grad_accum, chunk_tokens)
@@ -64,6 +72,7 @@ class ChunkedGRPO(torch.autograd.Function):
             ce_rows(z, target[rows], loss=None, stats=stats, grad=(-g_logp).contiguous(), compute_stats=False,
                     per_token_grad=True, **kernel_args)
             chunk_grads(z, x[rows], w, None if dx is None else dx[rows], dw, db, first=i == 0)
+        finish_checks(checks)
         save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy

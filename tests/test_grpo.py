@@ -231,3 +231,8 @@ def test_bad_inputs_raise():
         fusedkern.linear_grpo_loss(x.reshape(-1, H), w, y.reshape(-1), advantages=adv)
     with pytest.raises(ValueError, match="compute_entropy"):
         call(compute_entropy=True, impl="fused")
+    bad = y.clone()
+    bad[1, 1] = V + 3
+    for leaves in (_leaves((x, w)), (x, w)):  # the three-GEMM path and the generic one check the targets
+        with pytest.raises(ValueError, match=f"found {V + 3}"):
+            fusedkern.linear_grpo_loss(*leaves, bad, advantages=adv)
