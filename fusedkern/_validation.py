@@ -166,3 +166,107 @@ def check_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry points' checks (shared by linear_cross_entropy, logprobs, simpo, the preference losses and
+# fusedkern.distributed)
+
+
+IMPLS = ("auto", "chunked", "fused")
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+WEIGHT_GRAD_ACCUMS = ("fp32", "weight_dtype")
+
+
+def start_checks(target: torch.Tensor, num_classes: int, ignore_index: int, whole_target: torch.Tensor | None,
+                 count: torch.Tensor | None, count_int: int) -> list:
+    """The device-side checks of a call, started (flag copied behind an event) before its kernels are
+    queued; `finish_checks` reads them after. whole_target: the call's whole target when the operator
+    sees only some of its rows (num_valid_tokens as an int), else None (= target). count / count_int:
+    the caller's num_valid_tokens as a device tensor / an int (−1: none). The count check raises first."""
+    full = target if whole_target is None else whole_target
+    checks = []
+    if count is not None:
+        checks.append(CountCheck(full, ignore_index, count))
+    elif count_int >= 0:
+        checks.append(CountCheck(full, ignore_index, count_int))
+    checks.append(check_target(full, full.shape, num_classes, ignore_index))
+    return checks
+
+
+def finish_checks(checks: list) -> None:
+    for check in checks:
+        check.raise_if_failed()
+
+
+def validate_call(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
+              ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
+              weight_grad_accum="fp32", chunk_tokens=None, num_valid_tokens=None) -> None:
+    """Every argument check that needs only shapes, dtypes and Python values (torch.compile traces them
+    into guards). The checks that read the device — targets in range, the count — run inside the
+    operators (`start_checks`)."""
+    check_tensor("input", input, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor("linear_weight", linear_weight, ndim=2, dtypes=FLOAT_DTYPES)
+    check_kernel_device("input", input)
+    check_same_device("input", input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
+    check_same_dtype("input", input, linear_weight=linear_weight, linear_bias=linear_bias)
+    vocab, hidden = linear_weight.shape
+    if input.shape[-1] != hidden:
+        raise ValueError(f"input's last dimension ({input.shape[-1]}) must equal linear_weight.shape[1] "
+                         f"(hidden = {hidden}); linear_weight is [vocab, hidden] = {tuple(linear_weight.shape)}")
+    if linear_bias is not None:
+        check_tensor("linear_bias", linear_bias, ndim=1)
+        check_shape("linear_bias", linear_bias, (vocab,), "one entry per vocabulary row of linear_weight")
+    validate_loss_options(weight=weight, reduction=reduction, ignore_index=ignore_index,
+                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    if weight is not None:
+        check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
+    check_target_type(target, input.shape[:-1])
+    validate_strategy(impl, weight_grad_accum, chunk_tokens)
+    if isinstance(num_valid_tokens, torch.Tensor):
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in INDEX_DTYPES:
+            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
+                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
+        check_same_device("target", target, num_valid_tokens=num_valid_tokens)
+    elif num_valid_tokens is not None and not 0 <= check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
+                         f"tensor holding it, or None; got {num_valid_tokens}")
+
+
+def check_target_type(target, expected_shape) -> None:
+    """`_validation.check_target` without its range check (which reads the device: the operators run it)."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in INDEX_DTYPES:
+        raise TypeError(f"target must hold class indices with dtype int64 or int32, got {target.dtype}")
+    check_shape("target", target, expected_shape, "the leading dimensions of input")
+
+
+def validate_loss_options(*, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                          softcap=None) -> None:
+    """The loss settings that do not depend on the call's tensors (checked again by `LinearCrossEntropyLoss`
+    at construction). Class weights may be fp64 (they are used in fp32; `module.double()` casts the buffer);
+    they get no gradient, so one that requires it is refused like torch does."""
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1, dtypes=(*FLOAT_DTYPES, torch.float64))
+        if weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError("weight (the class weights) must not require grad: no gradient flows to them "
+                             "(torch.nn.functional.cross_entropy refuses it too); pass weight.detach()")
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_int("ignore_index", ignore_index)
+    check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    check_real("z_loss", z_loss, low=0.0)
+    if softcap is not None:
+        check_real("softcap", softcap, low=0.0, low_inclusive=False)
+
+
+def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
+    """The strategy settings shared by every entry point and `nn.Module` constructor."""
+    check_choice("impl", impl, IMPLS)
+    check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
+    if chunk_tokens is not None and (check_int("chunk_tokens", chunk_tokens) <= 0):
+        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")

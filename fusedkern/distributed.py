@@ -38,18 +38,15 @@ from fusedkern.chunked import (
     row_kernel_args,
 )
 from fusedkern.kernels.ce_rows import ce_rows, gpu_split, merge_row_stats, row_stats_tile, tile_partials
-from fusedkern.linear_cross_entropy import (
+from fusedkern._validation import (
     check_target_type,
     finish_checks,
-    first_order_only,
-    follows_autocast,
-    mean_denominator,
-    rescaled_grads,
-    save_precomputed_grads,
     start_checks,
     validate_loss_options,
     validate_strategy,
 )
+from fusedkern.autograd import first_order_only, follows_autocast, rescaled_grads, save_precomputed_grads
+from fusedkern.linear_cross_entropy import mean_denominator
 
 
 @dataclass(frozen=True)

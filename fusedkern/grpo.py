@@ -18,7 +18,8 @@ import torch
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call
+from fusedkern.autograd import follows_autocast
+from fusedkern.linear_cross_entropy import resolve_impl
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -197,7 +198,7 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     token adds 0.
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
-    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
+    V_.validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     validate_logprobs_options(temperature, compute_entropy, impl, entropy_name="compute_entropy")
     validate_grpo_options(target, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, beta=beta,

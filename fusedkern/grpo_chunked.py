@@ -24,13 +24,8 @@ from fusedkern.chunked import (
     row_kernel_args,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import (
-    finish_checks,
-    first_order_only,
-    rescaled_grads,
-    save_precomputed_grads,
-    start_checks,
-)
+from fusedkern._validation import finish_checks, start_checks
+from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
 
 
 class ChunkedGRPO(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """`linear_cross_entropy`: F.cross_entropy(input @ linear_weightᵀ + linear_bias, target) without the
-[tokens, V] logits — the public function, its `nn.Module`, and the autograd wiring of both strategies.
+[tokens, V] logits — the public function, its `nn.Module`, and the custom operators of both strategies
+(their plumbing: `fusedkern/autograd.py`; the argument checks: `fusedkern/_validation.py`).
 
 Scalar reductions with `impl="chunked"` form the gradient in the forward pass (three GEMMs in all) and
 the backward only rescales it by the upstream gradient; `reduction="none"` and `impl="fused"` save the
@@ -17,15 +18,28 @@ which costs less host time than the dispatcher, and the backward rescales the sa
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from fusedkern import _validation as V_
+from fusedkern._validation import (
+    finish_checks,
+    start_checks,
+    validate_call,
+    validate_loss_options,
+    validate_strategy,
+)
+from fusedkern.autograd import (
+    absent,
+    call_op,
+    cast_or_none,
+    first_order_only,
+    follows_autocast,
+    or_absent,
+    register_op,
+    register_op_without_grad,
+    rescaled_grads,
+    save_precomputed_grads,
+)
 from fusedkern.chunked import (
     LossOptions,
     chunked_grads,
@@ -34,88 +48,11 @@ from fusedkern.chunked import (
     lse_of,
     plan_for_grads,
 )
-from fusedkern.kernels.scale import scale_unless_one_
 from fusedkern.integrations.fsdp import full_weights
-
-IMPLS = ("auto", "chunked", "fused")
-REDUCTIONS = ("mean", "sum", "none")
-WEIGHT_GRAD_ACCUMS = ("fp32", "weight_dtype")
 
 
 # ----------------------------------------------------------------------------------------------
-# helpers shared by the autograd formulas
-
-
-def _traced(*tensors: torch.Tensor) -> bool:
-    """Whether torch.compile / export may be tracing this code rather than running it: compiling, a
-    dispatch mode, or tensors that are not plain (fake, functional). Traced code must stay functional
-    and reach the kernels only through the registered operators."""
-    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors))
-
-
-def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.dtype,
-              out: torch.Tensor | None = None):
-    """grad · scale in `out_dtype`, with no device→host sync: in place when the dtype already matches
-    (the buffer is ours; skipped on the device when scale == 1, as after `loss.backward()`), else
-    into `out` (storage of that dtype we own) or a new tensor, in one pass (read, scale, cast, write).
-    While torch.compile traces the backward, an out-of-place multiply (computed in fp32, rounded once)."""
-    if grad is None:
-        return None
-    if _traced(grad, scale):  # torch.compile traces the backward: no in-place Triton launch, same rounding
-        return (grad * scale).to(out_dtype)
-    if grad.dtype == out_dtype:
-        return scale_unless_one_(grad, scale)
-    if out is None:
-        out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
-    return torch.mul(grad, scale, out=out)
-
-
-def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db,
-                           dw_out: torch.Tensor | None = None) -> None:
-    """For Functions that form their gradients in the forward pass: keep them for `rescaled_grads`.
-    dw_out: dW's storage in the weight's dtype when dw is an fp32 accumulator (`chunked.grad_buffers`)."""
-    ctx.save_for_backward(dx, dw, db, dw_out)
-    ctx.grad_meta = (x.shape, x.dtype, w.dtype, None if b is None else b.dtype)
-    ctx.used = False
-
-
-def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
-    """(dx, dw, db) saved by `save_precomputed_grads`, times the upstream gradient, in the inputs'
-    dtypes and shapes. In place on our own buffers, so a second backward is refused."""
-    if ctx.used:
-        raise RuntimeError(f"{what} rescales its saved gradients in place and supports one backward pass; "
-                           "use reduction='none' / linear_logprobs for retain_graph")
-    ctx.used = True
-    dx, dw, db, dw_out = ctx.saved_tensors
-    x_shape, x_dtype, w_dtype, b_dtype = ctx.grad_meta
-    scale = grad_loss.float()
-    dx = _rescaled(dx, scale, x_dtype)
-    return (None if dx is None else dx.view(x_shape), _rescaled(dw, scale, w_dtype, out=dw_out),
-            _rescaled(db, scale, b_dtype) if db is not None else None)
-
-
-def first_order_only(backward):
-    """A Function's backward that is not itself differentiable: `create_graph=True` (double backward, e.g.
-    a gradient penalty) raises here rather than returning gradients whose own gradient would be silently
-    dropped (the fused kernels) or would crash inside an `out=` GEMM (the chunked ones)."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "fusedkern's losses support first-order gradients only: backward with create_graph=True "
-                "(double backward, e.g. a gradient penalty) is not supported; compute such a term on "
-                "materialized logits with torch.nn.functional.cross_entropy")
-        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
-        with torch.autocast(device, enabled=False):  # the saved operands already are in the compute dtype
-            return backward(ctx, *grads)
-
-    return wrapper
-
-
-def _cast(grad: torch.Tensor | None, dtype: torch.dtype):
-    return None if grad is None else grad.to(dtype)
+# helpers of the formulas
 
 
 def mean_denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
@@ -136,91 +73,7 @@ def _fused_ops():
 
 # ----------------------------------------------------------------------------------------------
 # custom operators: the kernels behind `torch.library.custom_op`, each with a fake implementation
-# (shapes and dtypes only, for tracing) and an autograd formula. A gradient that is not asked for
-# comes back as an empty [0] tensor (an operator returns tensors, never None). Outside tracing,
-# `call_op` applies the same implementation and formula through a plain autograd.Function.
-
-
-class _OpSpec(NamedTuple):
-    impl: Callable
-    setup_context: Callable | None  # None: an operator with no gradient (a backward's)
-    backward: Callable | None
-
-
-_EAGER: dict = {}
-
-
-def register_op(op, impl: Callable, setup_context: Callable, backward: Callable) -> None:
-    """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`.
-
-    The operators return their precomputed gradients as (non-differentiable) outputs; autograd would hand
-    the backward a zero-filled gradient of each — a transient dX + dW (+1 GiB at V·H = 128256·4096, found
-    on the H200) — so the formula sees None for outputs nothing flowed into."""
-
-    def setup_without_zero_grads(ctx, inputs, output):
-        ctx.set_materialize_grads(False)
-        setup_context(ctx, inputs, output)
-
-    op.register_autograd(backward, setup_context=setup_without_zero_grads)
-    _EAGER[op] = _OpSpec(impl, setup_without_zero_grads, backward)
-
-
-class _EagerOp(torch.autograd.Function):
-    """An operator's implementation and autograd formula applied directly: the same computation as the
-    registered operator, without the dispatcher's host time (~50 µs a call, measured on CPU)."""
-
-    @staticmethod
-    def forward(ctx, spec: _OpSpec, *args):
-        output = spec.impl(*args)
-        spec.setup_context(ctx, args, output)
-        ctx.backward_fn = spec.backward
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the formula sees them: the operator's inputs
-        return (None, *ctx.backward_fn(ctx, *grads))
-
-
-def call_op(op, *args):
-    """`op(*args)` while torch.compile (or export) traces, so that the graph holds the operator; else the
-    same implementation and formula through `_EagerOp` (no autograd node when no gradient is asked for)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if _traced(*tensors):
-        return op(*args)
-    spec = _EAGER[op]
-    if spec.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _EagerOp.apply(spec, *args)
-    return spec.impl(*args)
-
-
-def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return like.new_empty((0,), dtype=dtype)
-
-
-def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _empty(like, dtype) if t is None else t
-
-
-def start_checks(target: torch.Tensor, num_classes: int, ignore_index: int, check_target: torch.Tensor | None,
-                 count: torch.Tensor | None, count_int: int) -> list:
-    """The device-side checks of a call, started (flag copied behind an event) before its kernels are
-    queued; `finish_checks` reads them after. check_target: the call's whole target when the operator
-    sees only some of its rows (num_valid_tokens as an int), else None (= target). count / count_int:
-    the caller's num_valid_tokens as a device tensor / an int (−1: none). The count check raises first."""
-    full = target if check_target is None else check_target
-    checks = []
-    if count is not None:
-        checks.append(V_.CountCheck(full, ignore_index, count))
-    elif count_int >= 0:
-        checks.append(V_.CountCheck(full, ignore_index, count_int))
-    checks.append(V_.check_target(full, full.shape, num_classes, ignore_index))
-    return checks
-
-
-def finish_checks(checks: list) -> None:
-    for check in checks:
-        check.raise_if_failed()
+# (shapes and dtypes only, for tracing) and an autograd formula (`fusedkern/autograd.py`).
 
 
 def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -250,7 +103,7 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
         loss_tok, dx, dw, dw_out = counted_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, count, need_dx=need_dx, need_dw=need_dw,
             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-        lse, db = _empty(x, torch.float32), None
+        lse, db = absent(x, torch.float32), None
     else:
         loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
@@ -258,8 +111,8 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
         lse = lse_of(stats)
     loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
-    return (loss, lse, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, w, torch.float32),
-            _or_empty(dw_out if return_dw_out else None, w))
+    return (loss, lse, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
+            or_absent(dw_out if return_dw_out else None, w))
 
 
 # the forward operators read their checks' host flags behind an event: no CUDA graph may capture them
@@ -276,10 +129,10 @@ def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, soft
     fp32_accumulator = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
     f32 = torch.float32
     return (x.new_empty((), dtype=f32), x.new_empty((0,) if skip_ignored else (T,), dtype=f32),
-            x.new_empty((T, H)) if need_dx else _empty(x),
-            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else _empty(w),
-            w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else _empty(w, f32),
-            w.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else _empty(w))
+            x.new_empty((T, H)) if need_dx else absent(x),
+            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else absent(w, f32),
+            w.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(w))
 
 
 def save_output_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, need_dx: bool, need_dw: bool,
@@ -375,20 +228,20 @@ def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
             x, w, b, target, class_weight, LossOptions(ignore_index, label_smoothing, z_loss, softcap), stats,
             grad_tok, need_dx=need_dx, need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
             chunk_tokens=chunk_tokens)
-    return (_or_empty(_cast(dx, x.dtype), x), _or_empty(_cast(dw, w.dtype), w),
-            _empty(w) if db is None else db.to(b.dtype))
+    return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
+            absent(w) if db is None else db.to(b.dtype))
 
 
 ce_per_token_backward = torch.library.custom_op("fusedkern::ce_per_token_backward", _per_token_backward,
                                               mutates_args=())
-_EAGER[ce_per_token_backward] = _OpSpec(_per_token_backward, None, None)  # no gradient of its own
+register_op_without_grad(ce_per_token_backward, _per_token_backward)
 
 
 @ce_per_token_backward.register_fake
 def _(x, w, b, target, class_weight, stats, grad_tok, ignore_index, label_smoothing, z_loss, softcap, impl,
       weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else _empty(x), torch.empty_like(w) if need_dw else _empty(w),
-            torch.empty_like(b) if need_db and b is not None else _empty(w))
+    return (torch.empty_like(x) if need_dx else absent(x), torch.empty_like(w) if need_dw else absent(w),
+            torch.empty_like(b) if need_db and b is not None else absent(w))
 
 
 def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -440,7 +293,7 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
     # an entropy used only as a metric passes [0] and the row kernel compiles its term out
     grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
     with_entropy = grad_entropy is not None and entropy.numel() > 0
-    grad_h = grad_entropy.float().contiguous() if with_entropy else _empty(entropy)
+    grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
     dx, dw, db = call_op(logprobs_entropy_backward, x, w, b, target, stats, entropy if with_entropy else grad_h,
                          grad_tok, grad_h, *ctx.options, need_dx, need_dw, need_db)
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 11))
@@ -463,117 +316,24 @@ def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor
                                need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
                                entropy=entropy if with_entropy else None,
                                grad_entropy=grad_entropy if with_entropy else None)
-    return (_or_empty(_cast(dx, x.dtype), x), _or_empty(_cast(dw, w.dtype), w),
-            _empty(w) if db is None else db.to(b.dtype))
+    return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
+            absent(w) if db is None else db.to(b.dtype))
 
 
 logprobs_entropy_backward = torch.library.custom_op("fusedkern::logprobs_entropy_backward",
                                                     _logprobs_entropy_backward, mutates_args=())
-_EAGER[logprobs_entropy_backward] = _OpSpec(_logprobs_entropy_backward, None, None)  # no gradient of its own
+register_op_without_grad(logprobs_entropy_backward, _logprobs_entropy_backward)
 
 
 @logprobs_entropy_backward.register_fake
 def _(x, w, b, target, stats, entropy, grad_tok, grad_entropy, ignore_index, softcap, logit_scale, weight_grad_accum,
       chunk_tokens, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else _empty(x), torch.empty_like(w) if need_dw else _empty(w),
-            torch.empty_like(b) if need_db and b is not None else _empty(w))
+    return (torch.empty_like(x) if need_dx else absent(x), torch.empty_like(w) if need_dw else absent(w),
+            torch.empty_like(b) if need_db and b is not None else absent(w))
 
 
 # ----------------------------------------------------------------------------------------------
-# validation and dispatch
-
-
-def follows_autocast(fn):
-    """A public entry point `fn(input, linear_weight, ..., linear_bias=...)` under `torch.autocast`: inside an
-    autocast region on the input's device the floating operands are cast to the autocast dtype, as
-    `F.linear` would (a differentiable cast: each gradient comes back in its parameter's own dtype, as with
-    torch's own autocast), and the call runs with autocast off, so that its GEMMs, fp32 dW accumulation
-    and kernels run exactly as outside. Outside autocast nothing changes (mixed dtypes are refused)."""
-
-    @functools.wraps(fn)
-    def wrapper(input, linear_weight, *args, **kwargs):
-        if not isinstance(input, torch.Tensor) or input.device.type not in ("cuda", "cpu") \
-                or not torch.is_autocast_enabled(input.device.type):  # (other devices are refused later)
-            return fn(input, linear_weight, *args, **kwargs)
-        dtype = torch.get_autocast_dtype(input.device.type)
-
-        def cast(t):
-            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        if "linear_bias" in kwargs:
-            kwargs["linear_bias"] = cast(kwargs["linear_bias"])
-        with torch.autocast(input.device.type, enabled=False):
-            return fn(cast(input), cast(linear_weight), *args, **kwargs)
-
-    return wrapper
-
-
-def validate_call(input, linear_weight, target, linear_bias, *, weight=None, reduction="mean",
-              ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None, impl="auto",
-              weight_grad_accum="fp32", chunk_tokens=None, num_valid_tokens=None) -> None:
-    """Every argument check that needs only shapes, dtypes and Python values (torch.compile traces them
-    into guards). The checks that read the device — targets in range, the count — run inside the
-    operators (`start_checks`)."""
-    V_.check_tensor("input", input, min_ndim=1, dtypes=V_.FLOAT_DTYPES)
-    V_.check_tensor("linear_weight", linear_weight, ndim=2, dtypes=V_.FLOAT_DTYPES)
-    V_.check_kernel_device("input", input)
-    V_.check_same_device("input", input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
-    V_.check_same_dtype("input", input, linear_weight=linear_weight, linear_bias=linear_bias)
-    vocab, hidden = linear_weight.shape
-    if input.shape[-1] != hidden:
-        raise ValueError(f"input's last dimension ({input.shape[-1]}) must equal linear_weight.shape[1] "
-                         f"(hidden = {hidden}); linear_weight is [vocab, hidden] = {tuple(linear_weight.shape)}")
-    if linear_bias is not None:
-        V_.check_tensor("linear_bias", linear_bias, ndim=1)
-        V_.check_shape("linear_bias", linear_bias, (vocab,), "one entry per vocabulary row of linear_weight")
-    validate_loss_options(weight=weight, reduction=reduction, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    if weight is not None:
-        V_.check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
-    check_target_type(target, input.shape[:-1])
-    validate_strategy(impl, weight_grad_accum, chunk_tokens)
-    if isinstance(num_valid_tokens, torch.Tensor):
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in V_.INDEX_DTYPES:
-            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
-                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
-        V_.check_same_device("target", target, num_valid_tokens=num_valid_tokens)
-    elif num_valid_tokens is not None and not 0 <= V_.check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
-        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
-                         f"tensor holding it, or None; got {num_valid_tokens}")
-
-
-def check_target_type(target, expected_shape) -> None:
-    """`_validation.check_target` without its range check (which reads the device: the operators run it)."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.dtype not in V_.INDEX_DTYPES:
-        raise TypeError(f"target must hold class indices with dtype int64 or int32, got {target.dtype}")
-    V_.check_shape("target", target, expected_shape, "the leading dimensions of input")
-
-
-def validate_loss_options(*, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                          softcap=None) -> None:
-    """The loss settings that do not depend on the call's tensors (checked again by `LinearCrossEntropyLoss`
-    at construction). Class weights may be fp64 (they are used in fp32; `module.double()` casts the buffer);
-    they get no gradient, so one that requires it is refused like torch does."""
-    if weight is not None:
-        V_.check_tensor("weight", weight, ndim=1, dtypes=(*V_.FLOAT_DTYPES, torch.float64))
-        if weight.requires_grad and torch.is_grad_enabled():
-            raise ValueError("weight (the class weights) must not require grad: no gradient flows to them "
-                             "(torch.nn.functional.cross_entropy refuses it too); pass weight.detach()")
-    V_.check_choice("reduction", reduction, REDUCTIONS)
-    V_.check_int("ignore_index", ignore_index)
-    V_.check_real("label_smoothing", label_smoothing, low=0.0, high=1.0)
-    V_.check_real("z_loss", z_loss, low=0.0)
-    if softcap is not None:
-        V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
-
-
-def validate_strategy(impl, weight_grad_accum, chunk_tokens) -> None:
-    """The strategy settings shared by every entry point and `nn.Module` constructor."""
-    V_.check_choice("impl", impl, IMPLS)
-    V_.check_choice("weight_grad_accum", weight_grad_accum, WEIGHT_GRAD_ACCUMS)
-    if chunk_tokens is not None and (V_.check_int("chunk_tokens", chunk_tokens) <= 0):
-        raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens}")
+# dispatch
 
 
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,

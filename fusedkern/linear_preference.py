@@ -24,7 +24,8 @@ import torch
 from fusedkern import _validation as V_
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern.chunked import LossOptions
-from fusedkern.linear_cross_entropy import follows_autocast, resolve_impl, validate_call
+from fusedkern.autograd import follows_autocast
+from fusedkern.linear_cross_entropy import resolve_impl
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
 from fusedkern.preference_chunked import ChunkedPreference, preference_plan
@@ -61,7 +62,7 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
                           ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
                           ref_logps=ref_logps, kto_labels=kto_labels, kl=kl, desirable_weight=desirable_weight,
                           undesirable_weight=undesirable_weight)
-    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
+    V_.validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     grad = torch.is_grad_enabled()
     need = (grad and input.requires_grad, grad and linear_weight.requires_grad,

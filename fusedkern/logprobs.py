@@ -21,15 +21,9 @@ import torch
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import (
-    call_op,
-    follows_autocast,
-    logprobs_entropy,
-    loss_over_tokens,
-    resolve_impl,
-    valid_rows_first,
-    validate_call,
-)
+from fusedkern._validation import validate_call
+from fusedkern.autograd import call_op, follows_autocast
+from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens, resolve_impl, valid_rows_first
 
 
 @follows_autocast

@@ -25,13 +25,8 @@ from fusedkern.chunked import (
     row_kernel_args,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import (
-    finish_checks,
-    first_order_only,
-    rescaled_grads,
-    save_precomputed_grads,
-    start_checks,
-)
+from fusedkern._validation import finish_checks, start_checks
+from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
 
 
 def preference_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,

@@ -20,22 +20,17 @@ from torch import nn
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
-from fusedkern.linear_cross_entropy import (
-    CHECKING_OP_TAGS,
-    _empty,
-    _or_empty,
+from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
+from fusedkern.autograd import (
+    absent,
     call_op,
-    finish_checks,
     first_order_only,
     follows_autocast,
+    or_absent,
     register_op,
     rescaled_grads,
-    resolve_impl,
-    save_output_grads,
-    start_checks,
-    validate_call,
-    validate_strategy,
 )
+from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, resolve_impl, save_output_grads
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -124,8 +119,8 @@ def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tar
             hp, weight_grad_accum, plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens), loss_fn)
     dx, dw, db, dw_out = ctx.saved
     finish_checks(checks)
-    return (loss, logp, _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, w, torch.float32),
-            _or_empty(dw_out if return_dw_out else None, w))
+    return (loss, logp, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
+            or_absent(dw_out if return_dw_out else None, w))
 
 
 simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=(),
@@ -141,10 +136,10 @@ def _(x, w, b, target, ignore_index, beta, gamma, alpha, label_smoothing, weight
     f32 = torch.float32
     need_db = need_db and b is not None
     return (x.new_empty((), dtype=f32), x.new_empty((two_b, seq), dtype=f32),
-            x.new_empty((two_b * seq, hidden)) if need_dx else _empty(x),
-            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else _empty(w),
-            w.new_empty((V,), dtype=f32) if need_db else _empty(w, f32),
-            w.new_empty((V, hidden)) if need_dw and fp32_accumulator and return_dw_out else _empty(w))
+            x.new_empty((two_b * seq, hidden)) if need_dx else absent(x),
+            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if need_db else absent(w, f32),
+            w.new_empty((V, hidden)) if need_dw and fp32_accumulator and return_dw_out else absent(w))
 
 
 def _setup_simpo(ctx, inputs, output):

@@ -34,7 +34,7 @@ from fusedkern.chunked import (
     plan_for_grads,
 )
 from fusedkern.kernels.ce_rows import ce_rows
-from fusedkern.linear_cross_entropy import first_order_only, rescaled_grads, save_precomputed_grads
+from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
 
 
 def plan_for(n_rows: int, seq: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,

@@ -44,7 +44,8 @@ except ImportError:  # pragma: no cover - older Transformers
 
 from fusedkern import _validation as V_
 from fusedkern.integrations.fsdp import call_as_forward
-from fusedkern.linear_cross_entropy import linear_cross_entropy, validate_strategy
+from fusedkern._validation import validate_strategy
+from fusedkern.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "SUPPORTED_ARCHITECTURES"]
 
