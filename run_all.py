@@ -31,6 +31,7 @@ DATA_DIR/measured/<gpu>/, a non-positive --jobs or --cell-timeout).
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import re
 import shutil
@@ -291,17 +292,37 @@ def _show_parameters(nb, params: dict) -> None:
             cell["source"] = translate_parameters(KERNEL_NAME, "python", params, "Parameters")
 
 
-def publish_figures(staged: Path, figures_dir: Path) -> list[Path]:
-    """Move every file under `staged` to the same place under figures_dir, each replaced in one step."""
-    moved = []
+def publish_figures(staged: Path, figures_dir: Path) -> dict[bytes, bytes]:
+    """Move every file under `staged` to the same place under figures_dir, each replaced in one step.
+
+    A PNG whose SVG twin is byte-identical to the published SVG is the same drawing: the published PNG is
+    kept, because Agg's anti-aliasing differs by a level in a few pixels between CPUs (numpy's SIMD paths
+    round the transformed coordinates differently). Returns {staged PNG bytes: kept PNG bytes} so that the
+    notebook can show the kept file."""
+    kept = {}
     for src in sorted(p for p in staged.rglob("*") if p.is_file()):
         dst = figures_dir / src.relative_to(staged)
+        twin, published_twin = src.with_suffix(".svg"), dst.with_suffix(".svg")
+        if (src.suffix == ".png" and dst.is_file() and twin.is_file() and published_twin.is_file()
+                and twin.read_bytes() == published_twin.read_bytes()):
+            kept[src.read_bytes()] = dst.read_bytes()
+            continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(dst.name + ".tmp")
         shutil.copyfile(src, tmp)  # staged may be on another file system: copy next to dst, then rename
         os.replace(tmp, dst)
-        moved.append(dst)
-    return moved
+    return kept
+
+
+def show_kept_figures(nb, kept: dict[bytes, bytes]) -> None:
+    """Replace, in the notebook's outputs, each staged PNG that publish_figures kept by the kept file."""
+    swap = {base64.b64encode(new).decode(): base64.b64encode(old).decode() for new, old in kept.items()}
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            shown = data.get("image/png")
+            if isinstance(shown, str) and "".join(shown.split()) in swap:
+                data["image/png"] = swap["".join(shown.split())]
 
 
 def execute(source: Path, output_dir: Path, parameters: dict, cell_timeout: int) -> Path:
@@ -341,7 +362,7 @@ def execute(source: Path, output_dir: Path, parameters: dict, cell_timeout: int)
                              ) from None
     _show_parameters(executed, shown)
     if "figures_dir" in parameters:
-        publish_figures(staged, Path(parameters["figures_dir"]))
+        show_kept_figures(executed, publish_figures(staged, Path(parameters["figures_dir"])))
     output_dir.mkdir(parents=True, exist_ok=True)
     target = output_dir / (source.stem + ".ipynb")
     tmp = target.with_name(target.name + ".tmp")

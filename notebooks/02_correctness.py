@@ -298,7 +298,7 @@ if not opt.empty:
             for k, (label, values) in enumerate(series):
                 xs = [names.index(n) + (k - (len(series) - 1) / 2) * 0.15 for n in values.index]
                 marker, color = markers[label]
-                ax.scatter(xs, values.clip(lower=1e-17).to_numpy(), marker=marker, color=color, s=30, label=label)
+                ax.scatter(xs, tables.round_up_log(values.clip(lower=1e-17)).to_numpy(), marker=marker, color=color, s=30, label=label)
             ax.set_yscale("log")
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{dtype} — {q}: relative error vs float64")
@@ -306,7 +306,8 @@ if not opt.empty:
     shape = "×".join(map(str, options_shape))
     where = "CPU (Triton interpreter)" if interpreting() else "GPU"
     plotting.add_caption(fig, f"T×H×V = {shape}, seed {seed}; kernels on {where}, "
-                              f"torch {torch.__version__.split('+')[0]}. Baselines: fusedkern.reference.")
+                              f"torch {torch.__version__.split('+')[0]}. Baselines: fusedkern.reference. Errors drawn rounded up to a "
+                              "quarter decade (their last digits depend on the CPU build).")
     display(plotting.save_figure(fig, figures_dir / "02_correctness_errors"))
 
 # %%

@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
@@ -338,3 +339,11 @@ def test_notebook_08_figures_draw_what_they_are_given(tmp_path):
     fig = plotting.rowcount_figure(bench, caption="test")
     assert len(fig.axes[0].patches) == 6  # 3 impls × 2 counts
     plt.close(fig)
+
+
+def test_round_up_log_steps_quarter_decades():
+    from fusedkern.study.tables import round_up_log
+
+    got = round_up_log(pd.Series([1e-7, 1.01e-7, 1.7e-7, 9.9e-3]))
+    want = [1e-7, 10 ** -6.75, 10 ** -6.75, 1e-2]
+    assert np.allclose(got.to_numpy(), want, rtol=1e-12)

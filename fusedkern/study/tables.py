@@ -10,6 +10,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from fusedkern.study.results import (WORKLOAD_COLUMNS, check_one_row_each, check_one_workload, floor_provider,
@@ -67,6 +68,15 @@ def error_bound(err: float | None, floor: float) -> str:
     if err > floor:
         exponent = math.ceil(math.log10(err))
     return "≤ 1" if exponent == 0 else f"≤ 1e{exponent}"
+
+
+def round_up_log(values: pd.Series, steps_per_decade: int = 4) -> pd.Series:
+    """Each positive value rounded up to the next of `steps_per_decade` even steps per decade on a log axis.
+
+    For drawn errors: a figure of exact errors changes from one CPU build to the next (BLAS and SIMD math
+    move the last digits), which a quarter-decade step hides while keeping a 2× difference visible."""
+    exponents = np.ceil(np.log10(values.astype(float)) * steps_per_decade - 1e-9) / steps_per_decade
+    return pd.Series(np.power(10.0, exponents), index=values.index)
 
 
 def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
