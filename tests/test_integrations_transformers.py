@@ -316,3 +316,52 @@ def test_skip_ignored_passes_the_device_count(monkeypatch, skip_ignored):
         assert seen == [None]
     with pytest.raises(TypeError, match="skip_ignored"):
         fk_hf.patch(model, skip_ignored="yes")
+
+
+REAL_HEADS = {  # the heads users train, with one small decoder layer: the head dominates the model
+    "Llama": dict(vocab_size=128256, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8),
+    "Qwen2": dict(vocab_size=151936, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4),
+    "Gemma2": dict(vocab_size=256000, hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   final_logit_softcapping=30.0),
+}
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", list(REAL_HEADS))
+def test_patched_real_heads_under_bf16_autocast_on_gpu(arch):
+    """A realistic head (the architecture's vocabulary and hidden size, one decoder layer, 2 × 1024 tokens,
+    a third of them prompt or padding) under bf16 autocast with fp32 weights: the patched model's loss,
+    lm_head gradient and an inner gradient are within 2× the unpatched bf16 model's error against the
+    same model in float64 (no autocast)."""
+    config = getattr(transformers, f"{arch}Config")(**{
+        **COMMON, **ARCHS[arch], **REAL_HEADS[arch], "intermediate_size": 1024, "num_hidden_layers": 1,
+        "max_position_embeddings": 2048, "initializer_range": 0.02, "attn_implementation": "sdpa"})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).train().cuda()
+    reference = getattr(transformers, f"{arch}ForCausalLM")(config).train().cuda().double()
+    reference.load_state_dict(model.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (2, 1024), device="cuda", generator=g)
+    labels = input_ids.clone()
+    labels[0, :300] = -100   # a prompt
+    labels[1, -400:] = -100  # padding
+
+    def run(m, autocast: bool):
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), m.lm_head.weight.grad.clone(), inner_weight(m).grad.clone()
+
+    want = run(reference, autocast=False)
+    baseline = run(model, autocast=True)
+    fk_hf.patch(model)
+    got = run(model, autocast=True)
+    for name, g_, b_, w_ in zip(("loss", "d lm_head", "d inner"), got, baseline, want):
+        assert g_.dtype == torch.float32, name
+        err, torch_err = _relative_error(g_, w_), _relative_error(b_, w_)
+        assert err <= 2 * torch_err + 1e-6, f"{arch} {name}: fusedkern {err:.3g} vs torch bf16 {torch_err:.3g}"
