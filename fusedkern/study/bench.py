@@ -2,6 +2,7 @@
 
     python -m fusedkern.bench ce --tokens 4096 8192 16384 32768 --workload dense masked_50
     python -m fusedkern.bench simpo --batch 2 4 8 16 --seq 1024 --head gemma2
+    python -m fusedkern.bench preference --loss-types sigmoid ipo kto --batch 2 4 8 16 --seq 1024 --modes full
     python -m fusedkern.bench accuracy --tokens 4096 32768
 
 (`python -m fusedkern.study.bench` is the same command; `fusedkern.bench` is its short alias.)
@@ -43,8 +44,10 @@ from typing import Any, Callable
 
 import torch
 
-from fusedkern.study.providers import FLOORS_NOTE, PROVIDERS
-from fusedkern.study.results import FLOOR_OF_MODE, MODES, collect_environment, sidecar_path, write_results
+from fusedkern.preference import LOSS_TYPES
+from fusedkern.study.providers import FLOORS_NOTE, PREFERENCE_LOSS_ARGS, PROVIDERS
+from fusedkern.study.results import (ALL_LOSS_TYPES, FLOOR_OF_MODE, MODES, collect_environment, sidecar_path,
+                                     write_results)
 from fusedkern.study.sweeps import run_accuracy, run_sweep, say
 from fusedkern.study.timing import DEFAULT_PROTOCOL, PROTOCOLS
 from fusedkern.study.workloads import (DEFAULT_HEAD, DEFAULT_SEQ, HEADS, LOGIT_STD, SIMPO_LEGACY_WORKLOAD, WORKLOADS,
@@ -199,6 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     simpo.add_argument("--batch", type=int, nargs="+", default=[2, 4, 8, 16],
                        help="rows of the input, chosen + rejected (2 = one pair), as in the seed")
     add_workloads(simpo, "simpo", "tokens per row (default: %(default)s)")
+    preference = sub.add_parser(
+        "preference", parents=[common, timing], help="preference losses (DPO family, CPO, SimPO, ORPO, KTO) sweep",
+        epilog=f"providers: {', '.join(PROVIDERS['preference'])} (liger_ref_model only when named). The floors are "
+               f"timed once per batch (loss_type 'all'), the others once per loss type.")
+    preference.add_argument("--batch", "--batches", dest="batch", type=int, nargs="+", default=[2, 4, 8, 16],
+                            help="rows of the input, chosen + rejected (2 = one pair) as in the simpo sweep; KTO "
+                                 "takes them as that many unpaired sequences, half desirable")
+    preference.add_argument("--loss-types", nargs="+", choices=LOSS_TYPES, default=list(LOSS_TYPES),
+                            metavar="TYPE", help=f"of {', '.join(LOSS_TYPES)} (default: all)")
+    add_workloads(preference, "preference", "tokens per row (default: %(default)s)")
     accuracy_providers = ", ".join(p.key for p in PROVIDERS["ce"].values() if p.accuracy)
     accuracy = sub.add_parser("accuracy", parents=[common], help="cross-entropy errors against an fp64 truth",
                               epilog=f"providers: {accuracy_providers}")
@@ -233,9 +246,18 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         groups.setdefault((row.get("workload", ""), row.get("protocol", "")), []).append(row)
     if len(groups) > 1:
-        return "\n\n".join(f"== workload {workload}, protocol {protocol}\n{_format_block(block)}"
+        return "\n\n".join(f"== workload {workload}, protocol {protocol}\n{_format_loss_types(block)}"
                             for (workload, protocol), block in groups.items())
-    return _format_block(rows)
+    return _format_loss_types(rows)
+
+
+def _format_loss_types(rows: list[dict]) -> str:
+    """One block per loss type (preference rows), each with the floors (loss_type "all") timed beside it."""
+    loss_types = [t for t in dict.fromkeys(r.get("loss_type") for r in rows) if t not in (None, ALL_LOSS_TYPES)]
+    if not loss_types:
+        return _format_block(rows)
+    blocks = [_format_block([r for r in rows if r.get("loss_type") in (t, ALL_LOSS_TYPES)]) for t in loss_types]
+    return "\n\n".join(f"-- loss_type {t}\n{block}" for t, block in zip(loss_types, blocks))
 
 
 def _format_block(rows: list[dict]) -> str:
@@ -325,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                       max_case_s=args.max_case_s, protocol=protocol, checkpoint=save)
         meta.update(warmup=args.warmup, reps=args.reps, min_reps=args.min_reps, max_case_s=args.max_case_s)
         xs = args.tokens if args.sweep == "ce" else args.batch
+        if args.sweep == "preference":
+            meta.update(loss_types=list(args.loss_types), loss_args=PREFERENCE_LOSS_ARGS,
+                        floors=FLOORS_NOTE + " In the preference sweep they are timed once per batch, in the same "
+                               "rounds as every loss type, with loss_type 'all'.")
+            timing["loss_types"] = args.loss_types
         rows = run_sweep(args.sweep, xs, **common, **timing)
     print(format_table(rows))
     print(f"\n{args.sweep}: {len(rows)} rows -> {out if rows else '(nothing written)'} "

@@ -391,6 +391,112 @@ def _simpo_liger(inp: Inputs) -> dict[str, Step]:
     return loss_steps(loss_fn)
 
 
+# Preference providers ---------------------------------------------------------------------------
+# Each is built per loss type (`Inputs.loss_type`, one of fusedkern.preference.LOSS_TYPES) on the inputs of
+# `workloads.make_preference_inputs`. TRL's defaults everywhere (β 0.1; SimPO γ 0.5; NLL weight α 1 for cpo,
+# simpo and orpo, 0 otherwise); "robust" with label smoothing 0.1 (at 0 it is "sigmoid").
+
+PREFERENCE_LOSS_ARGS: dict[str, dict[str, float]] = {"robust": {"label_smoothing": 0.1}}
+
+
+def preference_loss_args(inp: Inputs) -> dict[str, Any]:
+    """The keyword arguments of `fusedkern.linear_preference_loss` (and of the reference losses) for the
+    inputs' loss type: its reference log-probs (DPO types: per pair; KTO: per sequence, labels, kl)."""
+    from fusedkern.preference import DPO_LOSS_TYPES, LOSS_TYPES
+
+    loss_type = inp.loss_type
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown preference loss type {loss_type!r}; choose from {LOSS_TYPES}")
+    kwargs: dict[str, Any] = {"loss_type": loss_type, **PREFERENCE_LOSS_ARGS.get(loss_type, {})}
+    if loss_type in DPO_LOSS_TYPES:
+        kwargs.update(ref_chosen_logps=inp.extras["ref_chosen_logps"],
+                      ref_rejected_logps=inp.extras["ref_rejected_logps"])
+    elif loss_type == "kto":
+        kwargs.update(ref_logps=inp.extras["ref_logps"], kto_labels=inp.extras["kto_labels"], kl=inp.extras["kl"])
+    return kwargs
+
+
+def _preference_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_preference_loss
+
+        kwargs = {**preference_loss_args(inp), **options,
+                  **_softcap_kwargs(linear_preference_loss, inp, "fusedkern.linear_preference_loss")}
+        return loss_steps(lambda: linear_preference_loss(inp.x, inp.w, inp.target, **kwargs)[0])
+
+    return build
+
+
+def _preference_trl_fp32(inp: Inputs) -> dict[str, Step]:
+    """TRL's materialized computation: logits x Wᵀ in the inputs' dtype, `.float()` on all [R, S, V] of them,
+    log_softmax, gather the targets, masked per-row sums, then the loss (`reference.upcast_linear_preference_loss`)."""
+    from fusedkern.reference import upcast_linear_preference_loss
+
+    kwargs = preference_loss_args(inp)
+    return loss_steps(lambda: upcast_linear_preference_loss(inp.x, inp.w, inp.target, softcap=inp.softcap,
+                                                            **kwargs)[0])
+
+
+# Liger-Kernel 0.8.5's chunked preference losses by our loss type: (class name, constructor kwargs). Its DPO
+# raises NotImplementedError for "ipo" (it lacks per-response token counts): no liger row for ipo.
+LIGER_PREFERENCE = {
+    "sigmoid": ("LigerFusedLinearDPOLoss", {"loss_type": "sigmoid"}),
+    "hinge": ("LigerFusedLinearDPOLoss", {"loss_type": "hinge"}),
+    "robust": ("LigerFusedLinearDPOLoss", {"loss_type": "robust", **PREFERENCE_LOSS_ARGS["robust"]}),
+    "cpo": ("LigerFusedLinearCPOLoss", {}),
+    "simpo": ("LigerFusedLinearSimPOLoss", {}),
+    "orpo": ("LigerFusedLinearORPOLoss", {}),
+    "kto": ("LigerFusedLinearKTOLoss", {}),
+}
+LIGER_REFERENCE_TYPES = frozenset({"sigmoid", "hinge", "robust", "kto"})  # Liger's types with a reference
+
+
+def _preference_liger(ref_model: bool) -> Callable[[Inputs], dict[str, Step]]:
+    """Liger-Kernel's chunked fused-linear loss for the inputs' loss type, at its defaults (compiled=True,
+    chunk_size=1; β 0.1; CPO/SimPO/ORPO with their NLL term, as TRL).
+
+    Liger's DPO and KTO take no reference log-probs: only a reference model's hidden states and head
+    (ref_input, ref_weight), run without grad inside its forward. ref_model False (provider `liger`): they run
+    reference-free (use_ref_model=False: the log-ratios are the policy's log-probs), the same GEMM work as
+    fusedkern given precomputed reference log-probs, but another loss value for those types (the CSV's loss
+    column differs; CPO, SimPO and ORPO have no reference anyway). ref_model True (`liger_ref_model`, DPO
+    types and KTO only): the policy's own x and W, detached, as the reference model, one logits GEMM more per
+    chunk (what a Liger user without precomputed reference log-probs pays)."""
+
+    def build(inp: Inputs) -> dict[str, Step]:
+        _require_cuda(inp, "Liger-Kernel")
+        if inp.loss_type not in LIGER_PREFERENCE:
+            raise ProviderUnavailable(f"Liger-Kernel has no chunked loss for loss_type {inp.loss_type!r}")
+        if ref_model and inp.loss_type not in LIGER_REFERENCE_TYPES:
+            raise ProviderUnavailable(f"Liger-Kernel's {inp.loss_type} loss takes no reference model")
+        import liger_kernel.chunked_loss as liger
+
+        name, options = LIGER_PREFERENCE[inp.loss_type]
+        cls = getattr(liger, name)
+        options = {**options, **_softcap_kwargs(cls, inp, name)}
+        if inp.loss_type in LIGER_REFERENCE_TYPES:
+            options["use_ref_model"] = ref_model
+        loss_module = cls(**options)
+        call: dict[str, Any] = {"lin_weight": inp.w, "_input": inp.x, "target": inp.target}  # KTO orders x first
+        if inp.loss_type == "kto":
+            call.update(preference_labels=inp.extras["kto_labels"], kl=inp.extras["kl"])
+        if ref_model:
+            call.update(ref_input=inp.x.detach(), ref_weight=inp.w.detach())
+
+        def loss_fn() -> torch.Tensor:
+            out = loss_module(**call)
+            return out[0] if isinstance(out, tuple) else out  # 0.8.5 returns (loss, metrics...)
+
+        return loss_steps(loss_fn)
+
+    return build
+
+
+def _dist_label_suffix(distribution: str, suffix: str) -> Callable[[], str]:
+    base = _dist_label(distribution)
+    return lambda: f"{base()} {suffix}"
+
+
 PROVIDERS: dict[str, dict[str, Provider]] = {
     "ce": {
         p.key: p
@@ -460,13 +566,33 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("liger", _simpo_liger, _dist_label("liger-kernel")),
         )
     },
+    # built once per loss type; the floors (the simpo op's, on the same 2B × S tokens) once per batch
+    "preference": {
+        p.key: p
+        for p in (
+            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
+            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
+            Provider("trl_fp32", _preference_trl_fp32, _key_label("trl_fp32")),
+            Provider("fusedkern_chunked", _preference_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
+            Provider("fusedkern_chunked_lean", _preference_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
+                     _key_label("fusedkern_chunked_lean")),
+            # every loss without a reference model: see _preference_liger
+            Provider("liger", _preference_liger(ref_model=False), _dist_label_suffix("liger-kernel", "ref-free")),
+            Provider("liger_ref_model", _preference_liger(ref_model=True),
+                     _dist_label_suffix("liger-kernel", "ref-model")),
+        )
+    },
 }
+
+# Not in a default preference run: it times what a Liger user pays without precomputed reference log-probs.
+PREFERENCE_DEFAULT_EXCLUDED = ("liger_ref_model",)
 
 
 def select_providers(op: str, names: list[str] | None, *, accuracy: bool = False) -> list[Provider]:
     registry = PROVIDERS[op]
     if names is None:
-        return [p for p in registry.values() if p.accuracy or not accuracy]
+        excluded = PREFERENCE_DEFAULT_EXCLUDED if op == "preference" else ()
+        return [p for p in registry.values() if (p.accuracy or not accuracy) and p.key not in excluded]
     unknown = [n for n in names if n not in registry]
     if unknown:
         raise ValueError(f"unknown {op} providers {unknown}; choose from {sorted(registry)}")

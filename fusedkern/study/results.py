@@ -47,6 +47,8 @@ __all__ = [
     "load_results",
     "sidecar_path",
     "WORKLOAD_COLUMNS",
+    "LOSS_TYPE_COLUMN",
+    "ALL_LOSS_TYPES",
     "FLOOR_OF_MODE",
     "floor_provider",
     "workloads_in",
@@ -84,8 +86,13 @@ _ROW_KEY = ("op", "provider", "x_name", "x", "mode")
 # `workload` (dense, masked_30, ...: which share of the targets is ignored), `protocol` (sequential,
 # fixed (was "interleaved"), shuffled). A file without them holds one workload under one protocol.
 WORKLOAD_COLUMNS = ("workload", "protocol")
+# The preference sweep's rows also differ by `loss_type` (sigmoid, ..., kto; "all" for the GEMM floors, timed
+# once per batch for every loss type): a key column where present, like the workload columns.
+LOSS_TYPE_COLUMN = "loss_type"
+ALL_LOSS_TYPES = "all"  # the floors' loss_type: timed once per batch, they serve every loss type
+_KEY_COLUMNS = (*WORKLOAD_COLUMNS, LOSS_TYPE_COLUMN)
 
-_STR_COLUMNS = {"op", "provider", "x_name", "mode", "note", "workload", "protocol", "head"}
+_STR_COLUMNS = {"op", "provider", "x_name", "mode", "note", "workload", "protocol", "head", LOSS_TYPE_COLUMN}
 _INT_COLUMNS = {"x", "n_reps"}
 # Fixed formats: 0.1 µs resolution for times is below run-to-run noise; 0.1 MiB for memory;
 # the loss to 1e-6 is enough to tell providers apart (bf16 losses differ in the 3rd digit).
@@ -256,11 +263,11 @@ def _columns(rows: list[dict]) -> list[str]:
 def _sort_key(row: dict) -> tuple:
     mode = row["mode"]
     return (row["op"], row["x_name"], row["provider"], int(row["x"]), _MODE_RANK.get(mode, len(MODES)), mode,
-            *(str(row.get(c, "")) for c in WORKLOAD_COLUMNS))
+            *(str(row.get(c, "")) for c in _KEY_COLUMNS))
 
 
 def _row_key(row: dict) -> tuple:
-    return (*(row[c] for c in _ROW_KEY), *(row.get(c, "") for c in WORKLOAD_COLUMNS))
+    return (*(row[c] for c in _ROW_KEY), *(row.get(c, "") for c in _KEY_COLUMNS))
 
 
 def _check_rows(rows: list[dict]) -> None:
@@ -272,7 +279,7 @@ def _check_rows(rows: list[dict]) -> None:
 
 def _merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """Old rows followed by new ones; a new row replaces an old one with the same key (op, provider,
-    x_name, x, mode, and workload and protocol where present)."""
+    x_name, x, mode, and workload, protocol and loss_type where present)."""
     new_keys = {_row_key(row) for row in new}
     return [row for row in old if _row_key(row) not in new_keys] + list(new)
 

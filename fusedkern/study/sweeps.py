@@ -16,10 +16,11 @@ import torch
 
 from fusedkern.reference import fp64_linear_cross_entropy_grads_chunked
 from fusedkern.study.providers import PROVIDERS, Provider, ProviderUnavailable, Step, select_providers
-from fusedkern.study.results import MODES
+from fusedkern.study.results import ALL_LOSS_TYPES, MODES
 from fusedkern.study.timing import (DEFAULT_PROTOCOL, PROTOCOLS, free_memory, measure_step, settle_gpu, time_step,
                                     time_steps_interleaved)
-from fusedkern.study.workloads import DEFAULT_SEQ, Inputs, check_workloads, head_name, make_ce_inputs, make_inputs
+from fusedkern.study.workloads import (DEFAULT_SEQ, Inputs, check_workloads, for_loss_type, head_name,
+                                       make_ce_inputs, make_inputs)
 
 def say(message: str) -> None:
     """One log line on stderr that does not break a tqdm bar."""
@@ -40,16 +41,72 @@ def _error_note(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {first_line}"[:200]
 
 
+def _entry_key(provider: Provider, loss_type: str | None) -> str:
+    """A provider's name in one case: its key, or "<loss_type>/<key>" in a preference sweep."""
+    return provider.key if loss_type is None else f"{loss_type}/{provider.key}"
+
+
 def _build(provider: Provider, inputs: Inputs, skipped: dict[str, str]) -> dict[str, Step] | None:
-    """The provider's steps, or None (logged once per sweep) when it cannot run here."""
-    if provider.key in skipped:
+    """The provider's steps, or None (logged once per sweep, per loss type for preference) when it cannot run here."""
+    name = _entry_key(provider, inputs.loss_type)
+    if name in skipped:
         return None
     try:
         return provider.build(inputs)
     except (ImportError, ProviderUnavailable) as error:
-        skipped[provider.key] = f"{type(error).__name__}: {error}"
-        say(f"skipping provider {provider.key}: {skipped[provider.key]}")
+        skipped[name] = f"{type(error).__name__}: {error}"
+        say(f"skipping provider {name}: {skipped[name]}")
         return None
+
+
+def check_loss_types(op: str, loss_types: list[str] | tuple[str, ...] | None) -> list[str | None]:
+    """The loss types a sweep of `op` runs: [None] for ce and simpo (which have none), the given ones (default:
+    all of fusedkern.preference.LOSS_TYPES) for preference. Raises ValueError for an unknown or repeated one."""
+    if op != "preference":
+        if loss_types:
+            raise ValueError(f"loss types are for the preference op, not {op!r}")
+        return [None]
+    from fusedkern.preference import LOSS_TYPES
+
+    loss_types = list(LOSS_TYPES if loss_types is None else loss_types)
+    unknown = [t for t in loss_types if t not in LOSS_TYPES]
+    if unknown or not loss_types or len(set(loss_types)) != len(loss_types):
+        raise ValueError(f"bad loss types {loss_types}: give distinct ones of {', '.join(LOSS_TYPES)}")
+    return loss_types
+
+
+def loss_mismatches(rows: list[dict], *, reference: str = "trl_fp32", rel: float = 0.02,
+                    abs_tol: float = 0.05) -> list[str]:
+    """The preference cross-check: each fusedkern row's loss against `reference`'s (TRL's materialized
+    computation) at the same workload, x, mode and loss type; one line per pair farther apart than
+    abs_tol + rel·|reference| (TRL rounds the logits to bf16 before its fp32 log_softmax, fusedkern does not:
+    summed over ~1000 tokens a DPO log-ratio moves by O(0.1–1), βΔ by O(0.01–0.1)). A warning in the log,
+    not a failure. Liger's rows are not checked: its DPO and KTO run reference-free (another loss value)."""
+    wanted = {}
+    for row in rows:
+        if row.get("provider") == reference and not math.isnan(row.get("loss", math.nan)):
+            wanted[(row["workload"], row["x"], row["mode"], row.get("loss_type"))] = row["loss"]
+    out = []
+    for row in rows:
+        if not str(row.get("provider", "")).startswith("fusedkern") or math.isnan(row.get("loss", math.nan)):
+            continue
+        expected = wanted.get((row["workload"], row["x"], row["mode"], row.get("loss_type")))
+        if expected is not None and abs(row["loss"] - expected) > abs_tol + rel * abs(expected):
+            out.append(f"{row.get('loss_type')} {row['provider']} {row['x_name']}={row['x']} {row['mode']}: "
+                       f"loss {row['loss']:.6f} vs {reference} {expected:.6f}")
+    return out
+
+
+def _entries(chosen: list[Provider], loss_types: list[str | None]) -> list[tuple[Provider, str | None]]:
+    """(provider, loss type) pairs of a case: the floors once (loss type "all" in a preference sweep, None
+    otherwise), every other provider once per loss type."""
+    entries = []
+    for provider in chosen:
+        if provider.is_floor:
+            entries.append((provider, None if loss_types == [None] else ALL_LOSS_TYPES))
+        else:
+            entries.extend((provider, loss_type) for loss_type in loss_types)
+    return entries
 
 
 def _progress(total: int, enabled: bool, description: str):
@@ -102,11 +159,16 @@ def run_sweep(
     head: str | None = None,
     interleave: bool | None = None,
     checkpoint: Callable[[list[dict]], None] | None = None,
+    loss_types: list[str] | tuple[str, ...] | None = None,
 ) -> list[dict]:
-    """Time and measure every provider of `op` ("ce" or "simpo") at every x, in every mode, for every workload.
+    """Time and measure every provider of `op` ("ce", "simpo" or "preference") at every x, in every mode, for
+    every workload.
 
-    xs: token counts (ce) or batch rows (simpo, with `seq` tokens each). Inputs are made once per
-    (workload, x) and shared by all providers; for ce `seq` is the sequence length the masked
+    xs: token counts (ce) or batch rows (simpo, preference: chosen + rejected rows, or KTO's unpaired
+    sequences, with `seq` tokens each). preference: every provider but the floors runs once per loss type
+    (`loss_types`, default all of fusedkern.preference.LOSS_TYPES), on a view of the same inputs; its rows
+    carry a `loss_type` column ("all" for the floors, timed once per x and mode in the same rounds).
+    Inputs are made once per (workload, x) and shared by all providers; for ce `seq` is the sequence length the masked
     workloads cut the tokens into. Returns rows in the schema of `fusedkern.study.results` plus `note`
     ("" when fine, "OOM", or "error: ..."), `protocol`, `workload` and `head` (default: the preset
     that matches hidden/vocab/softcap, else "custom"); a provider/mode that errors (other than OOM)
@@ -129,26 +191,32 @@ def run_sweep(
     head = head or head_name(vocab, hidden, softcap)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     chosen = select_providers(op, providers)
+    loss_types = check_loss_types(op, loss_types)
+    entries = _entries(chosen, loss_types)
     x_name = "tokens" if op == "ce" else "batch"
     rows: list[dict] = []
     skipped: dict[str, str] = {}
-    failed: set[tuple[str, str, str]] = set()  # (workload, provider key, mode)
+    failed: set[tuple[str, str, str]] = set()  # (workload, entry key, mode)
 
-    def record(provider: Provider, workload: str, x: int, mode: str, measure: Callable[[], dict]) -> None:
+    def record(provider: Provider, loss_type: str | None, workload: str, x: int, mode: str,
+               measure: Callable[[], dict]) -> None:
         """One row: `measure()`'s fields, or NaNs and a note when it raises."""
         label = provider.label()
         base = {"op": op, "provider": label, "x_name": x_name, "x": x, "mode": mode, "protocol": protocol,
                 "workload": workload, "head": head}
+        if loss_type is not None:
+            base["loss_type"] = loss_type
         row = {**base, "note": ""}
         try:
             row.update(measure())
         except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
             row = _nan_row(**base, note=_error_note(error))
             if row["note"] != "OOM":
-                failed.add((workload, provider.key, mode))
+                failed.add((workload, _entry_key(provider, loss_type), mode))
                 say("".join(traceback.format_exception(error)).rstrip())  # the GPU run is one-shot: keep it all
         rows.append(row)
-        say(f"{op} {workload:<9} {x_name}={x:<6} {label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
+        kind = "" if loss_type is None else f"{loss_type:<8}"
+        say(f"{op} {workload:<9} {x_name}={x:<6} {kind}{label:<28} {mode:<9} p50 {row['ms_p50']:9.3f} ms  "
              f"extra {row['peak_extra_mib']:9.1f} MiB  n={row['n_reps']:<3} loss {row['loss']:.5f} {row['note']}")
 
     def timed_then_measured(steps: dict, mode: str, inputs: Inputs, timing: dict | BaseException | None):
@@ -165,43 +233,51 @@ def run_sweep(
         return measure
 
     settle_gpu(device)
-    total = len(workloads) * len(xs) * len(chosen) * len(modes)
+    total = len(workloads) * len(xs) * len(entries) * len(modes)
     with _progress(total, progress, f"{op} sweep ({protocol})") as bar:
         for workload in workloads:
             for x in xs:
                 inputs = make_inputs(op, x, hidden=hidden, vocab=vocab, dtype=dtype, device=device, seq=seq,
                                       seed=seed, workload=workload, softcap=softcap)
+                views = {t: inputs if t is None else for_loss_type(inputs, t) for _, t in entries}
                 if protocol != "sequential":
-                    built = {p: steps for p in chosen if (steps := _build(p, inputs, skipped)) is not None}
+                    built = {(p, t): steps for p, t in entries
+                             if (steps := _build(p, views[t], skipped)) is not None}
                     for mode in modes:
                         bar.set_postfix_str(f"{workload} {x_name}={x} {mode}, {protocol}")
-                        todo = {p: st for p, st in built.items()
-                                if mode in st and (workload, p.key, mode) not in failed}
+                        todo = {(p, t): st for (p, t), st in built.items()
+                                if mode in st and (workload, _entry_key(p, t), mode) not in failed}
                         rng = _case_rng(seed, op, workload, x, mode) if protocol == "shuffled" else None
                         try:
-                            timings = time_steps_interleaved({p.key: st[mode] for p, st in todo.items()}, inputs,
-                                                             warmup=warmup, reps=reps, min_reps=min_reps,
+                            named = {_entry_key(p, t): st[mode] for (p, t), st in todo.items()}
+                            timings = time_steps_interleaved(named, inputs, warmup=warmup, reps=reps, min_reps=min_reps,
                                                              max_case_s=max_case_s, rng=rng)
                         except Exception as error:  # noqa: BLE001 - e.g. OOM with every step alive
-                            timings = {p.key: error for p in todo}
-                        for p, st in todo.items():
-                            record(p, workload, x, mode, timed_then_measured(st, mode, inputs, timings[p.key]))
-                        bar.update(len(chosen))
+                            timings = {_entry_key(p, t): error for p, t in todo}
+                        for (p, t), st in todo.items():
+                            record(p, t, workload, x, mode,
+                                   timed_then_measured(st, mode, views[t], timings[_entry_key(p, t)]))
+                        bar.update(len(entries))
                     del built
                 else:
-                    for provider in chosen:
-                        bar.set_postfix_str(f"{workload} {x_name}={x} {provider.key}")
-                        steps = _build(provider, inputs, skipped)
+                    for provider, loss_type in entries:
+                        bar.set_postfix_str(f"{workload} {x_name}={x} {_entry_key(provider, loss_type)}")
+                        steps = _build(provider, views[loss_type], skipped)
                         for mode in modes:
                             bar.update(1)
-                            if steps is not None and mode in steps and (workload, provider.key, mode) not in failed:
-                                record(provider, workload, x, mode, timed_then_measured(steps, mode, inputs, None))
+                            key = (workload, _entry_key(provider, loss_type), mode)
+                            if steps is not None and mode in steps and key not in failed:
+                                record(provider, loss_type, workload, x, mode,
+                                       timed_then_measured(steps, mode, views[loss_type], None))
                         del steps
                         free_memory(device)
                         if checkpoint is not None:
                             checkpoint(rows)
-                del inputs
+                del inputs, views
                 free_memory(device)
+                if op == "preference":
+                    for line in loss_mismatches([r for r in rows if r["workload"] == workload and r["x"] == x]):
+                        say(f"CROSS-CHECK FAILED: {line}")
                 if protocol != "sequential" and checkpoint is not None:  # sequential checkpoints after each provider
                     checkpoint(rows)
     return rows

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from fusedkern.study.results import (WORKLOAD_COLUMNS, check_one_row_each, check_one_workload, floor_provider,
-                                     select_workload)
+from fusedkern.study.results import (ALL_LOSS_TYPES, LOSS_TYPE_COLUMN, WORKLOAD_COLUMNS, check_one_row_each,
+                                     check_one_workload, floor_provider, select_workload)
 
 # The order providers appear in legends and tables: baselines, competitors, ours, the floor.
 PROVIDER_ORDER = (
@@ -80,18 +80,23 @@ def round_up_log(values: pd.Series, steps_per_decade: int = 4) -> pd.Series:
 
 
 def ratio_to(df: pd.DataFrame, baseline: str, *, value: str = "ms_p50",
-             keys: Sequence[str] = ("op", "x_name", "x", "mode", *WORKLOAD_COLUMNS)) -> pd.DataFrame:
+             keys: Sequence[str] = ("op", "x_name", "x", "mode", *WORKLOAD_COLUMNS, LOSS_TYPE_COLUMN)) -> pd.DataFrame:
     """`value` of every row divided by the `baseline` provider's at the same keys.
 
     Returns columns keys + provider, value, baseline value and `ratio`, sorted; rows whose keys have
     no baseline row are dropped. To compare modes with different floors, select before calling.
     The keys include workload and protocol where the data have them: each row is divided by the
     floor timed in its own workload's rounds. Two baseline rows at the same keys raise ValueError.
+    loss_type (the preference sweep): a baseline row of loss_type "all" (the floors, timed once per batch)
+    divides the rows of every loss type at its other keys.
     """
     keys = [k for k in keys if k in df.columns]
-    check_one_row_each(df[df["provider"] == baseline], keys, f"ratio_to({baseline!r})")
-    base = df[df["provider"] == baseline][[*keys, value]].rename(columns={value: f"{value}_baseline"})
-    out = df[[*keys, "provider", value]].merge(base, on=keys, how="inner")
+    base_rows = df[df["provider"] == baseline]
+    on = [k for k in keys if not (k == LOSS_TYPE_COLUMN and len(base_rows)
+                                  and (base_rows[k].fillna("").astype(str) == ALL_LOSS_TYPES).all())]
+    check_one_row_each(base_rows, on, f"ratio_to({baseline!r})")
+    base = base_rows[[*on, value]].rename(columns={value: f"{value}_baseline"})
+    out = df[[*keys, "provider", value]].merge(base, on=on, how="inner")
     out["ratio"] = out[value] / out[f"{value}_baseline"]
     rank = {p: i for i, p in enumerate(sort_providers(out["provider"]))}
     out["_rank"] = out["provider"].map(rank)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,11 +67,15 @@ def head_name(vocab: int, hidden: int, softcap: float | None) -> str:
 class Inputs:
     """One workload, shared by every provider of a sweep point (the gradients are cleared between)."""
 
-    op: str  # "ce" or "simpo"
-    x: torch.Tensor  # [T, H] (ce) or [2B, S, H] (simpo), leaf, requires grad
+    op: str  # "ce", "simpo" or "preference"
+    x: torch.Tensor  # [T, H] (ce) or [2B, S, H] (simpo, preference), leaf, requires grad
     w: torch.Tensor  # [V, H], leaf, requires grad
     target: torch.Tensor  # [T] or [2B, S] int64, IGNORE_INDEX where masked
     softcap: float | None = None  # final-logit softcap c (s = c·tanh(z/c)) every provider must apply
+    # preference only: the loss type this view of the inputs is for ("all" for the GEMM floors) and the
+    # loss's tensors besides x, W and target (`make_preference_inputs`), shared by every loss type
+    loss_type: str | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def params(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,12 +181,47 @@ def make_simpo_inputs(
     return Inputs("simpo", x, w, target, softcap=softcap)
 
 
+def make_preference_inputs(
+    batch: int, seq: int, hidden: int, vocab: int, *, dtype: torch.dtype, device, seed: int = 0,
+    workload: str = "dense", softcap: float | None = None,
+) -> Inputs:
+    """`make_simpo_inputs` (x [R, S, H], W, targets [R, S], R = `batch` rows, chosen rows first) plus, in
+    `extras`, the tensors the preference losses take besides them, fixed per seed:
+
+    - ref_chosen_logps, ref_rejected_logps [R/2] fp32: summed reference log-probs of each response, near
+      the policy's own (n·(−ln V) times 1 + N(0, 0.01²)), so the DPO log-ratios are O(1–10) as in training;
+    - ref_logps [R] fp32 (the same values per row) and kto_labels [R] bool, alternately desirable (half of
+      them): KTO sees the R rows as unpaired sequences;
+    - kl [1] fp32: KTO's KL estimate, a small positive number.
+    The returned inputs have loss_type None; the sweep gives each loss type a view (`for_loss_type`)."""
+    inputs = make_simpo_inputs(batch, seq, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload,
+                               softcap=softcap)
+    device = inputs.x.device
+    gen = _generator(device, seed + 1)  # x, W and targets stay those of the simpo op at the same seed
+    counts = (inputs.target != IGNORE_INDEX).sum(-1).to(torch.float32)  # [R]
+    noise = torch.randn(batch, generator=gen, device=device, dtype=torch.float32)
+    ref = -counts * math.log(vocab) * (1 + 0.01 * noise)  # [R]
+    extras = {
+        "ref_chosen_logps": ref[: batch // 2].contiguous(),
+        "ref_rejected_logps": ref[batch // 2:].contiguous(),
+        "ref_logps": ref,
+        "kto_labels": torch.arange(batch, device=device) % 2 == 0,
+        "kl": torch.rand(1, generator=gen, device=device, dtype=torch.float32) * 0.5,
+    }
+    return replace(inputs, op="preference", extras=extras)
+
+
+def for_loss_type(inputs: Inputs, loss_type: str) -> Inputs:
+    """A view of preference inputs for one loss type: the same tensors (gradients shared and cleared alike)."""
+    return replace(inputs, loss_type=loss_type)
+
+
 def check_workloads(op: str, workloads: list[str] | tuple[str, ...]) -> list[str]:
     workloads = list(workloads)
     if not workloads:
         raise ValueError("give at least one workload")
     for workload in workloads:
-        if op == "simpo" and workload == SIMPO_LEGACY_WORKLOAD:
+        if op in ("simpo", "preference") and workload == SIMPO_LEGACY_WORKLOAD:
             continue
         ignored_fraction(workload)  # raises for an unknown one
     if len(set(workloads)) != len(workloads):
@@ -195,5 +234,8 @@ def make_inputs(op: str, x: int, *, hidden: int, vocab: int, dtype: torch.dtype,
     if op == "ce":
         return make_ce_inputs(x, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq,
                               softcap=softcap)
+    if op == "preference":
+        return make_preference_inputs(x, seq, hidden, vocab, dtype=dtype, device=device, seed=seed,
+                                      workload=workload, softcap=softcap)
     return make_simpo_inputs(x, seq, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload,
                              softcap=softcap)
