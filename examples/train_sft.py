@@ -1,11 +1,27 @@
-"""A short supervised fine-tuning loop whose loss comes from fusedkern (or, with --no-fusedkern, from the
-model's own logits), on a random-init causal LM or a local checkpoint, over synthetic prompt/response
-pairs or a local text file.
+"""A short supervised fine-tuning loop whose loss comes from fusedkern (or, with --loss-impl, from the
+model's own logits, Liger-Kernel's or cut-cross-entropy's fused head), on a random-init causal LM or a
+local checkpoint, over synthetic prompt/response pairs or a local text file.
 
     python examples/train_sft.py --device cpu --steps 2                 # tiny random Llama, Triton interpreter
     python examples/train_sft.py --device cuda --preset small --steps 50
     python examples/train_sft.py --device cuda --model /path/to/checkpoint --text-file corpus.txt
     python examples/train_sft.py --device cuda --preset llama3-head --no-fusedkern   # the baseline
+    python examples/train_sft.py --device cuda --preset llama3-8b-2l --loss-impl liger --steps 11 \
+        --warmup-steps 3 --csv train_table.csv                          # one row of the training-step table
+
+--loss-impl picks who computes the head and its loss; only that differs between runs (same seed, init
+and data; bf16 autocast, SDPA attention, AdamW on fp32 weights):
+  fusedkern  `fusedkern.integrations.transformers.patch(model)` (--fusedkern, the default)
+  hf         the unpatched model: bf16 logits, Transformers' ForCausalLMLoss (--no-fusedkern)
+  liger      `liger_kernel.transformers.apply_liger_kernel_to_llama(model=model, fused_linear_cross_entropy=True)`
+             with rope, rms_norm, swiglu and cross_entropy off (pip install liger-kernel)
+  cce        `cut_cross_entropy.transformers.cce_patch(model)` where it exists; the PyPI wheel of
+             cut-cross-entropy 25.1.1 has no `transformers` subpackage (it ships only from git), so
+             otherwise the model's forward calls `cut_cross_entropy.linear_cross_entropy(hidden,
+             lm_head.weight, labels, shift=True)` as cce_patch does (pip install cut-cross-entropy)
+All four take `num_items_in_batch` (the loss is the sum over targets divided by it), so every run
+uses the same gradient accumulation. --csv appends one row per run (percentiles of the step time after
+--warmup-steps, tokens/s, peak memory, versions, and whether the head's dW is accumulated in fp32).
 
 A Hugging Face Llama is patched with `fusedkern.integrations.transformers.patch`, so that
 `model(input_ids, labels=..., num_items_in_batch=...)` computes its loss without the [tokens, vocab]
@@ -22,8 +38,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import csv
+import importlib
+import importlib.metadata
 import math
 import os
+import subprocess
 import sys
 import time
 import types
@@ -50,6 +70,7 @@ class Preset:
     kv_heads: int
     seq_len: int
     batch_size: int
+    rope_theta: float = 10000.0
 
 
 PRESETS = {
@@ -59,7 +80,20 @@ PRESETS = {
     # Llama-3-8B's head and layer shapes with a few decoder layers: the LM head dominates the memory
     "llama3-head": Preset(vocab=128256, hidden=4096, intermediate=14336, layers=2, heads=32, kv_heads=8,
                           seq_len=4096, batch_size=1),
+    # the training-step table (scripts/h200_train_table.sh): Llama-3-8B's shapes with 2 decoder layers
+    # (--layers), 8192 tokens a sequence. Parameters: embedding and head 128256 × 4096 = 525.3 M each,
+    # a layer 218.1 M (attention 41.9 M, MLP 3 × 4096 × 14336 = 176.2 M), 1486.8 M with 2 layers; fp32
+    # weights + fp32 grads + AdamW's two fp32 states = 16 B a parameter = 23.8 GB (22.2 GiB), plus the
+    # bf16 copies autocast caches (~3 GB). The unpatched (hf) head at 2 × 8192 = 16384 tokens: bf16
+    # logits 4.2 GB, their fp32 upcast 8.4 GB, log-softmax 8.4 GB kept, its gradient 2 × 8.4 GB in
+    # backward: ~25 GB at its peak; the two layers' saved activations ~3 GB a sequence. hf ≈ 57–60 GB
+    # at micro-batch 2 (fits an 80 GB H100; micro-batch 3 ≈ 72 GB would not leave a margin); the fused
+    # heads keep only ~the model states + layers, ≈ 30–35 GB.
+    "llama3-8b-2l": Preset(vocab=128256, hidden=4096, intermediate=14336, layers=2, heads=32, kv_heads=8,
+                           seq_len=8192, batch_size=2, rope_theta=500000.0),
 }
+
+LOSS_IMPLS = ("fusedkern", "hf", "liger", "cce")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,7 +137,7 @@ class PlainCausalLM(nn.Module):
 def build_model(args, preset: Preset) -> nn.Module:
     if args.arch == "torch":
         torch.manual_seed(args.seed)
-        return PlainCausalLM(preset, args.fusedkern)
+        return PlainCausalLM(preset, args.loss_impl == "fusedkern")
     import transformers
     if args.model is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True,
@@ -113,13 +147,93 @@ def build_model(args, preset: Preset) -> nn.Module:
             vocab_size=preset.vocab, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
             num_hidden_layers=preset.layers, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
             max_position_embeddings=max(preset.seq_len, 128), tie_word_embeddings=False,
-            attn_implementation="sdpa" if args.device == "cuda" else "eager")
+            rope_theta=preset.rope_theta, attn_implementation="sdpa" if args.device == "cuda" else "eager")
         torch.manual_seed(args.seed)
-        model = transformers.LlamaForCausalLM(config)
-    if args.fusedkern:
+        # initialized where it trains: on the GPU a 1.5 B-parameter init takes a fraction of the CPU's time
+        with torch.device(args.device):
+            model = transformers.LlamaForCausalLM(config)
+    model._train_sft_head_patch = patch_head(model, args.loss_impl)
+    return model
+
+
+def _require(module: str, pip_name: str, impl: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise SystemExit(f"--loss-impl {impl} needs {pip_name}, which is not importable here ({exc}): "
+                         f"pip install {pip_name}") from exc
+
+
+HEAD_PATCH = {  # what each --loss-impl does to the model (the CSV's head_patch column)
+    "fusedkern": "fusedkern.integrations.transformers.patch(model)",
+    "hf": "none (bf16 logits, Transformers' loss_function)",
+    "liger": "apply_liger_kernel_to_llama(model=model, fused_linear_cross_entropy=True, rope/rms_norm/swiglu=False)",
+    "cce": "cut_cross_entropy.transformers.cce_patch(model)",
+    "cce_fallback": "forward calling cut_cross_entropy.linear_cross_entropy(shift=True) (no cce_patch in the wheel)",
+}
+
+# Is the head's weight gradient accumulated in fp32 (fp32_dw), and how: the CSV's fp32_dw and dw_accum
+# columns, from each implementation's source at the versions the table uses.
+DW_ACCUM = {
+    "fusedkern": ("yes", "fp32 accumulator across token chunks (patch's weight_grad_accum='fp32', the default)"),
+    "hf": ("no", "autocast's bf16 GEMM: fp32 accumulation inside one cuBLAS GEMM over all tokens, "
+                 "the [vocab, hidden] dW written in bf16, then cast to the fp32 weight's grad"),
+    "liger": ("yes", "liger-kernel 0.8.5 with fp32 params under AMP: grad_weight = zeros_like(weight) (fp32), "
+                     "torch.addmm(..., out_dtype=torch.float32, out=grad_weight) per chunk (torch >= 2.8, sm80+)"),
+    "cce": ("no", "cut-cross-entropy 25.1.1: dc = zeros_like(c, dtype=e.dtype) (bf16 under AMP), bf16 partial "
+                  "products lock-added into it per token block, then dc.to(fp32); and filter_eps='high' skips "
+                  "blocks of small gradient"),
+}
+
+
+def patch_head(model: nn.Module, impl: str) -> str:
+    """Swap the model's head and loss for `impl`'s; returns the HEAD_PATCH key of what was done."""
+    if impl == "hf":
+        return "hf"
+    if impl == "fusedkern":
         from fusedkern.integrations.transformers import patch
         patch(model)
-    return model
+        return "fusedkern"
+    if impl == "liger":
+        liger = _require("liger_kernel.transformers", "liger-kernel", impl)
+        liger.apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=True,
+                                          rms_norm=False, swiglu=False, model=model)
+        return "liger"
+    if impl == "cce":
+        cce = _require("cut_cross_entropy", "cut-cross-entropy", impl)
+        try:  # on git installs; its Llama forward imports Transformers 4.x names, so it may fail on 5.x too
+            from cut_cross_entropy.transformers import cce_patch
+        except ImportError:
+            model.forward = types.MethodType(_cce_forward(cce.linear_cross_entropy), model)
+            return "cce_fallback"
+        cce_patch(model)
+        return "cce"
+    raise ValueError(f"unknown loss implementation {impl!r}")
+
+
+def _cce_forward(linear_cross_entropy):
+    """LlamaForCausalLM's forward with cce_patch's loss (cut_cross_entropy.transformers.utils.apply_lce):
+    `linear_cross_entropy(hidden, lm_head.weight, labels, shift=True)`, reduction 'sum' divided by
+    `num_items_in_batch` when given, else 'mean'; logits None. Under autocast the hidden states (fp32:
+    Llama's residual stream and final RMSNorm stay in the weights' dtype) are cast to the autocast dtype
+    as autocast casts them for lm_head: CCE 25.1.1 has no autocast handling and its backward asserts
+    bf16/fp16 embeddings; the fp32 classifier is cast to bf16 inside its kernels."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = outputs.last_hidden_state
+        if labels is None:
+            return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=outputs.past_key_values)
+        if torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == torch.float32:
+            hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
+        loss = linear_cross_entropy(hidden, self.lm_head.weight, labels.to(hidden.device), shift=True,
+                                    reduction="mean" if num_items_in_batch is None else "sum")
+        if num_items_in_batch is not None:
+            loss = loss / num_items_in_batch
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values)
+
+    return forward
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,8 +289,14 @@ def parse_args(argv):
     p.add_argument("--text-file", default=None, help="train on windows of this local text file (else synthetic SFT)")
     p.add_argument("--arch", choices=("llama", "torch"), default="llama" if HAS_TRANSFORMERS else "torch",
                    help="random-init Hugging Face Llama (needs transformers) or a plain-torch LM")
-    p.add_argument("--fusedkern", action=argparse.BooleanOptionalAction, default=True,
-                   help="the loss from fusedkern (default) or from the model's own logits")
+    p.add_argument("--loss-impl", choices=LOSS_IMPLS, default=None,
+                   help="who computes the head and its loss (default fusedkern; see above)")
+    p.add_argument("--fusedkern", action=argparse.BooleanOptionalAction, default=None,
+                   help="aliases of --loss-impl fusedkern / --loss-impl hf")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="first steps left out of the summary and the CSV row (compilation, autotuning, "
+                        "allocation); default 1, or 0 with --steps 1")
+    p.add_argument("--csv", default=None, help="append one row of this run's summary to this CSV file")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -184,6 +304,23 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    if args.fusedkern is not None:
+        alias = "fusedkern" if args.fusedkern else "hf"
+        if args.loss_impl not in (None, alias):
+            p.error(f"--{'' if args.fusedkern else 'no-'}fusedkern contradicts --loss-impl {args.loss_impl}")
+        args.loss_impl = alias
+    args.loss_impl = args.loss_impl or "fusedkern"
+    args.fusedkern = args.loss_impl == "fusedkern"
+    if args.warmup_steps is None:
+        args.warmup_steps = min(1, args.steps - 1)
+    if not 0 <= args.warmup_steps < args.steps:
+        p.error(f"--warmup-steps must be ≥ 0 and below --steps ({args.steps}), got {args.warmup_steps}")
+    if args.loss_impl in ("liger", "cce") and args.arch != "llama":
+        p.error(f"--loss-impl {args.loss_impl} patches a Hugging Face Llama: it needs --arch llama")
+    package = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+    if args.loss_impl in package and importlib.util.find_spec(package[args.loss_impl][0]) is None:
+        p.error(f"--loss-impl {args.loss_impl} needs {package[args.loss_impl][1]}, which is not installed: "
+                f"pip install {package[args.loss_impl][1]}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible")
     # importing fusedkern switched the interpreter on if no GPU is visible and the user had not decided
@@ -212,6 +349,7 @@ def main(argv=None) -> list[dict]:
     preset = resolve_preset(args)
     device = torch.device(args.device)
     model = build_model(args, preset).to(device).train()
+    head_patch = getattr(model, "_train_sft_head_patch", args.loss_impl)
     vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else preset.vocab
     tokenizer = None
     if args.text_file is not None and args.model is not None:
@@ -224,7 +362,7 @@ def main(argv=None) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n_params / 1e6:.2f} M parameters, vocab {vocab}, micro-batch "
           f"{preset.batch_size} × {preset.seq_len} tokens, {args.grad_accum} per step, on {args.device}, "
-          f"loss from {'fusedkern' if args.fusedkern else 'the logits'}", flush=True)
+          f"loss from {args.loss_impl} ({HEAD_PATCH[head_patch]})", flush=True)
 
     records = []
     bar = tqdm(range(args.steps), desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
@@ -235,6 +373,7 @@ def main(argv=None) -> list[dict]:
         num_items = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, _, labels in micro)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            # reset at every step: the peak over the timed steps is that of a reset at their start
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         step_loss = torch.zeros((), device=device)
@@ -255,22 +394,100 @@ def main(argv=None) -> list[dict]:
         if not math.isfinite(value):
             raise RuntimeError(f"step {step}: the loss is {value}")
     bar.close()
-    print_table(records)
+    print_table(records, args.warmup_steps)
+    if args.csv is not None:
+        row = summary_row(args, preset, records, head_patch)
+        append_csv(args.csv, row)
+        print(f"appended to {args.csv}: " + ", ".join(f"{k}={row[k]}" for k in
+                                                      ("loss_impl", "step_ms_p50", "tokens_per_s", "peak_mib")))
     return records
 
 
-def print_table(records: list[dict]) -> None:
+def print_table(records: list[dict], warmup_steps: int = 1) -> None:
     print(f"{'step':>5} {'loss':>10} {'step ms':>10} {'tokens/s':>11} {'peak MiB':>10}")
     for r in records:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         print(f"{r['step']:>5} {r['loss']:>10.6f} {r['step_time_s'] * 1e3:>10.1f} {r['tokens_per_s']:>11.0f} {peak:>10}")
-    if len(records) > 1:  # the first step pays for compilation, autotuning and allocation
-        rest = records[1:]
+    rest = records[warmup_steps:]
+    if rest and warmup_steps > 0:  # the first steps pay for compilation, autotuning and allocation
         time_s = sum(r["step_time_s"] for r in rest) / len(rest)
         peak = max((r["peak_mib"] for r in rest if r["peak_mib"] is not None), default=None)
-        print(f"steps 1–{records[-1]['step']}: {time_s * 1e3:.1f} ms per step, "
+        print(f"steps {rest[0]['step']}–{rest[-1]['step']}: {time_s * 1e3:.1f} ms per step, "
               f"{sum(r['tokens_per_s'] for r in rest) / len(rest):.0f} tokens/s"
               + ("" if peak is None else f", peak {peak:.0f} MiB"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the CSV row
+
+
+CSV_COLUMNS = ("loss_impl", "preset", "layers", "seq_len", "batch_size", "grad_accum", "steps_timed",
+               "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "first_loss",
+               "final_loss", "protocol", "workload", "device", "torch", "triton", "transformers", "liger_kernel",
+               "cut_cross_entropy", "commit", "fp32_dw", "dw_accum", "head_patch", "autocast", "attention")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0–100), linear between the order statistics (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def summary_row(args, preset: Preset, records: list[dict], head_patch: str) -> dict:
+    timed = records[args.warmup_steps:]
+    times_ms = [r["step_time_s"] * 1e3 for r in timed]
+    p50 = percentile(times_ms, 50)
+    tokens = args.grad_accum * preset.batch_size * preset.seq_len
+    peaks = [r["peak_mib"] for r in timed if r["peak_mib"] is not None]
+    fp32_dw, dw_accum = DW_ACCUM[args.loss_impl]
+    if args.device == "cpu":
+        fp32_dw, dw_accum = "n/a", "CPU run (no autocast; fp32 throughout)"
+    cuda = args.device == "cuda"
+    return {
+        "loss_impl": args.loss_impl, "preset": args.preset or ("tiny" if args.device == "cpu" else "small"),
+        "layers": preset.layers, "seq_len": preset.seq_len, "batch_size": preset.batch_size,
+        "grad_accum": args.grad_accum, "steps_timed": len(timed),
+        "step_ms_p20": f"{percentile(times_ms, 20):.2f}", "step_ms_p50": f"{p50:.2f}",
+        "step_ms_p80": f"{percentile(times_ms, 80):.2f}", "tokens_per_s": f"{tokens / (p50 / 1e3):.1f}",
+        "peak_mib": f"{max(peaks):.1f}" if peaks else "",
+        "first_loss": f"{records[0]['loss']:.6f}", "final_loss": f"{records[-1]['loss']:.6f}",
+        "protocol": "sequential", "workload": "sft_masked_50" if args.text_file is None else "text_windows",
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
+        "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
+        "commit": _commit(), "fp32_dw": fp32_dw, "dw_accum": dw_accum, "head_patch": HEAD_PATCH[head_patch],
+        "autocast": "bf16, fp32 weights" if cuda else "none, fp32",
+        "attention": ("sdpa" if cuda else "eager") if args.arch == "llama" else "torch TransformerEncoder",
+    }
+
+
+def append_csv(path: str, row: dict) -> None:
+    """Append `row` (header first if the file is new or empty), one line."""
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,17 @@ are the same; two micro-batches per step, so the num_items_in_batch normalizatio
 
 from __future__ import annotations
 
+import csv
 import importlib
+import importlib.machinery
 import importlib.util
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import fusedkern
 from fusedkern._runtime import interpreting
@@ -72,3 +76,118 @@ def test_on_cuda_the_loss_matches_and_the_peak_memory_is_lower(train_sft, arch):
     assert fused[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
     # the [tokens, 32000] logits, their fp32 upcast and their gradient are what fusedkern leaves out
     assert fused[1]["peak_mib"] < 0.8 * plain[1]["peak_mib"], (fused[1]["peak_mib"], plain[1]["peak_mib"])
+
+
+# ----------------------------------------------------------------------------------------------
+# --loss-impl, --warmup-steps, --csv (the training-step table's rows)
+
+
+def test_loss_impl_flags_and_their_aliases(train_sft, capsys):
+    parse = train_sft.parse_args
+    assert parse(["--device", "cpu", "--no-fusedkern"]).loss_impl == "hf"
+    assert parse(["--device", "cpu", "--loss-impl", "hf", "--no-fusedkern"]).loss_impl == "hf"
+    args = parse(["--device", "cpu", "--loss-impl", "hf", "--steps", "5", "--warmup-steps", "3", "--csv", "x.csv"])
+    assert (args.loss_impl, args.fusedkern, args.warmup_steps, args.csv) == ("hf", False, 3, "x.csv")
+    assert parse(["--device", "cpu", "--no-fusedkern", "--steps", "1"]).warmup_steps == 0
+    for argv, message in ((["--loss-impl", "liger", "--fusedkern"], "--fusedkern contradicts --loss-impl liger"),
+                          (["--no-fusedkern", "--steps", "2", "--warmup-steps", "2"], "--warmup-steps must be"),
+                          (["--loss-impl", "cce", "--arch", "torch"], "it needs --arch llama")):
+        with pytest.raises(SystemExit):
+            parse(["--device", "cpu", *argv])
+        assert message in capsys.readouterr().err
+    preset = train_sft.PRESETS["llama3-8b-2l"]
+    assert (preset.vocab, preset.hidden, preset.intermediate, preset.heads, preset.kv_heads, preset.seq_len,
+            preset.rope_theta) == (128256, 4096, 14336, 32, 8, 8192, 500000.0)
+
+
+@pytest.mark.parametrize("impl,package", [("liger", "liger-kernel"), ("cce", "cut-cross-entropy")])
+def test_a_missing_competitor_is_a_clear_error(train_sft, impl, package, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "liger_kernel", "cut_cross_entropy") else real(name, *a))
+    with pytest.raises(SystemExit):
+        train_sft.main(["--device", "cpu", "--loss-impl", impl, "--steps", "1"])
+    err = capsys.readouterr().err
+    assert f"--loss-impl {impl} needs {package}, which is not installed: pip install {package}" in err
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors need Triton's interpreter (on when no GPU is visible)")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs Hugging Face Transformers")
+def test_csv_rows_of_hf_and_fusedkern(train_sft, tmp_path, capsys):
+    path = tmp_path / "table.csv"
+    for impl in ("hf", "fusedkern"):
+        train_sft.main([*TINY, "--loss-impl", impl, "--steps", "2", "--warmup-steps", "1", "--csv", str(path)])
+    assert f"appended to {path}: loss_impl=fusedkern" in capsys.readouterr().out
+    with open(path, newline="") as f:
+        assert next(csv.reader(f)) == list(train_sft.CSV_COLUMNS)
+    with open(path, newline="") as f:
+        hf, fk = list(csv.DictReader(f))
+    for column in ("loss_impl", "preset", "layers", "seq_len", "batch_size", "grad_accum", "steps_timed", "step_ms_p20",
+                   "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "final_loss", "first_loss", "protocol",
+                   "workload", "device", "torch", "triton", "transformers", "commit", "fp32_dw"):
+        assert column in hf
+    assert (hf["loss_impl"], fk["loss_impl"]) == ("hf", "fusedkern")
+    assert (fk["preset"], fk["layers"], fk["seq_len"], fk["batch_size"], fk["grad_accum"], fk["steps_timed"]) == (
+        "tiny", "2", "12", "2", "2", "1")
+    assert (fk["protocol"], fk["workload"], fk["device"], fk["peak_mib"], fk["fp32_dw"]) == (
+        "sequential", "sft_masked_50", "cpu", "", "n/a")  # no autocast on CPU: the dW question does not arise
+    assert fk["torch"] == torch.__version__ and fk["transformers"]
+    assert float(fk["step_ms_p20"]) <= float(fk["step_ms_p50"]) <= float(fk["step_ms_p80"])
+    tokens = 2 * 2 * 12  # grad-accum × batch × seq
+    assert float(fk["tokens_per_s"]) == pytest.approx(tokens / (float(fk["step_ms_p50"]) / 1e3), rel=1e-3)
+    assert float(fk["first_loss"]) == pytest.approx(float(hf["first_loss"]), rel=1e-5)
+    # on CUDA the row states each implementation's dW accumulation
+    assert {k: v[0] for k, v in train_sft.DW_ACCUM.items()} == {"fusedkern": "yes", "hf": "no", "liger": "yes",
+                                                                 "cce": "no"}
+
+
+def test_percentile_interpolates_like_numpy(train_sft):
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert [train_sft.percentile(values, q) for q in (0, 20, 50, 80, 100)] == [1.0, 1.8, 3.0, 4.2, 5.0]
+    assert train_sft.percentile([7.0], 80) == 7.0
+
+
+def _fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs Hugging Face Transformers")
+def test_liger_is_applied_to_the_head_only(train_sft, monkeypatch):
+    # Liger's kernels need a GPU: a stand-in records the call (the model stays unpatched)
+    calls = []
+    _fake_module(monkeypatch, "liger_kernel")
+    _fake_module(monkeypatch, "liger_kernel.transformers", apply_liger_kernel_to_llama=lambda **k: calls.append(k))
+    train_sft.main([*TINY, "--loss-impl", "liger", "--steps", "1"])
+    assert len(calls) == 1
+    model = calls[0].pop("model")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert calls[0] == dict(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=False,
+                            swiglu=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs Hugging Face Transformers")
+def test_cce_without_cce_patch_calls_linear_cross_entropy_as_cce_patch_does(train_sft, monkeypatch, tmp_path):
+    # CCE's kernels do not run in Triton's interpreter: a torch stand-in with its signature checks the
+    # plumbing (shift, reduction, num_items_in_batch) against the unpatched model's loss
+    seen = []
+
+    def linear_cross_entropy(e, c, targets, ignore_index=-100, softcap=None, reduction="mean", shift=False, **kw):
+        seen.append((reduction, shift, kw))
+        assert shift
+        logits = (e[:, :-1] @ c.T).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten(), reduction=reduction,
+                                                 ignore_index=ignore_index)
+
+    _fake_module(monkeypatch, "cut_cross_entropy", linear_cross_entropy=linear_cross_entropy)  # no .transformers
+    path = tmp_path / "t.csv"
+    cce = train_sft.main([*TINY, "--loss-impl", "cce", "--steps", "2", "--csv", str(path)])
+    hf = train_sft.main([*TINY, "--loss-impl", "hf", "--steps", "2"])
+    assert seen == [("sum", True, {})] * 4  # steps × micro-batches, each divided by num_items_in_batch
+    assert [r["loss"] for r in cce] == pytest.approx([r["loss"] for r in hf], rel=1e-5)
+    with open(path, newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert row["loss_impl"] == "cce" and "no cce_patch in the wheel" in row["head_patch"]
