@@ -67,7 +67,7 @@ def logits_into(buf: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, b: torch.
     return z
 
 
-def _accumulate_weight_grad(acc: torch.Tensor, g: torch.Tensor, x_c: torch.Tensor, first: bool) -> None:
+def accumulate_weight_grad(acc: torch.Tensor, g: torch.Tensor, x_c: torch.Tensor, first: bool) -> None:
     """acc (+)= gᵀ x_c.  (V, C) @ (C, H) → (V, H); acc may be fp32 while g, x_c are bf16/fp16."""
     gt = g.t()
     if acc.dtype == g.dtype:
@@ -193,7 +193,7 @@ def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
     if dx_rows is not None:
         torch.mm(g, w, out=dx_rows)  # (C, V) @ (V, H) → (C, H)
     if dw is not None:
-        _accumulate_weight_grad(dw, g, x_c, first)
+        accumulate_weight_grad(dw, g, x_c, first)
     if db is not None:
         db += torch.sum(g, dim=0, dtype=torch.float32)
 

@@ -27,7 +27,7 @@ import sys
 import torch
 
 import fusedkern  # noqa: F401
-from fusedkern.chunked import LossOptions, _accumulate_weight_grad, chunked_loss
+from fusedkern.chunked import LossOptions, accumulate_weight_grad, chunked_loss
 from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
 
 from probe_common import ms_quantiles_back_to_back, recorder
@@ -107,7 +107,7 @@ def chunk_shipped(z, x_c, w, y_c, loss, stats, g, dx, dw):
     torch.mm(x_c, w.t(), out=z)
     rows(z, y_c, loss, stats, g)
     torch.mm(z, w, out=dx)
-    _accumulate_weight_grad(dw, z, x_c, first=False)
+    accumulate_weight_grad(dw, z, x_c, first=False)
 
 
 def chunk_halves(z, x_c, w, y_c, loss, stats, g, dx, dw, side):
@@ -130,7 +130,7 @@ def chunk_halves(z, x_c, w, y_c, loss, stats, g, dx, dw, side):
     for half, done in zip(halves, rows_done):
         main.wait_event(done)
         torch.mm(z[half], w, out=dx[half])
-    _accumulate_weight_grad(dw, z, x_c, first=False)
+    accumulate_weight_grad(dw, z, x_c, first=False)
 
 
 def chunks(side):

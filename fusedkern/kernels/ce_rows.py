@@ -28,45 +28,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from fusedkern._runtime import autotune_configs, interpreting
-
-
-@triton.jit
-def _tanh(u, USE_LIBDEVICE: tl.constexpr):
-    """tanh in fp32. libdevice on the GPU; in the interpreter (no libdevice there) a series near 0
-    and the exp form elsewhere, both accurate to a few ulp of fp32."""
-    if USE_LIBDEVICE:
-        return libdevice.tanh(u)
-    else:
-        a = tl.abs(u)
-        t = tl.exp(-2.0 * a)
-        big = (1.0 - t) / (1.0 + t)
-        a2 = a * a
-        # Taylor series up to u^9: error < 1e-9 relative for |u| < 0.125, where 1 - t would cancel
-        small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
-        r = tl.where(a < 0.125, small, big)
-        return tl.where(u < 0, -r, r)
-
-
-@triton.jit
-def _expm1(u):
-    """exp(u) − 1 in fp32 without the cancellation of the naive form near u = 0 (where p_y → 1 makes
-    the target's p_y − 1 lose its digits): a Taylor series for |u| < 0.35 (error < 1e-9 relative),
-    exp(u) − 1 beyond (≤ ~3 ulp there). Plain tl ops, the same on the GPU and in the interpreter."""
-    series = u * (1.0 + u * (1.0 / 2.0 + u * (1.0 / 6.0 + u * (1.0 / 24.0 + u * (1.0 / 120.0 + u * (
-        1.0 / 720.0 + u * (1.0 / 5040.0 + u * (1.0 / 40320.0))))))))
-    return tl.where(tl.abs(u) < 0.35, series, tl.exp(u) - 1.0)
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) in fp32 for x ≥ 0, accurate where 1 + x rounds (Goldberg's trick: the rounding of
-    1 + x is divided back out)."""
-    u = 1.0 + x
-    rounded = tl.where(u == 1.0, 1.0, u - 1.0)  # never 0: no 0/0 in the branch that is not taken
-    return tl.where(u == 1.0, x, tl.log(u) * (x / rounded))
+from fusedkern.kernels.device_math import expm1, log1p, tanh
 
 
 @triton.jit
@@ -97,7 +61,7 @@ def _softcapped(z, softcap, logit_scale, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: t
                 USE_LIBDEVICE: tl.constexpr):
     """s = softcap(z)·scale in fp32 (scale = 1/τ, a sampling temperature; HAS_SCALE compiles it in)."""
     if HAS_SOFTCAP:
-        s = softcap * _tanh(z / softcap, USE_LIBDEVICE)
+        s = softcap * tanh(z / softcap, USE_LIBDEVICE)
     else:
         s = z
     if HAS_SCALE:
@@ -282,7 +246,7 @@ def _row_finish_kernel(
         parts = row * SPLIT + tl.arange(0, SPLIT)  # (SPLIT,)
         m_parts, rest_parts = tl.load(partial_max_ptr + parts), tl.load(partial_sumexp_ptr + parts)
         m, rest = _merge_mass(m_parts, rest_parts, tl.arange(0, SPLIT))
-        log_d = _log1p(rest)
+        log_d = log1p(rest)
         if HAS_ENTROPY:
             # H = lse − Σ p s = log Σ − A/Σ: two non-negative terms (A ≤ 0), no cancellation
             entropy = log_d - _merge_entropy(m_parts, rest_parts, tl.load(partial_ent_ptr + parts), m) / (1.0 + rest)
@@ -339,7 +303,7 @@ def _row_finish_kernel(
             mask = cols < col1
             z = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                t = _tanh(z / softcap, USE_LIBDEVICE)
+                t = tanh(z / softcap, USE_LIBDEVICE)
                 s = softcap * t
             else:
                 s = z
@@ -349,7 +313,7 @@ def _row_finish_kernel(
             p = tl.exp(log_p)
             # at the target, coef_p·p − coef_y = coef_y·(p − 1) + coef_extra·p with p − 1 = expm1(log p):
             # exact where p_y → 1 (a confident prediction), where p − 1 in fp32 keeps few digits
-            grad = tl.where(cols == target_col, coef_y * _expm1(log_p) + coef_extra * p, coef_p * p)
+            grad = tl.where(cols == target_col, coef_y * expm1(log_p) + coef_extra * p, coef_p * p)
             if HAS_ENTROPY:
                 grad -= g_entropy * p * (log_p + entropy)
             if HAS_WEIGHT:

@@ -34,7 +34,7 @@ from fusedkern._runtime import autotune_configs, interpreting, sm_count
 from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default, less the O(T + V) vectors
 # shared with the row kernels: tanh in fp32 (libdevice on the GPU, exact forms in the interpreter), and
 # exp(u) − 1 without cancellation near 0 (the target's p − 1 of a confident prediction)
-from fusedkern.kernels.ce_rows import _expm1, _tanh
+from fusedkern.kernels.device_math import expm1, tanh
 from fusedkern.kernels.dot import dot_fp32_acc
 
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
@@ -153,7 +153,7 @@ def _fused_ce_fwd_kernel(
                         HAS_BIAS, DOT_PRECISION, BLOCK_T, BLOCK_V, BLOCK_H)  # (BLOCK_T, BLOCK_V)
         # 3. softcap s = c·tanh(z/c)
         if HAS_SOFTCAP:
-            s = SOFTCAP * _tanh(s / SOFTCAP, USE_LIBDEVICE)
+            s = SOFTCAP * tanh(s / SOFTCAP, USE_LIBDEVICE)
         # 4. online max and rest = Σ exp(s − m) − 1, as the row kernel keeps it (`ce_rows._merge_mass`):
         #    when one class dominates, Σ exp ≈ 1 in fp32 keeps only the first digits of the other
         #    classes' mass, rest keeps all of them — and with them 1 − p_y, the confident target's
@@ -289,7 +289,7 @@ def _fused_ce_bwd_kernel(
                     HAS_BIAS, DOT_PRECISION, BLOCK_T, BLOCK_V, BLOCK_H)  # (BLOCK_T, BLOCK_V)
     if HAS_SOFTCAP:
         u = z / SOFTCAP
-        s = SOFTCAP * _tanh(u, USE_LIBDEVICE)
+        s = SOFTCAP * tanh(u, USE_LIBDEVICE)
         # s' = 1 − tanh²(u) = 4e/(1 + e)², e = exp(−2|u|): no cancellation where |tanh| → 1
         e = tl.exp(-2.0 * tl.abs(u))
         ds_dz = 4.0 * e / ((1.0 + e) * (1.0 + e))  # (BLOCK_T, BLOCK_V)
@@ -309,7 +309,7 @@ def _fused_ce_bwd_kernel(
     # (per element: picking the target's log p out of the tile per row made the plain dX pass spill
     # 88 bytes on sm_90, this form none)
     is_y = offs_v[None, :] == y[:, None]
-    g = tl.where(is_y, cb[:, None] * _expm1(log_p) + c_extra[:, None] * p, (cb + c_extra)[:, None] * p)
+    g = tl.where(is_y, cb[:, None] * expm1(log_p) + c_extra[:, None] * p, (cb + c_extra)[:, None] * p)
     if HAS_SMOOTHING:
         cc = tl.load(coef_ptr + 2 * T + offs_t, mask=mask_t, other=0.0)  # (BLOCK_T,)
         if HAS_WEIGHT:
