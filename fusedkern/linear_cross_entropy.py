@@ -14,6 +14,9 @@ and count checks, which read the device, run inside the operator bodies: started
 are queued and read after them (`_validation.TargetRangeCheck`), so that no step waits for the GPU.
 Outside tracing (`call_op`) the same implementations and formulas run through a plain autograd.Function,
 which costs less host time than the dispatcher, and the backward rescales the saved gradients in place.
+
+Size (> 400 lines): the public function, its module and the custom operators of both strategies; each
+operator's fake implementation and autograd formula sit beside its body.
 """
 
 from __future__ import annotations

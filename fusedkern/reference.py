@@ -19,6 +19,8 @@ What lives here, and what each is for:
 The loss math follows docs/design.md exactly. The cross-entropy core is written with explicit
 logsumexp arithmetic rather than `F.cross_entropy`, so that testing it against torch is an
 independent check of both. Shapes: T tokens, H hidden, V vocab, B pairs, S sequence.
+
+Size (> 400 lines): every reference of the project, on purpose: one place to import them from.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Without both, 1 − p_y = 1e-5 keeps ~2 digits in fp32 (test_confident_predictio
 Entropy (HAS_ENTROPY, compiled out otherwise): one more row statistic, A = Σ exp(s − m)·(s − m), merged
 like the sum-exp, gives H = lse − Σ p s = log Σ − A/Σ; its gradient ∂H/∂s_v = −p_v·(log p_v + H) joins
 the in-place gradient with the token's own upstream weight (`linear_logprobs(return_entropy=True)`).
+
+Size (> 400 lines): the statistics and finish kernels and their launchers share the split and merge rules,
+which one file keeps in one place.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Based on the online softmax (Milakov & Gimelshein, 2018) as FlashAttention uses 
 tutorial's tiling, and Cut Cross-Entropy's recompute-and-accumulate backward (Wijmans et al., 2024),
 here with fp32 atomics into budget-sized workspaces. Row offsets are int64: a row index times a row
 stride passes 2^31 at LM sizes (32768 × 128256).
+
+Size (> 400 lines): the forward and backward kernels share the tile math, the budget rules and the
+launch helpers.
 """
 
 from __future__ import annotations
