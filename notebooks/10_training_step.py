@@ -1,0 +1,231 @@
+# %% [markdown]
+# # 10 · One training step: fusedkern, Transformers, Liger and CCE in a real optimizer step
+#
+# The other notebooks time the loss alone. Here the LM head and its loss sit inside a whole training
+# step: `examples/train_sft.py --preset llama3-8b-2l`, a Llama-3-8B-shaped model (vocab 128256,
+# hidden 4096, intermediate 14336, 32 heads / 8 KV heads) cut to **2 decoder layers** so that it fits
+# one GPU with room for the unfused head; sequences of **8192 tokens**, **micro-batch 2 × gradient
+# accumulation 2** (32768 tokens an optimizer step), **bf16 autocast over fp32 weights**, SDPA
+# attention, **AdamW**. The data are synthetic SFT pairs: the prompt span and the padding are ignored
+# (`-100`), about **50 % of the targets**. Every loss divides the sum over its targets by the step's
+# count (`num_items_in_batch`), so all four runs take the same gradient.
+#
+# Only the head + loss differs between the rows (same seed, init and data):
+#
+# | impl | what computes the head and the loss |
+# |---|---|
+# | `fusedkern` | `fusedkern.integrations.transformers.patch(model)`: chunked over tokens, dW accumulated in fp32 |
+# | `hf` | the unpatched model: bf16 logits, Transformers' own loss |
+# | `liger` | Liger-Kernel 0.8.5's fused linear cross-entropy, applied to the head only |
+# | `cce` | cut-cross-entropy 25.1.1's `linear_cross_entropy`; the 25.1.1 wheel has no `cce_patch`, so the model's forward calls the function as `cce_patch` would (column `head_patch`) |
+#
+# The table was measured on an **H100 80GB**, not on the H200 of the other notebooks
+# (`data/measured/h100/README.md`), by `scripts/h200_train_table.sh`: one process per implementation
+# (protocol `sequential`, so each peak memory is its own), in a shuffled order, 3 warm-up and 8 timed
+# optimizer steps each. The model states alone — fp32 weights, fp32 gradients and AdamW's two fp32
+# moments, 16 B a parameter — are computed below from the shapes; everything above them is
+# activations, the head's working memory and the allocator.
+
+# %% tags=["parameters"]
+quick = False  # nothing to cut: one four-row table and one figure (kept for run_all.py's interface)
+data_dir = "../data"
+figures_dir = "../figures"
+gpu = "h200"  # the study's GPU: its folder is read first, if it holds a training table
+train_gpu = "h100"  # where the training table was measured (data/measured/h100/README.md)
+train_table = "train_table.csv"
+warmup_steps = 3  # the run's --warmup-steps (scripts/h200_train_table.sh's WARMUP; not a CSV column)
+shapes = {"vocab": 128256, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}  # the llama3-8b-2l preset
+impl_order = ["fusedkern", "liger", "cce", "hf"]
+
+# %%
+from pathlib import Path
+
+data_dir, figures_dir = Path(data_dir), Path(figures_dir)
+candidates = [data_dir / "measured" / g / train_table for g in dict.fromkeys([gpu, train_gpu])]
+csv_path = next((p for p in candidates if p.exists()), None)
+where = None if csv_path is None else f"data/measured/{csv_path.parent.name}/{train_table}"
+
+# %%
+import matplotlib.pyplot as plt
+import pandas as pd
+from IPython.display import Markdown, display
+from matplotlib.patches import Patch
+
+from fusedkern.study import plotting
+
+plotting.use_style()
+pd.set_option("display.precision", 3)
+
+STYLE_KEY = {"fusedkern": "fusedkern_chunked", "hf": "huggingface_bf16", "liger": "liger-kernel 0.8.5",
+             "cce": "cut_cross_entropy"}  # colors shared with the other notebooks' figures
+
+train = pd.read_csv(csv_path) if csv_path is not None else None
+have = train is not None and len(train) > 0
+if not have:
+    print(f"Not measured yet: no {train_table} in " + " or ".join(p.parent.as_posix() for p in candidates)
+          + ", so the table, the figure and the observations below are skipped (scripts/h200_train_table.sh "
+          "OUTDIR writes it).")
+else:
+    order = [i for i in impl_order if i in set(train.loss_impl)] + sorted(set(train.loss_impl) - set(impl_order))
+    train = train.set_index("loss_impl").loc[order]
+    first = train.iloc[0]
+    tokens_per_step = int(first.batch_size * first.grad_accum * first.seq_len)
+    labels = {"fusedkern": "fusedkern", "hf": "Transformers (bf16 logits)",
+              "liger": f"Liger {first.liger_kernel} (fused head)", "cce": f"CCE {first.cut_cross_entropy}"}
+    train["label"] = [labels.get(i, i) for i in train.index]
+    train["short"] = [labels.get(i, i).split(" (")[0] for i in train.index]  # for the sentences below
+    # tokens/s at the median step (the CSV's, from the unrounded p50) and at the p80 / p20 step times (the
+    # slower step gives the lower rate)
+    train["tok_s_p50"] = train.tokens_per_s
+    assert ((tokens_per_step / (train.step_ms_p50 / 1e3)) / train.tokens_per_s - 1).abs().max() < 1e-4
+    train["tok_s_lo"] = tokens_per_step / (train.step_ms_p80 / 1e3)
+    train["tok_s_hi"] = tokens_per_step / (train.step_ms_p20 / 1e3)
+    train["peak_gib"] = train.peak_mib / 1024
+    steps = warmup_steps + int(first.steps_timed)
+    for column in ("preset", "layers", "seq_len", "batch_size", "grad_accum", "protocol", "workload", "device",
+                   "torch", "triton", "transformers", "commit", "autocast", "attention"):
+        values = sorted(set(map(str, train[column])))
+        print(f"{column}: {', '.join(values)}" + ("" if len(values) == 1 else "   <- differs between rows"))
+    caption = (f"examples/train_sft.py --preset {first.preset} ({int(first.layers)} layers, seq {int(first.seq_len)}, "
+               f"micro-batch {int(first.batch_size)} × grad-accum {int(first.grad_accum)}, {first.autocast}, AdamW) "
+               f"on one {first.device}; {where}, protocol {first.protocol} (one process per implementation), "
+               f"{int(first.steps_timed)} timed steps after {warmup_steps} warm-up; torch {first.torch}, "
+               f"triton {first.triton}, transformers {first.transformers}; commit {first.commit}.")
+
+# %%
+# the model states: every parameter in fp32 with an fp32 gradient and AdamW's two fp32 moments
+if have:
+    h, kv = shapes["hidden"], shapes["hidden"] * shapes["kv_heads"] // shapes["heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * shapes["intermediate"] + 2 * h  # q, o; k, v; MLP; two norms
+    n_params = 2 * shapes["vocab"] * h + int(first.layers) * per_layer + h  # embedding, head (untied), final norm
+    states_gib = 16 * n_params / 2**30
+    print(f"{n_params / 1e6:.1f} M parameters ({int(first.layers)} layers of {per_layer / 1e6:.1f} M, embedding "
+          f"and head {shapes['vocab'] * h / 1e6:.1f} M each): 16 B each = {states_gib:.1f} GiB of model states")
+
+# %% [markdown]
+# ## The table
+#
+# Tokens/s counts every token of the step (ignored targets included: 32768 a step) at the median
+# step time; the brackets are the p20–p80 step times over the timed steps. Peak GiB is
+# `torch.cuda.max_memory_allocated` over the timed steps. *fp32 dW* says whether the head's weight
+# gradient is accumulated in fp32 before it reaches the fp32 weight's `.grad` (column `dw_accum`
+# says how; printed under the table). The losses are the step losses of step 1 and step
+# 11 (after 10 AdamW updates).
+
+# %%
+if have:
+    table = pd.DataFrame({
+        "tokens/s": train.tok_s_p50.round(0).astype(int),
+        "step ms p50 [p20–p80]": [f"{r.step_ms_p50:.1f} [{r.step_ms_p20:.1f}–{r.step_ms_p80:.1f}]"
+                                  for r in train.itertuples()],
+        "peak GiB": train.peak_gib.round(1),
+        "fp32 dW": train.fp32_dw,
+        "first loss": train.first_loss.round(4),
+        f"final loss (step {steps})": train.final_loss.round(4),
+    }).set_axis(pd.Index(train.label, name="impl"))
+    display(table)
+    for impl, r in train.iterrows():
+        print(f"{impl:<10} head: {r.head_patch}\n{'':<10} dW:   {r.dw_accum}")
+
+# %%
+if have:
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
+    xs = range(len(train))
+    colors = [plotting.style_for(STYLE_KEY.get(i, i))["color"] for i in train.index]
+    hatches = ["" if v == "yes" else "//" for v in train.fp32_dw]
+    bars = ax_t.bar(xs, train.tok_s_p50 / 1e3, color=colors, hatch=hatches, edgecolor="white", linewidth=0.8,
+                    yerr=[(train.tok_s_p50 - train.tok_s_lo) / 1e3, (train.tok_s_hi - train.tok_s_p50) / 1e3],
+                    capsize=4, error_kw=dict(ecolor="0.2", linewidth=1))
+    ax_t.bar_label(bars, labels=[f"{v / 1e3:.1f}k" for v in train.tok_s_p50], padding=3, fontsize=8)
+    ax_t.set_ylabel("tokens/s, thousands (median; whiskers: p20–p80)")
+    ax_t.set_title(f"Throughput ({tokens_per_step} tokens an optimizer step)")
+    bars = ax_m.bar(xs, train.peak_gib, color=colors, hatch=hatches, edgecolor="white", linewidth=0.8)
+    ax_m.bar_label(bars, labels=[f"{v:.1f}" for v in train.peak_gib], padding=3, fontsize=8)
+    ax_m.axhline(states_gib, color="black", linestyle="--", linewidth=1,
+                 label=f"model states: {states_gib:.1f} GiB (fp32 weights, grads, AdamW m and v)")
+    ax_m.legend(loc="upper left", fontsize=7.5)
+    ax_m.set_ylabel("peak GiB allocated (timed steps)")
+    ax_m.set_title("Peak memory")
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(list(xs), [label.replace(" (", "\n(") for label in train.label], fontsize=8.5)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+        ax.grid(axis="x", visible=False)
+    fig.legend(handles=[Patch(facecolor="0.6", edgecolor="white", label="head dW accumulated in fp32"),
+                        Patch(facecolor="0.6", edgecolor="white", hatch="//", label="head dW not in fp32 (see dw_accum)")],
+               loc="outside upper center", ncol=2, fontsize=8,
+               title=f"One training step, Llama-3-8B shapes with {int(first.layers)} layers, {first.device}",
+               title_fontproperties={"size": 11})
+    plotting.add_caption(fig, caption)
+    display(plotting.save_figure(fig, figures_dir / "10_training_step"))
+
+# %% [markdown]
+# ## What the data say
+#
+# Computed from the table above (the sentences are formatted from it, not typed in):
+
+# %%
+if have:
+    ours = train.loc["fusedkern"] if "fusedkern" in train.index else None
+    others = train.drop(index="fusedkern", errors="ignore")
+    lines = []
+    if ours is not None and len(others):
+        best = others.tok_s_p50.idxmax()
+        speed = ours.tok_s_p50 / others.loc[best, "tok_s_p50"]
+        overlap = ours.tok_s_lo <= others.loc[best, "tok_s_hi"]
+        lines.append(
+            f"- **Throughput.** fusedkern runs {ours.tok_s_p50:,.0f} tokens/s, **{speed:.2f}×** the fastest other "
+            f"implementation, {others.loc[best, 'short']} ({others.loc[best, 'tok_s_p50']:,.0f} tokens/s); its "
+            f"p20–p80 range {'overlaps' if overlap else 'does not overlap'} that one's. Against the rest: "
+            + ", ".join(f"{r.short} {ours.tok_s_p50 / r.tok_s_p50:.2f}×" for i, r in others.iterrows() if i != best)
+            + ".")
+        fp32 = others[others.fp32_dw == "yes"]
+        rest = others[others.fp32_dw != "yes"]
+        if len(fp32):
+            lines.append(
+                f"- **Memory, against the others that keep dW in fp32** ({', '.join(fp32.short)}): fusedkern's peak "
+                f"{ours.peak_gib:.1f} GiB is "
+                + ", ".join(f"{ours.peak_mib / r.peak_mib:.3f}× {r.short}'s {r.peak_gib:.1f} GiB" for r in fp32.itertuples())
+                + f"; fusedkern's peak is {ours.peak_gib - states_gib:.1f} GiB above the {states_gib:.1f} GiB of "
+                  f"model states. Against those without fp32 dW: "
+                + ", ".join(f"{r.short} {r.peak_gib:.1f} GiB (fusedkern {ours.peak_mib / r.peak_mib:.2f}× that)"
+                            for r in rest.itertuples())
+                + ".")
+    # the losses: same seed, init and data, so the first losses agree; which final loss stands apart?
+    first_spread = train.first_loss.max() - train.first_loss.min()
+    apart = {i: abs(train.final_loss[i] - train.final_loss.drop(index=i).median()) for i in train.index}
+    odd = max(apart, key=apart.get)
+    rest_final = train.final_loss.drop(index=odd)
+    lines.append(
+        f"- **Losses.** The first losses agree to {first_spread:.1e} (same seed, init and data under bf16 autocast). "
+        f"After {steps} steps: " + ", ".join(f"{r.short} {r.final_loss:.3f}" for r in train.itertuples())
+        + f". {train.loc[odd, 'short']} stands apart: {train.loc[odd, 'final_loss']:.2f} against "
+          f"{rest_final.min():.2f}–{rest_final.max():.2f} for the others, whose losses went "
+        + ("down" if (train.first_loss - train.final_loss).drop(index=odd).gt(0).all() else "both ways")
+        + f" by {(train.first_loss - train.final_loss).drop(index=odd).min():.3f}–"
+          f"{(train.first_loss - train.final_loss).drop(index=odd).max():.3f}, while its own went "
+        + ("up" if train.loc[odd, "final_loss"] > train.loc[odd, "first_loss"] else "down")
+        + f" by {abs(train.loc[odd, 'final_loss'] - train.loc[odd, 'first_loss']):.2f}.")
+    if odd == "cce":
+        lines.append(
+            "- **Why CCE's loss differs: a hypothesis, not shown here.** cut-cross-entropy accumulates the head's "
+            "dW in bf16 (partial products of every token block lock-added into a bf16 buffer, cast to fp32 at the "
+            "end) and by default (`filter_eps=\"high\"`) skips the blocks whose gradient it deems small. Either "
+            "could bias the head's update step after step. The Transformers row also hands a bf16 dW to the fp32 "
+            "weight, but from one GEMM that accumulates in fp32 over all tokens, and its loss follows the fp32-dW "
+            "rows — which points at the accumulation across blocks or the filtering rather than at bf16 storage "
+            "alone. Not tested: a CCE run with `filter_eps=None` (and one with an fp32 dW accumulator) would tell; "
+            "this is one run of 11 steps on random weights and synthetic data, one seed.")
+    display(Markdown("\n".join(lines)))
+
+# %% [markdown]
+# ## What these data do not show
+#
+# - **One run each, 8 timed steps**, under one protocol: the p20–p80 brackets are the only measure of
+#   spread; a second call could move the second digit of the ratios.
+# - **Measured on the H100**, not the H200 of notebooks 02–08: absolute tokens/s do not carry over;
+#   ratios between these rows do (same process layout, same card).
+# - **A 2-layer model**: the head's share of the step is far larger than in the full 32-layer
+#   Llama-3-8B, so the head's speed-up is diluted there; the memory saved by a fused head (the
+#   unfused logits and their gradients) is the same in GiB but a smaller share of the peak.
+# - **Random weights and synthetic data, 11 steps**: the losses compare the implementations with
+#   each other, not how well any of them trains.
