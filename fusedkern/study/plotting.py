@@ -60,6 +60,9 @@ _STYLES: dict[str, dict] = {
     "liger": dict(color="#6baed6", marker="^", label="Liger (seed, A100)"),
     "liger-kernel 0.4.2": dict(color="#6baed6", marker="^", label="Liger 0.4.2"),
     "liger-kernel 0.8.5": dict(color="#1f77b4", marker="^", label="Liger 0.8.5"),
+    # the preference sweep: Liger's DPO/KTO without reference log-probs, TRL's materialized fp32 loss
+    "liger-kernel 0.8.5 ref-free": dict(color="#1f77b4", marker="^", label="Liger 0.8.5 (reference-free)"),
+    "trl_fp32": dict(color="#8c564b", marker="s", label="TRL, fp32-upcast logits"),
     "cut_cross_entropy": dict(color="#2ca02c", marker="v", label="Cut Cross-Entropy"),
     "fusedkern_chunked": dict(color="#d62728", marker="o", label="fusedkern chunked", linewidth=2.2),
     "fusedkern_chunked_lean": dict(color="#ff9896", marker="o", label="fusedkern chunked (lean dW)"),
