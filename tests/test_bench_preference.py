@@ -135,3 +135,16 @@ def test_rows_differing_only_in_loss_type_are_kept_and_merged_apart(tmp_path):
     write_results([{**base, "loss_type": "sigmoid"}, {**base, "loss_type": "kto"}], path, meta=meta, environment=env)
     write_results([{**base, "loss_type": "kto", "ms_p50": 2.0}], path, meta=meta, environment=env, append=True)
     assert sorted((r["loss_type"], r["ms_p50"]) for r in read_rows(path)) == [("kto", 2.0), ("sigmoid", 1.0)]
+
+
+def test_preference_inputs_do_not_saturate_the_losses():
+    """The reference log-probs sit a few nats from the policy's own, so every loss has a real gradient (a
+    saturated KTO or DPO loss would time GEMMs on near-zero gradients, which run faster)."""
+    inp = workloads.make_preference_inputs(4, 6, 8, 50, dtype=torch.float32, device="cpu", seed=3)
+    logits = inp.x.detach() @ inp.w.detach().T
+    policy = torch.log_softmax(logits, -1).gather(-1, inp.target.clamp_min(0)[..., None])[..., 0]
+    policy = policy.masked_fill(inp.target == -100, 0).sum(-1)
+    gap = inp.extras["ref_logps"] - policy
+    assert gap.abs().max() < 10 and gap.abs().max() > 0  # nats: near, not equal
+    torch.testing.assert_close(torch.cat([inp.extras["ref_chosen_logps"], inp.extras["ref_rejected_logps"]]),
+                               inp.extras["ref_logps"])

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fusedkern import linear_logprobs
+
 IGNORE_INDEX = -100
 
 
@@ -188,8 +190,10 @@ def make_preference_inputs(
     """`make_simpo_inputs` (x [R, S, H], W, targets [R, S], R = `batch` rows, chosen rows first) plus, in
     `extras`, the tensors the preference losses take besides them, fixed per seed:
 
-    - ref_chosen_logps, ref_rejected_logps [R/2] fp32: summed reference log-probs of each response, near
-      the policy's own (n·(−ln V) times 1 + N(0, 0.01²)), so the DPO log-ratios are O(1–10) as in training;
+    - ref_chosen_logps, ref_rejected_logps [R/2] fp32: summed reference log-probs of each response, the
+      policy's own (computed once, without gradients, by `fusedkern.linear_logprobs`) plus N(0, 2²) nats, so
+      the log-ratios are a few nats and β·Δ = O(0.1–1), as early in training: no loss saturates (a
+      saturated loss has a near-zero gradient, and GEMMs on zeros run faster than on real gradients);
     - ref_logps [R] fp32 (the same values per row) and kto_labels [R] bool, alternately desirable (half of
       them): KTO sees the R rows as unpaired sequences;
     - kl [1] fp32: KTO's KL estimate, a small positive number.
@@ -198,9 +202,10 @@ def make_preference_inputs(
                                softcap=softcap)
     device = inputs.x.device
     gen = _generator(device, seed + 1)  # x, W and targets stay those of the simpo op at the same seed
-    counts = (inputs.target != IGNORE_INDEX).sum(-1).to(torch.float32)  # [R]
-    noise = torch.randn(batch, generator=gen, device=device, dtype=torch.float32)
-    ref = -counts * math.log(vocab) * (1 + 0.01 * noise)  # [R]
+    with torch.no_grad():
+        policy = linear_logprobs(inputs.x.detach(), inputs.w.detach(), inputs.target, softcap=softcap)
+        policy = policy.float().sum(-1)  # [R]
+    ref = policy + 2.0 * torch.randn(batch, generator=gen, device=device, dtype=torch.float32)  # [R]
     extras = {
         "ref_chosen_logps": ref[: batch // 2].contiguous(),
         "ref_rejected_logps": ref[batch // 2:].contiguous(),
