@@ -60,6 +60,10 @@ def logits_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tens
 def logits_into(buf: torch.Tensor, x_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """Z = x_c Wᵀ (+ b) written into the first rows of the reused buffer. (C, V)"""
     z = buf[: x_c.shape[0]]
+    if x_c.device.type == "cpu" and x_c.dtype == torch.bfloat16 and not x_c.is_contiguous():
+        # torch's CPU bf16 GEMM (AVX512-BF16 machines) reads one element past each row of a row-strided
+        # A with an odd inner size: NaN in the gap between rows becomes NaN logits
+        x_c = x_c.contiguous()
     if b is None:
         torch.mm(x_c, w.t(), out=z)
     else:

@@ -203,3 +203,32 @@ def test_column_major_half_weight_with_fp32_dw_accumulation(reduction):
     x, w, y, _, _ = make_inputs(12, 8, 16, torch.float16)
     w = w.t().contiguous().t()
     check_against_reference(x, w, y, None, None, reduction=reduction, impl="chunked", chunk_tokens=4)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_row_strided_bf16_input_with_nan_in_the_gaps(grad):
+    """A bf16 input whose rows are strided with NaN between them (a view into a wider buffer), odd hidden size:
+    torch's CPU bf16 GEMM reads past each row there; the loss, log-probs and gradients stay those of the
+    contiguous copy, on the loss-only path and on the gradient path."""
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 18, 5, 76  # a shape where torch's CPU kernel shows it (not every one does)
+    base = torch.full((T, H + 3), float("nan"), dtype=torch.bfloat16)
+    base[:, :H] = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    base = base.to(DEVICE)
+    w = torch.randn(V, H, generator=g).to(torch.bfloat16).to(DEVICE)
+    y = torch.randint(0, V, (T,), generator=g).to(DEVICE)
+    y[:2] = -100
+    outputs = []
+    for x in (base[:, :H], base[:, :H].contiguous()):
+        x = x.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            loss = fusedkern.linear_cross_entropy(x, w, y, impl="chunked", reduction="none")
+            logp = fusedkern.linear_logprobs(x, w, y, impl="chunked")
+        dx = torch.autograd.grad(loss.sum() + logp.sum(), x)[0] if grad else None
+        outputs.append((loss, logp, dx))
+    (loss, logp, dx), (loss_c, logp_c, dx_c) = outputs
+    assert torch.isfinite(loss).all() and torch.isfinite(logp).all()
+    torch.testing.assert_close(loss, loss_c, rtol=0, atol=0)
+    torch.testing.assert_close(logp, logp_c, rtol=0, atol=0)
+    if grad:
+        torch.testing.assert_close(dx, dx_c, rtol=0, atol=0)

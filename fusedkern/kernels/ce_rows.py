@@ -327,6 +327,9 @@ def _row_finish_kernel(
                 grad *= 1.0 - t * t
             if HAS_SCALE:
                 grad *= logit_scale
+            # an ignored row's gradient is exactly 0 whatever its logits and statistics hold (a forward may
+            # skip ignored rows, leaving their statistics undefined), where 0·p with p = NaN would not be
+            grad = tl.where(is_valid, grad, 0.0)
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
