@@ -409,14 +409,15 @@ def linear_simpo_loss_fp64(
     alpha: float = 1.0,
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Exact CPO-SimPO reference: same signature and semantics as `hf_linear_simpo_loss`, with
-    every operand upcast to float64 before the matmul. Loss and metrics are float64; the loss is
-    differentiable (float64 gradients through autograd).
+    """Exact CPO-SimPO reference: same signature and semantics as `hf_linear_simpo_loss` (plus a logit
+    softcap), with every operand upcast to float64 before the matmul. Loss and metrics are float64; the
+    loss is differentiable (float64 gradients through autograd).
     """
     mask = target != ignore_index  # [2B, S]
     logps = linear_logprobs_fp64(
-        input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index
+        input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index, softcap=softcap
     )  # [2B, S] float64
     return simpo_from_logprobs(
         logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing

@@ -31,6 +31,7 @@ from fusedkern.autograd import (
     rescaled_grads,
 )
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, resolve_impl, save_output_grads
+from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
@@ -162,17 +163,25 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
                       linear_bias: torch.Tensor | None = None, beta: float = DEFAULT_BETA,
                       gamma: float = DEFAULT_GAMMA, alpha: float = DEFAULT_ALPHA, label_smoothing: float = 0.0,
                       ignore_index: int = -100, impl: str = "auto", weight_grad_accum: str = "fp32",
-                      chunk_tokens: int | None = None):
+                      chunk_tokens: int | None = None, softcap: float | None = None):
     """CPO-SimPO loss of an LM head: L = mean_i[−(1−ε)logσ(z_i) − ε·logσ(−z_i)] + α·NLL_chosen,
     z_i = β(A_w,i − A_l,i) − γ, A = length-normalized log-probability of the response.
 
     input [2B, S, H] (chosen rows first) · linear_weight [V, H] · target [2B, S] (already shifted;
     prompt and padding tokens = ignore_index). β > 0, γ, α ≥ 0 (α = 0: pure SimPO), ε ∈ [0, 0.5].
+    softcap: logits z → c·tanh(z/c) before the softmax (Gemma 2's final softcap).
     Returns (loss, metrics) with TRL's metric names (rewards/chosen, rewards/rejected,
     rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, nll_loss).
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
+    if softcap is not None:
+        # the preference family's SimPO (`loss_type="simpo"`, the same loss and metrics) carries a softcap
+        # through its three-GEMM path; this module's own paths have none
+        return linear_preference_loss(input, linear_weight, target, loss_type="simpo", beta=beta, gamma=gamma,
+                                      alpha=alpha, label_smoothing=label_smoothing, linear_bias=linear_bias,
+                                      ignore_index=ignore_index, softcap=softcap, impl=impl,
+                                      weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and input.requires_grad, grad and linear_weight.requires_grad
@@ -207,20 +216,26 @@ class LinearSimPOLoss(nn.Module):
 
     def __init__(self, *, beta: float = DEFAULT_BETA, gamma: float = DEFAULT_GAMMA, alpha: float = DEFAULT_ALPHA,
                  label_smoothing: float = 0.0, ignore_index: int = -100, impl: str = "auto",
-                 weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+                 weight_grad_accum: str = "fp32", chunk_tokens: int | None = None, softcap: float | None = None):
         super().__init__()
         # bad settings fail here, where the loss is configured, not at the first training step
         _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
         V_.check_int("ignore_index", ignore_index)
         validate_strategy(impl, weight_grad_accum, chunk_tokens)
+        if softcap is not None:
+            V_.check_real("softcap", softcap, low=0.0, low_inclusive=False)
         self.beta, self.gamma, self.alpha, self.label_smoothing = beta, gamma, alpha, label_smoothing
         self.ignore_index, self.impl, self.weight_grad_accum, self.chunk_tokens = ignore_index, impl, weight_grad_accum, chunk_tokens
+        self.softcap = softcap
 
     def forward(self, input, linear_weight, target, linear_bias=None):
         return linear_simpo_loss(input, linear_weight, target, linear_bias=linear_bias, beta=self.beta,
                                  gamma=self.gamma, alpha=self.alpha, label_smoothing=self.label_smoothing,
                                  ignore_index=self.ignore_index, impl=self.impl,
-                                 weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens)
+                                 weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens,
+                                 softcap=self.softcap)
 
     def extra_repr(self) -> str:
-        return f"beta={self.beta}, gamma={self.gamma}, alpha={self.alpha}, label_smoothing={self.label_smoothing}"
+        extra = f", softcap={self.softcap}" if self.softcap is not None else ""
+        return (f"beta={self.beta}, gamma={self.gamma}, alpha={self.alpha}, "
+                f"label_smoothing={self.label_smoothing}{extra}")

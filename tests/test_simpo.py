@@ -229,3 +229,41 @@ def test_fp32_large_beta_with_bias_within_twice_torchs_error(impl, chunk_tokens)
     for name, g, gr, gt in zip(("dX", "dW", "db"), torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, f64),
                                torch.autograd.grad(tch, same)):
         assert_close_to_ref(name, g, gr, gt)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_simpo_softcap_matches_fp64(impl, dtype):
+    """linear_simpo_loss(softcap=c): loss, metrics and gradients against the float64 SimPO of softcapped logits,
+    within 2× PyTorch's same-dtype error (its logits in the input dtype, softcap and log-softmax in fp32)."""
+    x, w, y, b = simpo_inputs(4, 6, 16, 61, dtype, empty_response=True)
+    x, w = x * 2, w * 2  # logits of size ~10, so that a softcap of 3 bites
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    loss, metrics = fusedkern.linear_simpo_loss(leaves[0], leaves[1], y, linear_bias=leaves[2], impl=impl,
+                                                softcap=3.0, **HP)
+    f64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref, ref_metrics = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], softcap=3.0, **HP)
+    same = [t.clone().requires_grad_() for t in (x, w, b)]
+    logits = torch.nn.functional.linear(same[0], same[1], same[2]).float()
+    logps = reference.target_logprobs(logits, y, ignore_index=-100, softcap=3.0)
+    tch, _ = reference.simpo_from_logprobs(logps, y != -100, **HP)
+    assert set(metrics) == set(ref_metrics)
+    atol = 1e-6 if dtype == torch.float32 else 1e-4
+    assert_close_to_ref("loss", loss, ref, tch, atol=atol)
+    unsoftcapped, _ = reference.linear_simpo_loss_fp64(f64[0], f64[1], y, linear_bias=f64[2], **HP)
+    assert abs(unsoftcapped.item() - ref.item()) > 10 * atol  # the softcap changed the loss
+    metric_tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for key in metrics:
+        assert abs(metrics[key].item() - ref_metrics[key].item()) <= metric_tol * max(1.0, abs(ref_metrics[key].item())), key
+    grads = torch.autograd.grad(loss, leaves)
+    grads_ref = torch.autograd.grad(ref, f64)
+    grads_tch = torch.autograd.grad(tch, same)
+    for name, g, gr, gt in zip(("dX", "dW", "db"), grads, grads_ref, grads_tch):
+        assert_close_to_ref(name, g, gr, gt, atol=atol)
+    module = fusedkern.LinearSimPOLoss(softcap=3.0, impl=impl, **HP)
+    assert "softcap=3.0" in repr(module)
+    torch.testing.assert_close(module(x, w, y, b)[0], loss.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="softcap"):
+        fusedkern.LinearSimPOLoss(softcap=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        fusedkern.linear_simpo_loss(x, w, y, softcap=0.0)
