@@ -7,6 +7,12 @@
 # --no-deps on purpose: their declared dependencies (torch, triton, transformers) are already on the
 # GPU machine, and resolving them here would download multi-GB CUDA builds of torch.
 # Usage: scripts/fetch_wheels.sh            (run from anywhere; writes <repo>/.whl/)
+#        scripts/fetch_wheels.sh --quack    (also QuACK 0.6.1 and its CuTe DSL 4.6.0, as .whl/qa and .whl/qb)
+# QuACK's CUDA library wheel (nvidia-cutlass-dsl-libs-cu13, 88 MB) is more than one device call carries:
+# --quack unpacks it, packs it as tar.xz (~60 MiB) and splits that into cu13.part.aa/ab/ac; .whl/qa holds
+# part aa and the small wheels (~28 MiB), .whl/qb parts ab and ac (~42 MiB): with the ~15 MiB working tree
+# each stays under a call's 64 MiB. scripts/h200_speed_calls.sh's call a carries qa, call b (on the same
+# warm machine) qb, and b joins them.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +28,28 @@ download() {  # download DIR NAME==VERSION: a wheel usable by CPython 3.12 on ma
 download "$dest/liger085" liger-kernel==0.8.5
 download "$dest/liger042" liger-kernel==0.4.2
 download "$dest/cce" cut-cross-entropy==25.1.1
+
+if [ "${1:-}" = "--quack" ]; then
+    work="$(mktemp -d)"
+    trap 'rm -rf "$work"' EXIT
+    # quack-kernels' own requirements besides torch; the DSL's libs need libs-core (without it the DSL's
+    # `cutlass.cutlass_dsl` is missing) and cuda-python, protobuf and nvidia-cuda-nvdisasm, which the GPU
+    # machine's image may hold: check there before a measuring call (`pip show` them)
+    for spec in quack-kernels==0.6.1 nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 \
+                nvidia-cutlass-dsl-libs-core==4.6.0 "apache-tvm-ffi>=0.1.6,<0.2" torch-c-dlpack-ext einops; do
+        download "$work/small" "$spec"
+    done
+    download "$work/big" nvidia-cutlass-dsl-libs-cu13==4.6.0
+    mkdir -p "$work/unpacked" "$dest/qa" "$dest/qb"
+    python3 -m zipfile -e "$work"/big/*.whl "$work/unpacked"
+    tar c -C "$work/unpacked" . | xz -6 -T0 > "$work/cu13.tar.xz"
+    size=$(stat -c %s "$work/cu13.tar.xz")
+    split -b $(( (size + 2) / 3 )) -a 2 "$work/cu13.tar.xz" "$work/cu13.part."
+    rm -f "$dest"/qa/* "$dest"/qb/*
+    cp "$work"/small/*.whl "$work/cu13.part.aa" "$dest/qa/"
+    cp "$work/cu13.part.ab" "$work/cu13.part.ac" "$dest/qb/"
+    du -sh "$dest/qa" "$dest/qb"
+fi
 
 # Keep the wheels out of git without touching the shared .gitignore.
 exclude="$repo/.git/info/exclude"

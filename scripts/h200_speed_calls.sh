@@ -7,10 +7,10 @@
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
 #   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
 #
-# Call a leaves the first half of the tarball in $TMPDIR/quack_parts; call b adds the second half and
+# Call a leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
-# with the shuffled protocol (a new provider order every round). Wheels: scripts/fetch_wheels.sh.
+# with the shuffled protocol (a new provider order every round). Wheels: `scripts/fetch_wheels.sh --quack`.
 set -uo pipefail
 outdir="${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
 part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
