@@ -12,19 +12,11 @@
 # Liger's DPO and KTO run reference-free (it takes a reference model, not reference log-probs: see
 # fusedkern/study/providers.py, _preference_liger); PREF_LIGER_REF_MODEL=1 adds `liger_ref_model` (slower run).
 set -uo pipefail
-outdir="${1:?usage: scripts/h200_preference.sh OUTDIR [--quick]}"
 quick="${PREF_QUICK:-0}"
 [ "${2:-}" = "--quick" ] && quick=1
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mkdir -p "$outdir" && outdir="$(cd "$outdir" && pwd)"
-cd "$repo" || exit 1
-export PYTHONUNBUFFERED=1
-start=$SECONDS
-
-site="${TMPDIR:-/tmp}"/site_preference
-[ -d .whl/liger085 ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
-    .whl/liger085/*.whl
-export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup "${1:?usage: scripts/h200_preference.sh OUTDIR [--quick]}"
+install_wheels "${TMPDIR:-/tmp}"/site_preference .whl/liger085
 {
     echo "h200_preference.sh quick=$quick commit=$(git rev-parse --short HEAD 2>/dev/null)" \
          "dirty=$(git status --porcelain 2>/dev/null | grep -vc '^??') $(date -u +%FT%TZ)"

@@ -12,17 +12,11 @@
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
 # with the shuffled protocol (a new provider order every round). Wheels: `scripts/fetch_wheels.sh --quack`.
 set -uo pipefail
-outdir="${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
-part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b}"
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mkdir -p "$outdir" && outdir="$(cd "$outdir" && pwd)"
-cd "$repo" || exit 1
-export PYTHONUNBUFFERED=1
-start=$SECONDS
-failures=()
-
+part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c}"
 site="${TMPDIR:-/tmp}"/site_speed
-[ -d .whl/liger085 ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/liger085/*.whl .whl/cce/*.whl
+install_wheels "$site" .whl/liger085 .whl/cce
 parts_dir="${TMPDIR:-/tmp}"/quack_parts
 mkdir -p "$parts_dir"
 for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
@@ -34,7 +28,7 @@ if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f 
         && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
         && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
 fi
-export PYTHONPATH="$repo:$site${quack_path:+:$quack_path}${PYTHONPATH:+:$PYTHONPATH}"
+[ -n "$quack_path" ] && export PYTHONPATH="$quack_path:$PYTHONPATH"
 {
     echo "h200_speed_calls.sh part=$part commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"
     echo "quack installed: ${quack_path:-no}"

@@ -14,20 +14,9 @@
 # 1 if hf runs out of memory), GRAD_ACCUM (2), LAYERS (2), CAP_S (75 s a run: the first step JIT-compiles
 # and autotunes), IMPLS ("fusedkern hf liger cce").
 set -uo pipefail
-outdir="${1:?usage: scripts/h200_train_table.sh OUTDIR}"
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mkdir -p "$outdir" && outdir="$(cd "$outdir" && pwd)"
-cd "$repo" || exit 1
-export PYTHONUNBUFFERED=1
-start=$SECONDS
-failures=()
-
-site="${TMPDIR:-/tmp}"/site_train
-if [ -d .whl/liger085 ] && [ -d .whl/cce ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
-        .whl/liger085/*.whl .whl/cce/*.whl
-fi
-export PYTHONPATH="$repo:$site${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup "${1:?usage: scripts/h200_train_table.sh OUTDIR}"
+install_wheels "${TMPDIR:-/tmp}"/site_train .whl/liger085 .whl/cce
 log="$outdir/train_table.log"
 {
     echo "h200_train_table.sh commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"

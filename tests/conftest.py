@@ -19,6 +19,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Torch on one intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`): tiny
+    ops on a busy CPU turn 0.2 ms into ~200 ms of thread-pool wake-ups."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -36,13 +36,7 @@ if HAS_TORCH_LCE_OPTIONS:
 FLOOR_MODES = {"cublas_1gemm": {"loss_only", "forward"}, "cublas_3gemm": {"backward", "full"}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    # Tiny ops on a busy CPU: torch's intra-op thread pool turns 0.2 ms into ~200 ms of wake-ups.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _fusedkern_ready() -> bool:

@@ -24,12 +24,7 @@ CPU = dict(hidden=HIDDEN, vocab=VOCAB, dtype=torch.float32, device="cpu", warmup
            progress=False, seq=SEQ)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _inputs(batch: int = 2, workload: str = "masked_30"):

@@ -437,8 +437,8 @@ def _preference_trl_fp32(inp: Inputs) -> dict[str, Step]:
                                                             **kwargs)[0])
 
 
-# Liger-Kernel 0.8.5's chunked preference losses by our loss type: (class name, constructor kwargs). Its DPO
-# raises NotImplementedError for "ipo" (it lacks per-response token counts): no liger row for ipo.
+# Liger-Kernel 0.8.5's chunked preference losses by our loss type: (class name, constructor kwargs). Liger has
+# no IPO (its LigerFusedLinearDPOLoss refuses loss_type="ipo"), so the sweep has no Liger row for "ipo".
 LIGER_PREFERENCE = {
     "sigmoid": ("LigerFusedLinearDPOLoss", {"loss_type": "sigmoid"}),
     "hinge": ("LigerFusedLinearDPOLoss", {"loss_type": "hinge"}),
