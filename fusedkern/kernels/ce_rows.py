@@ -291,13 +291,12 @@ def _row_finish_kernel(
             g = tl.load(grad_ptr + row)
         else:
             g = tl.load(grad_ptr)
-        g = tl.where(is_valid, g, 0.0)
         coef_y = g * (1.0 - label_smoothing) * w_y
         coef_extra = g * (label_smoothing * w_sum / vocab_total + 2.0 * z_loss * lse)  # coef_p − coef_y
         coef_p = coef_y + coef_extra
         coef_w = g * label_smoothing / vocab_total
         if HAS_ENTROPY:  # ∂H/∂s_v = −p_v·(log p_v + H), weighted by the token's upstream ∂L/∂H
-            g_entropy = tl.where(is_valid, tl.load(grad_entropy_ptr + row), 0.0)
+            g_entropy = tl.load(grad_entropy_ptr + row)  # an ignored row's gradient is zeroed below
         offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
         col0 = split * span
         col1 = tl.minimum(col0 + span, V)
