@@ -141,12 +141,6 @@ def test_csv_rows_of_hf_and_fusedkern(train_sft, tmp_path, capsys):
                                                                  "cce": "no"}
 
 
-def test_percentile_interpolates_like_numpy(train_sft):
-    values = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert [train_sft.percentile(values, q) for q in (0, 20, 50, 80, 100)] == [1.0, 1.8, 3.0, 4.2, 5.0]
-    assert train_sft.percentile([7.0], 80) == 7.0
-
-
 def _fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, None)
