@@ -28,15 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fusedkern import _validation as V_
-from fusedkern.chunked import (
-    LossOptions,
-    chunk_grads,
-    grad_buffers,
-    logits_buffer,
-    logits_into,
-    plan_for_grads,
-    row_kernel_args,
-)
+from fusedkern import chunked
 from fusedkern.kernels.ce_rows import ce_rows, gpu_split, merge_row_stats, row_stats_tile, tile_partials
 from fusedkern._validation import (
     check_target_type,
@@ -140,20 +132,20 @@ def _exchange_stats(parts: torch.Tensor, target_logit: torch.Tensor, group) -> N
     target_logit.copy_(flat[parts.numel():])
 
 
-def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard, C: int, *, loss_tok, stats,
+def _shard_chunks(x, w, b, y, class_weight, opts: chunked.LossOptions, shard: VocabShard, C: int, *, loss_tok, stats,
                   compute_stats: bool, grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None,
                   reduce_dx: bool = True) -> None:
     """Logits GEMM of the shard → (statistics exchange →) row kernel → gradient GEMMs, chunk by chunk.
     compute_stats: form loss_tok / stats from all ranks' partials; else read the saved stats.
     reduce_dx: all-reduce each chunk's rows of dX (asynchronously, awaited before returning)."""
     T, V_r = x.shape[0], w.shape[0]
-    buf = logits_buffer(min(C, T), V_r, x, scratch)
-    kernel_args = row_kernel_args(class_weight, opts)
+    buf = chunked.logits_buffer(min(C, T), V_r, x, scratch)
+    kernel_args = chunked.row_kernel_args(class_weight, opts)
     pending = []
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         x_c, y_c = x[c0:c1], y[c0:c1]
-        z = logits_into(buf, x_c, w, b)
+        z = chunked.logits_into(buf, x_c, w, b)
         if compute_stats:
             parts, target_logit, split = tile_partials(c1 - c0, shard.world * shard.slot_cols, shard.slot_cols,
                                                        x.device)
@@ -169,7 +161,7 @@ def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard
                 compute_stats=False, per_token_grad=per_token_grad, col_base=shard.start,
                 vocab_total=shard.vocab_size, **kernel_args)
         dx_rows = None if dx is None else dx[c0:c1]
-        chunk_grads(z, x_c, w, dx_rows, dw, db, first=i == 0)
+        chunked.chunk_grads(z, x_c, w, dx_rows, dw, db, first=i == 0)
         if dx_rows is not None and reduce_dx and shard.world > 1:
             pending.append(dist.all_reduce(dx_rows, group=shard.group, async_op=True))
     for work in pending:
@@ -180,8 +172,8 @@ def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, wei
                  **chunk_args):
     """(dx, dw, db, dw_out) of a pass over the chunks with gradients, in `chunked.grad_buffers`' form."""
     need_dx, need_dw, need_db = needs
-    plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
-    dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+    plan = chunked.plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
+    dx, dw, db, dw_out = chunked.grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
     _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, dx=dx, dw=dw, db=db,
                   scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx, **chunk_args)
     return dx, dw, db, dw_out
@@ -189,6 +181,20 @@ def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, wei
 
 # ----------------------------------------------------------------------------------------------
 # autograd
+
+
+def _row_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss [T] and (max, log Σ exp) statistics [2, T] the chunks fill, fp32."""
+    T = x.shape[0]
+    return (torch.empty(T, device=x.device, dtype=torch.float32),
+            torch.empty((2, T), device=x.device, dtype=torch.float32))
+
+
+def _lse_output(ctx, stats: torch.Tensor) -> torch.Tensor:
+    """lse = max + log Σ exp of every token, returned beside the loss as a non-differentiable output."""
+    lse = stats[0] + stats[1]
+    ctx.mark_non_differentiable(lse)
+    return lse
 
 
 class _ScalarLossWithGrads(torch.autograd.Function):
@@ -199,23 +205,19 @@ class _ScalarLossWithGrads(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
-        T = x.shape[0]
         if reduction == "mean":
             denom = mean_denominator(y, class_weight, opts.ignore_index)
             grad_scale = (1.0 / denom).reshape(1)
         else:
             grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
-        stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
+        loss_tok, stats = _row_buffers(x)
         dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, opts, shard, (need_dx, need_dw, need_db),
                                           chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=loss_tok, stats=stats,
                                           compute_stats=True, grad=grad_scale, per_token_grad=False)
         loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
         finish_checks(checks)
         save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
-        lse = stats[0] + stats[1]
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
+        return loss, _lse_output(ctx, stats)
 
     @staticmethod
     @first_order_only
@@ -232,18 +234,14 @@ class _PerTokenLoss(torch.autograd.Function):
     def forward(ctx, x, w, b, y, class_weight, opts, shard, chunk_tokens, weight_grad_accum, reduce_dx):
         ctx.set_materialize_grads(False)
         checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
-        T = x.shape[0]
-        loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
-        stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-        C = plan_for_grads(T, w, False, weight_grad_accum, chunk_tokens).chunk_tokens
+        loss_tok, stats = _row_buffers(x)
+        C = chunked.plan_for_grads(x.shape[0], w, False, weight_grad_accum, chunk_tokens).chunk_tokens
         _shard_chunks(x, w, b, y, class_weight, opts, shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
                       grad=None, per_token_grad=False)
         finish_checks(checks)
         ctx.save_for_backward(x, w, b, y, class_weight, stats)
         ctx.config = (opts, shard, chunk_tokens, weight_grad_accum, reduce_dx)
-        lse = stats[0] + stats[1]
-        ctx.mark_non_differentiable(lse)
-        return loss_tok, lse
+        return loss_tok, _lse_output(ctx, stats)
 
     @staticmethod
     @first_order_only
@@ -334,7 +332,8 @@ def vocab_parallel_cross_entropy(input: torch.Tensor, linear_weight: torch.Tenso
         V_.check_shape("weight", weight, (shard.vocab_size,), "one class weight per entry of the whole vocabulary")
     x2d, y = _flat_inputs(input, target, sequence_parallel, group)
     class_weight = None if weight is None else weight.float().contiguous()
-    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
+    opts = chunked.LossOptions(ignore_index, float(label_smoothing), float(z_loss),
+                               None if softcap is None else float(softcap))
     reduce_dx = not sequence_parallel  # with sequence parallelism the gather's backward reduce-scatters dX
     wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or linear_weight.requires_grad
                                               or (linear_bias is not None and linear_bias.requires_grad))

@@ -14,15 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedkern.chunked import (
-    LossOptions,
-    chunk_grads,
-    grad_buffers,
-    logits_buffer,
-    logits_into,
-    plan_for_grads,
-    row_kernel_args,
-)
+from fusedkern import chunked
 from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern._validation import finish_checks, start_checks
 from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
@@ -35,24 +27,25 @@ class ChunkedGRPO(torch.autograd.Function):
     the chunk's old/reference log-probs and advantages; logp and entropy are not differentiable."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, opts: LossOptions, per_token_loss, weights, weight_grad_accum, chunk_tokens,
-                with_entropy):
+    def forward(ctx, x, w, b, target, opts: chunked.LossOptions, per_token_loss, weights, weight_grad_accum,
+                chunk_tokens, with_entropy):
         n = x.shape[0]
         # targets out of range raise after the kernels are queued, as in every operator (no sync before)
         checks = start_checks(target, w.shape[0], opts.ignore_index, None, None, -1)
         need_dx, need_dw = x.requires_grad, w.requires_grad
         need_db = b is not None and b.requires_grad
-        plan = plan_for_grads(n, w, need_dw, weight_grad_accum, chunk_tokens)
-        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
-        buf = logits_buffer(min(plan.chunk_tokens, n), w.shape[0], x, dw_out if plan.buffer_in_dw_storage else None)
-        kernel_args = row_kernel_args(None, opts)
+        plan = chunked.plan_for_grads(n, w, need_dw, weight_grad_accum, chunk_tokens)
+        dx, dw, db, dw_out = chunked.grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+        buf = chunked.logits_buffer(min(plan.chunk_tokens, n), w.shape[0], x,
+                                    dw_out if plan.buffer_in_dw_storage else None)
+        kernel_args = chunked.row_kernel_args(None, opts)
         logp = torch.empty(n, device=x.device, dtype=torch.float32)
         entropy = torch.empty(n if with_entropy else 0, device=x.device, dtype=torch.float32)
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
         for i, c0 in enumerate(range(0, n, plan.chunk_tokens)):
             c1 = min(c0 + plan.chunk_tokens, n)
             rows = slice(c0, c1)
-            z = logits_into(buf, x[rows], w, b)
+            z = chunked.logits_into(buf, x[rows], w, b)
             nll = torch.empty(c1 - c0, device=x.device, dtype=torch.float32)
             stats = torch.empty((2, c1 - c0), device=x.device, dtype=torch.float32)
             ce_rows(z, target[rows], loss=nll, stats=stats, grad=None, compute_stats=True,
@@ -66,7 +59,7 @@ class ChunkedGRPO(torch.autograd.Function):
             # ℓ_t = −logp_t for the row kernel: its upstream weight is −∂L/∂logp_t
             ce_rows(z, target[rows], loss=None, stats=stats, grad=(-g_logp).contiguous(), compute_stats=False,
                     per_token_grad=True, **kernel_args)
-            chunk_grads(z, x[rows], w, None if dx is None else dx[rows], dw, db, first=i == 0)
+            chunked.chunk_grads(z, x[rows], w, None if dx is None else dx[rows], dw, db, first=i == 0)
         finish_checks(checks)
         save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
         ctx.mark_non_differentiable(logp, entropy)

@@ -15,15 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedkern.chunked import (
-    LossOptions,
-    chunk_grads,
-    grad_buffers,
-    logits_buffer,
-    logits_into,
-    plan_for_grads,
-    row_kernel_args,
-)
+from fusedkern import chunked
 from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern._validation import finish_checks, start_checks
 from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
@@ -33,7 +25,7 @@ def preference_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_d
                     chunk_tokens: int | None):
     """(groups per chunk, the chunk plan): a group is a chosen/rejected pair (paired) or one sequence (KTO);
     0 groups when a chunk cannot hold one (then the generic path runs)."""
-    grad_plan = plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
+    grad_plan = chunked.plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
     group_rows = 2 if paired else 1
     n_groups = n_rows // group_rows
     return min(grad_plan.chunk_tokens // (group_rows * seq), n_groups), grad_plan
@@ -45,7 +37,7 @@ class ChunkedPreference(torch.autograd.Function):
     gradients are formed here; backward rescales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, x3d, w, b, target2d, opts: LossOptions, paired: bool, plan: tuple, tail):
+    def forward(ctx, x3d, w, b, target2d, opts: chunked.LossOptions, paired: bool, plan: tuple, tail):
         per_chunk, grad_plan = plan
         n_rows, seq, hidden = x3d.shape
         checks = start_checks(target2d, w.shape[0], opts.ignore_index, None, None, -1)
@@ -53,14 +45,14 @@ class ChunkedPreference(torch.autograd.Function):
         y = target2d.reshape(-1).contiguous()  # the kernels index target[row] with no stride
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and b is not None
-        dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, grad_plan)
+        dx, dw, db, dw_out = chunked.grad_buffers(x, w, b, need_dx, need_dw, need_db, grad_plan)
         scratch = dw_out if grad_plan.buffer_in_dw_storage else None
         # rows not yet computed hold a benign −1 per token (ORPO's log(1 − e^A) is −∞ at A = 0); their terms'
         # gradients are never read, and every row is overwritten before the loss is taken
         logp = torch.full((n_rows, seq), -1.0, device=x.device, dtype=torch.float32)
-        kernel_args = row_kernel_args(None, opts)
+        kernel_args = chunked.row_kernel_args(None, opts)
         n_groups = n_rows // 2 if paired else n_rows
-        buf = logits_buffer((2 if paired else 1) * per_chunk * seq, w.shape[0], x, scratch)
+        buf = chunked.logits_buffer((2 if paired else 1) * per_chunk * seq, w.shape[0], x, scratch)
         first = True
         for i0 in range(0, n_groups, per_chunk):
             i1 = min(i0 + per_chunk, n_groups)
@@ -72,7 +64,7 @@ class ChunkedPreference(torch.autograd.Function):
                 x_c, y_c = x[tok[0].start:tok[-1].stop], y[tok[0].start:tok[-1].stop]
             else:
                 x_c, y_c = torch.cat([x[t] for t in tok]), torch.cat([y[t] for t in tok])
-            z = logits_into(buf, x_c, w, b)
+            z = chunked.logits_into(buf, x_c, w, b)
             C = z.shape[0]
             nll = torch.empty(C, device=x.device, dtype=torch.float32)
             stats = torch.empty((2, C), device=x.device, dtype=torch.float32)
@@ -94,7 +86,7 @@ class ChunkedPreference(torch.autograd.Function):
                     n = t.stop - t.start
                     torch.mm(z[offset:offset + n], w, out=dx[t])
                     offset += n
-            chunk_grads(z, x_c, w, None, dw, db, first)
+            chunked.chunk_grads(z, x_c, w, None, dw, db, first)
             first = False
             del x_c, y_c, z  # the next chunk's gathered rows must not coexist with these
         save_precomputed_grads(ctx, x3d, w, b, dx, dw, db, dw_out)

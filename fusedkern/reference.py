@@ -106,13 +106,13 @@ def cross_entropy_from_logits(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    weight: torch.Tensor | None,
-    reduction: str,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float | None,
-    return_lse: bool,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
 ):
     """Cross-entropy with every option of docs/design.md, computed in `logits.dtype`.
 
@@ -212,32 +212,17 @@ def upcast_linear_cross_entropy(
     target: torch.Tensor,
     *,
     linear_bias: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    reduction: str = "mean",
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    return_lse: bool = False,
+    **options,
 ):
     """The modern baseline: logits GEMM in the input dtype, then `.float()`, then the loss in fp32.
 
-    input [..., H], linear_weight [V, H], target [...] int64, linear_bias [V], weight [V] class
-    weights. Returns loss (fp32; [...] for "none") or (loss, lse) with lse [...] fp32.
-    Materializes the [T, V] logits twice (input dtype and fp32): this is the memory it costs.
+    input [..., H], linear_weight [V, H], target [...] int64, linear_bias [V]; options: those of
+    `cross_entropy_from_logits`, with its defaults (weight [V] class weights, reduction, ignore_index,
+    label_smoothing, z_loss, softcap, return_lse). Returns loss (fp32; [...] for "none") or (loss, lse)
+    with lse [...] fp32. Materializes the [T, V] logits twice (input dtype and fp32): this is the memory
+    it costs.
     """
-    logits_fp32 = F.linear(input, linear_weight, linear_bias).float()  # [..., V]
-    return cross_entropy_from_logits(
-        logits_fp32,
-        target,
-        weight=weight,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        return_lse=return_lse,
-    )
+    return cross_entropy_from_logits(F.linear(input, linear_weight, linear_bias).float(), target, **options)
 
 
 def linear_cross_entropy_fp64(
@@ -246,30 +231,14 @@ def linear_cross_entropy_fp64(
     target: torch.Tensor,
     *,
     linear_bias: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    reduction: str = "mean",
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    return_lse: bool = False,
+    **options,
 ):
     """Exact reference: every operand upcast to float64 before the matmul, loss in float64.
 
     Same signature and semantics as `upcast_linear_cross_entropy`; loss (and lse) are float64.
     Differentiable: autograd gives float64-accurate gradients, cast back to each input's dtype.
     """
-    return cross_entropy_from_logits(
-        _fp64_logits(input, linear_weight, linear_bias),
-        target,
-        weight=weight,
-        reduction=reduction,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        return_lse=return_lse,
-    )
+    return cross_entropy_from_logits(_fp64_logits(input, linear_weight, linear_bias), target, **options)
 
 
 def linear_logprobs_fp64(
@@ -303,10 +272,10 @@ def simpo_from_logprobs(
     logps: torch.Tensor,
     mask: torch.Tensor,
     *,
-    beta: float,
-    gamma: float,
-    alpha: float,
-    label_smoothing: float,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
     chosen_nll: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The O(B·S) part of CPO-SimPO: per-token log-probs -> (loss, metrics), in `logps.dtype`.
@@ -404,24 +373,19 @@ def linear_simpo_loss_fp64(
     target: torch.Tensor,
     *,
     linear_bias: torch.Tensor | None = None,
-    beta: float = 0.1,
-    gamma: float = 0.5,
-    alpha: float = 1.0,
-    label_smoothing: float = 0.0,
     ignore_index: int = -100,
     softcap: float | None = None,
+    **simpo_args,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Exact CPO-SimPO reference: same signature and semantics as `hf_linear_simpo_loss` (plus a logit
-    softcap), with every operand upcast to float64 before the matmul. Loss and metrics are float64; the
-    loss is differentiable (float64 gradients through autograd).
+    """Exact CPO-SimPO reference: the semantics of `hf_linear_simpo_loss` (plus a logit softcap), with
+    every operand upcast to float64 before the matmul. simpo_args: beta, gamma, alpha, label_smoothing,
+    with `simpo_from_logprobs`' defaults (TRL's). Loss and metrics are float64; the loss is
+    differentiable (float64 gradients through autograd).
     """
-    mask = target != ignore_index  # [2B, S]
     logps = linear_logprobs_fp64(
         input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index, softcap=softcap
     )  # [2B, S] float64
-    return simpo_from_logprobs(
-        logps, mask, beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing
-    )
+    return simpo_from_logprobs(logps, target != ignore_index, **simpo_args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,6 +609,12 @@ def preference_from_logprobs(
     }
 
 
+def _float_tensors_to(loss_args: dict, dtype: torch.dtype) -> dict:
+    """The loss arguments with every floating-point tensor among them (reference log-probs, kl) cast to dtype."""
+    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+            for k, v in loss_args.items()}
+
+
 def linear_preference_loss_fp64(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -660,9 +630,7 @@ def linear_preference_loss_fp64(
     Differentiable; input [R, S, H], linear_weight [V, H], target [R, S]."""
     logps = linear_logprobs_fp64(input, linear_weight, target, linear_bias=linear_bias,
                                  ignore_index=ignore_index, softcap=softcap)  # [R, S] float64
-    cast = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in loss_args.items()}
-    return preference_from_logprobs(logps, target != ignore_index, **cast)
+    return preference_from_logprobs(logps, target != ignore_index, **_float_tensors_to(loss_args, torch.float64))
 
 
 def upcast_linear_preference_loss(
@@ -683,9 +651,7 @@ def upcast_linear_preference_loss(
         logits = softcap * torch.tanh(logits / softcap)
     mask, safe_target = _safe_target(target, ignore_index)
     logps = logits.log_softmax(dim=-1).gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # [R, S]
-    cast = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-            for k, v in loss_args.items()}
-    return preference_from_logprobs(logps, mask, **cast)
+    return preference_from_logprobs(logps, mask, **_float_tensors_to(loss_args, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,28 +2,42 @@
 
 The CPU test suite runs the kernels through Triton's interpreter, which never lowers them: an op the
 GPU backend rejects, or a config that spills past the register file, would pass CI and fail on the
-first GPU call. This lowers `ce_rows`' two kernels through Triton's NVIDIA backend down to a cubin
-(ptxas ships with Triton) for the smallest and largest autotune block, and the fused strategy's
-forward and backward (`fused_ce`, bf16, the first autotune config: the one the H200 picks) in each
-launch mode, with every option flag off and on. Prints one line per kernel; exits non-zero on the
-first failure. With --ptxas-info each line also gets ptxas's register and spill report for sm_90a
-(how a kernel change's register pressure was checked without a GPU).
+first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptxas ships with Triton):
+- `ce_rows`' two kernels for the smallest and largest autotune block, every option flag off and on;
+- the fused strategy's forward and backward (`fused_ce`, bf16, the first autotune config: the one the
+  H200 picks) in each launch mode, flags off and on;
+- the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
+  wide/narrow pair and dW's three epilogues, and the opt-in warp-specialized candidates
+  (`rowcount_gemm.warp_specialized_configs`).
+Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
+constants; pointers, strides and sizes multiples of 16).
+Prints one line per kernel with its registers per thread, stack bytes (spills) and shared memory from
+the cubin, whether Triton warp-specialized it (`ws=`), and
+the PTX's fingerprint: `ptx=` hashes the PTX without line information (equal means the same machine
+code), `ops=` the sorted instructions with registers and labels renamed (equal means the same
+instructions, possibly reordered). Run it before and after a refactor of a kernel to show the GPU gets
+the same code (`--only NAME` limits it to kernels whose line contains NAME). Exits non-zero on the
+first failure. With --ptxas-info each line also gets ptxas's own register and spill report for sm_90a.
 
-    TRITON_INTERPRET=0 python scripts/compile_sm90.py [--ptxas-info]   (tests/test_compile_sm90.py runs it)
+    TRITON_INTERPRET=0 python scripts/compile_sm90.py [--ptxas-info] [--only NAME]
+    (tests/test_compile_sm90.py runs it)
 """
 import glob
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before fusedkern imports: real JIT functions, GPU configs
+os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # line information moves with the source, not the code
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows, fused_ce  # noqa: E402
+from fusedkern.kernels import ce_rows, fused_ce, rowcount_gemm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -72,13 +86,95 @@ def fused_cases() -> list:
     return cases
 
 
+def jit_function(kernel) -> triton.runtime.JITFunction:
+    return kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # autotuned kernels wrap it
+
+
+#: inner strides of the GEMM operands (row-count GEMMs, fused strategy): 1 in every launch, which Triton
+#: specializes into a constant
+UNIT_STRIDES = ("stride_xh", "stride_wh", "stride_zv", "stride_gv", "stride_dxh", "stride_dwh", "stride_b")
+
+
+def gemm_signature(kernel, pointer_types: dict) -> dict:
+    """Signature of a row-count GEMM: pointers bf16 unless named, sizes and strides i32 (unit strides are
+    constants, added by `gemm_cases`)."""
+    names = [p.name for p in jit_function(kernel).params if not p.is_constexpr and p.name not in UNIT_STRIDES]
+    return {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "i32" for n in names}
+
+
+def gemm_cases() -> list:
+    """(name, kernel, signature, flags, config) of the row-count GEMMs at the H200's config (the first
+    autotune candidate of each: 128 × 256 × 64, 8 warps, 3 stages; dW with quarter-slice epilogues)."""
+    rg = rowcount_gemm
+    count = {"count_ptr": "*i32"}
+    cases = []
+    for tma in (True, False):
+        common = dict(USE_TMA=tma, DOT_PRECISION="tf32")
+        cases.append(("gemm_logits", rg._logits_kernel, gemm_signature(rg._logits_kernel, count),
+                      dict(common, HAS_BIAS=True), rg._configs("logits", False)[0]))
+        for pick in (1, 2):  # the wide kernel of dX's pair and its narrow partner
+            config = rg._configs("dx", False)[0]
+            config = config if pick == 1 else rg._narrow_partner(config)
+            cases.append(("gemm_dx", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(common, PICK=pick),
+                          config))
+        # dW: β = 0 into bf16; β = 1 into the fp32 accumulator (TMA: reduce-add) and into bf16 (load-add-store)
+        for accumulate, out, mode in ((False, "*bf16", 0), (True, "*fp32", 2), (True, "*bf16", 1)):
+            cases.append(("gemm_dw", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": out}),
+                          dict(common, ACCUMULATE=accumulate, EPI_MODE=mode), rg._configs("dw", False)[0]))
+    # the opt-in warp-specialized candidates (TMA path; dW into fp32 adds through registers, mode 1)
+    ws = dict(USE_TMA=True, DOT_PRECISION="tf32")
+    wide = rg.warp_specialized_configs("dx")[0]
+    cases += [("gemm_logits_ws", rg._logits_kernel, gemm_signature(rg._logits_kernel, count), dict(ws, HAS_BIAS=True),
+               rg.warp_specialized_configs("logits")[0]),
+              ("gemm_dx_ws", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(ws, PICK=1), wide),
+              ("gemm_dx_ws", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(ws, PICK=2),
+               rg._narrow_partner(wide)),
+              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, count),
+               dict(ws, ACCUMULATE=False, EPI_MODE=0), rg.warp_specialized_configs("dw")[0]),
+              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": "*fp32"}),
+               dict(ws, ACCUMULATE=True, EPI_MODE=1), rg.warp_specialized_configs("dw_fp32")[0])]
+    return cases
+
+
 def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config):
-    constexprs = {**constexprs, **config.kwargs, "USE_LIBDEVICE": True}
+    jit_fn = jit_function(kernel)
+    constexprs = {**constexprs, **config.kwargs}
+    if "USE_LIBDEVICE" in jit_fn.arg_names:
+        constexprs["USE_LIBDEVICE"] = True
+    constexprs.update({n: 1 for n in UNIT_STRIDES if n in jit_fn.arg_names})
     full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    jit_fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # autotuned kernels wrap it
-    source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=constexprs)
+    # what a launch at the study's shapes tells the compiler: pointers (torch allocations), strides and
+    # the sizes C, V, H, T are multiples of 16 (Triton's specialization of integer arguments)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jit_fn.arg_names)
+             if full_signature.get(n) not in (None, "constexpr", "fp32")
+             and (n.endswith("_ptr") or n.startswith("stride_") or n in ("C", "V", "H", "T"))}
+    source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET,
                           options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def fingerprints(compiled, name: str) -> str:
+    """ptx=: hash of the PTX (kernel name and comments out); ops=: hash of its sorted instructions with
+    registers and labels renamed, equal when only their order changed."""
+    ptx = re.sub(r"^\s*//.*$", "", compiled.asm["ptx"].replace(name, "KERNEL"), flags=re.M)
+    ops = sorted(line.strip() for line in re.sub(r"%[a-z]+[0-9]+|\$L__\w+", "R", ptx).splitlines()
+                 if line.strip() and ".reg " not in line)
+    return (f"ptx={hashlib.sha1(ptx.encode()).hexdigest()[:12]} "
+            f"ops={hashlib.sha1(chr(10).join(ops).encode()).hexdigest()[:12]}")
+
+
+def resources(compiled) -> str:
+    """Registers per thread and stack bytes (spills) of the cubin, as cuobjdump reports them."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
+    # ws: whether Triton split the kernel into warp-specialized partitions; smem: shared memory per program
+    ws = "yes" if "ttg.warp_specialize" in compiled.asm["ttgir"] else "no"
+    return (f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
+            f"smem={compiled.metadata.shared} ws={ws}")
 
 
 def ptxas_info(compiled) -> str:
@@ -111,15 +207,22 @@ def main() -> int:
                           dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats,
                                WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
-    with_info = "--ptxas-info" in sys.argv[1:]
-    for name, kernel, signature, flags, config in runs + fused_cases():
+    args = sys.argv[1:]
+    with_info = "--ptxas-info" in args
+    only = args[args.index("--only") + 1] if "--only" in args else ""
+    for name, kernel, signature, flags, config in runs + fused_cases() + gemm_cases():
+        blocks = " ".join(f"{k}={v}" for k, v in config.kwargs.items() if k.startswith("BLOCK"))
+        line = f"{name} {blocks} warps={config.num_warps} stages={config.num_stages} {flags}"
+        if only not in line:
+            continue
         try:
             compiled = compile_one(kernel, signature, flags, config)
         except Exception as error:  # noqa: BLE001  (report which variant, then fail)
-            print(f"FAILED {name} {flags} {config}: {type(error).__name__}: {error}", flush=True)
+            print(f"FAILED {line}: {type(error).__name__}: {error}", flush=True)
             return 1
         info = f" :: {ptxas_info(compiled)}" if with_info else ""
-        print(f"sm_90 ok: {name} BLOCK_V={config.kwargs['BLOCK_V']} warps={config.num_warps} {flags}{info}", flush=True)
+        fingerprint = fingerprints(compiled, jit_function(kernel).__name__)
+        print(f"sm_90 ok: {line} {resources(compiled)} {fingerprint}{info}", flush=True)
     return 0
 
 

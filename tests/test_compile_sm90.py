@@ -1,6 +1,6 @@
-"""The Triton kernels (row kernels and the fused strategy) lower to H200 (sm_90) machine code: what the
-interpreter runs on CPU is never compiled, so an op the GPU backend rejects would otherwise first fail
-on a GPU machine."""
+"""The Triton kernels (row kernels, the fused strategy, the row-count GEMMs) lower to H200 (sm_90)
+machine code: what the interpreter runs on CPU is never compiled, so an op the GPU backend rejects would
+otherwise first fail on a GPU machine."""
 
 import os
 import subprocess
@@ -17,4 +17,23 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("sm_90 ok") == 24  # 16 row-kernel variants + 8 of the fused strategy
+    lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ok")]
+    assert len(lines) == 41  # 16 row-kernel variants + 8 of the fused strategy + 17 row-count GEMMs
+    gemms = {line.split()[2]: [] for line in lines if line.startswith("sm_90 ok: gemm_")}
+    for line in lines:
+        if line.startswith("sm_90 ok: gemm_"):
+            gemms[line.split()[2]].append(line)
+    gemm_lines = [line for group in gemms.values() for line in group]
+    # every row-count GEMM fits sm_90's 227 KiB of shared memory per block; the opt-in candidates (names
+    # ending in _ws) are warp-specialized (a TMA producer and two consumer warpgroups), the others not
+    assert all(int(line.split(" smem=")[1].split()[0]) <= 232448 for line in gemm_lines), gemm_lines
+    assert all((" ws=yes " in line) == line.split()[2].endswith("_ws") for line in gemm_lines), gemm_lines
+    # the TMA kernels at the H200's tiles, and every warp-specialized one, keep their accumulators in
+    # registers: a spill (stack > 0) would cost the speed they were measured at
+    fast = [line for line in gemm_lines if "'USE_TMA': True" in line]
+    assert len(fast) == 11
+    assert all(" stack=0 " in line for line in fast), fast
+    # so do the fused strategy's kernels with every option off (docs/design.md, its roofline)
+    plain_fused = [line for line in lines if line.startswith("sm_90 ok: fused_") and "'HAS_BIAS': False" in line]
+    assert len(plain_fused) == 4
+    assert all(" stack=0 " in line for line in plain_fused), plain_fused

@@ -127,6 +127,14 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, logit_scale, m_
     return m_new, d_new, ws_lane, a_new
 
 
+@triton.jit
+def _program_row(logits_ptr, stride_row):
+    """(row, slice, row pointer) of this program: axis 0 walks the rows, axis 1 the row's slices. int64
+    offsets: row · stride reaches 32768 · 128256 > 2^31 when a caller passes a big chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    return row, tl.program_id(1), logits_ptr + row * stride_row
+
+
 @triton.autotune(configs=autotune_configs(_CONFIGS),
                  key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT",
                       "HAS_ENTROPY", "HAS_SCALE"])
@@ -154,13 +162,10 @@ def _row_stats_kernel(
     FIND_TARGET: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SCALE: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row, split, row_ptr = _program_row(logits_ptr, stride_row)
     if HAS_ROW_COUNT:
         if row >= tl.load(row_count_ptr):
             return
-    split = tl.program_id(1)
-    # int64 offsets: row · stride reaches 32768 · 128256 > 2^31 when a caller passes a big chunk
-    row_ptr = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     col0 = split * span
     col1 = tl.minimum(col0 + span, V)
@@ -232,12 +237,10 @@ def _row_finish_kernel(
     WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row, split, row_ptr = _program_row(logits_ptr, stride_row)
     if HAS_ROW_COUNT:
         if row >= tl.load(row_count_ptr):
             return
-    split = tl.program_id(1)
-    row_ptr = logits_ptr + row * stride_row
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
     # out-of-range targets read column 0: the host raises on them after the launch (TargetRangeCheck)

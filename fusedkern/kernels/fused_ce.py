@@ -80,23 +80,17 @@ def _logit_tile(
 # forward kernel
 
 
+def _tile_configs(rows: list) -> list:
+    """Autotune candidates from (BLOCK_T, BLOCK_V, BLOCK_H, warps, stages) rows."""
+    return [triton.Config({"BLOCK_T": t, "BLOCK_V": v, "BLOCK_H": h}, num_warps=warps, num_stages=stages)
+            for t, v, h, warps, stages in rows]
+
+
 def _fwd_configs(fp32: bool):
-    c = triton.Config
     if fp32:  # ieee fp32 dots run on the FMA units: smaller tiles, or the operands spill
-        return [
-            c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 32}, num_warps=8, num_stages=2),
-            c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=2),
-            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=4, num_stages=2),
-            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=3),
-        ]
-    return [
-        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 128}, num_warps=8, num_stages=3),
-        c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4, num_stages=4),
-    ]
+        return _tile_configs([(64, 128, 32, 8, 2), (128, 64, 32, 8, 2), (64, 64, 32, 4, 2), (64, 64, 32, 8, 3)])
+    return _tile_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+                          (64, 256, 64, 8, 3), (64, 64, 64, 4, 4)])
 
 
 # The interpreter runs only the first config: a small one, so that the tiny test shapes still span
@@ -207,23 +201,11 @@ _fused_ce_fwd_tuned = {fp32: triton.autotune(configs=cfgs, key=["V", "H", "T_BUC
 
 
 def _bwd_configs(fp32: bool):
-    c = triton.Config
     if fp32:
-        return [
-            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=3),
-            c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=8, num_stages=2),
-            c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 16}, num_warps=4, num_stages=3),
-            c({"BLOCK_T": 32, "BLOCK_V": 64, "BLOCK_H": 32}, num_warps=4, num_stages=2),
-        ]
-    return [
-        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=3),
-        c({"BLOCK_T": 128, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=8, num_stages=4),
-        # (128 × 256 would need ~280 KB of shared memory for the pipelined operands: over the 228 KB)
-        c({"BLOCK_T": 64, "BLOCK_V": 256, "BLOCK_H": 64}, num_warps=8, num_stages=2),
-        c({"BLOCK_T": 128, "BLOCK_V": 64, "BLOCK_H": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_H": 64}, num_warps=4, num_stages=4),
-        c({"BLOCK_T": 64, "BLOCK_V": 64, "BLOCK_H": 128}, num_warps=4, num_stages=3),
-    ]
+        return _tile_configs([(64, 64, 32, 8, 3), (128, 64, 32, 8, 2), (64, 64, 16, 4, 3), (32, 64, 32, 4, 2)])
+    # (128 × 256 would need ~280 KB of shared memory for the pipelined operands: over the 228 KB)
+    return _tile_configs([(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 2), (128, 64, 64, 4, 4),
+                          (64, 128, 64, 4, 4), (64, 64, 128, 4, 3)])
 
 
 _BWD_CONFIGS = {fp32: _config_list(_bwd_configs(fp32)) for fp32 in (False, True)}
@@ -483,15 +465,20 @@ def _meta(block_config, fp32: bool):
     return kw, kw["BLOCK_T"], kw["BLOCK_T"], kw["BLOCK_V"]
 
 
-def _options(x, weight, softcap, label_smoothing):
+def _options(x, bias, class_weight, softcap, label_smoothing):
+    """(option flags of both kernels, the softcap c (1.0 when off), class weights as fp32 or None)."""
     has_softcap = softcap is not None and float(softcap) != 0.0
-    return dict(
+    cw = class_weight.contiguous().to(torch.float32) if class_weight is not None else None
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        HAS_WEIGHT=cw is not None,
         HAS_SOFTCAP=has_softcap,
         HAS_SMOOTHING=float(label_smoothing) > 0.0,
         USE_LIBDEVICE=not interpreting(),
         # fp32 operands: exact fp32 products like torch's default (TF32 off for matmuls)
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-    ), (float(softcap) if has_softcap else 1.0)
+    )
+    return flags, (float(softcap) if has_softcap else 1.0), cw
 
 
 def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, label_smoothing, z_loss, softcap,
@@ -513,10 +500,8 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
         return torch.zeros(0, device=dev, dtype=torch.float32), torch.zeros(0, device=dev, dtype=torch.float32)
     target = target.contiguous()
     eps = float(label_smoothing)
-    has_weight = class_weight is not None
-    cw = class_weight.contiguous().to(torch.float32) if has_weight else None
-    opts, cap = _options(x, weight, softcap, eps)
-    fp32 = x.dtype == torch.float32
+    opts, cap, cw = _options(x, bias, class_weight, softcap, eps)
+    has_weight, fp32 = cw is not None, x.dtype == torch.float32
     kw, _, max_bt, granule_v = _meta(block_config, fp32)
     if n_split is None:
         n_split, split_v = _forward_splits(T, V, sm_count(dev), granule_v, max_bt)
@@ -530,12 +515,11 @@ def fused_ce_forward(x, weight, bias, target, class_weight, *, ignore_index, lab
             T, V, H, n_split, split_v, triton.next_power_of_2(T),
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             part.stride(0), part.stride(1), cap)
-    flags = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
     if kw is None:
         grid = lambda META: (n_split * triton.cdiv(T, META["BLOCK_T"]),)  # noqa: E731
-        _fused_ce_fwd_tuned[fp32][grid](*args, **flags)
+        _fused_ce_fwd_tuned[fp32][grid](*args, **opts)
     else:
-        _fused_ce_fwd_kernel[(n_split * triton.cdiv(T, kw["BLOCK_T"]),)](*args, **flags, **kw)
+        _fused_ce_fwd_kernel[(n_split * triton.cdiv(T, kw["BLOCK_T"]),)](*args, **opts, **kw)
 
     # 2. combine the splits: lse = M + log1p(rest) with rest = Σ_s rest_s·e_s + Σ_{s ≠ s*} e_s,
     #    e_s = exp(m_s − M), s* the first split holding M (its own 1 stays out of rest, see step 4).
@@ -586,10 +570,8 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
                 torch.zeros_like(bias) if need_db else None)
     budget = fused_accumulator_budget(T, V) if max_workspace_bytes is None else int(max_workspace_bytes)
     eps = float(label_smoothing)
-    has_weight = class_weight is not None
-    cw = class_weight.contiguous().to(torch.float32) if has_weight else None
-    opts, cap = _options(x, weight, softcap, eps)
-    fp32 = x.dtype == torch.float32
+    opts, cap, cw = _options(x, bias, class_weight, softcap, eps)
+    has_weight, fp32 = cw is not None, x.dtype == torch.float32
     kw, min_bt, max_bt, granule_v = _meta(block_config, fp32)
     target = target.contiguous()
     if lse.dim() == 2:  # stats (m, log Σ): exact s − m in the kernel
@@ -631,7 +613,6 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
     db_acc = (torch.full((V,), float("nan"), device=dev, dtype=torch.float32) if dw_store
               else torch.zeros(V, device=dev, dtype=torch.float32)) if need_db else None
 
-    flags_common = dict(HAS_BIAS=bias is not None, HAS_WEIGHT=has_weight, **opts)
     group_t = block_config.get("GROUP_T", 8) if block_config is not None else 8
     t_bucket = triton.next_power_of_2(T)
     for mode, axis, chunk in passes:
@@ -659,7 +640,7 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
                     bias.stride(0) if bias is not None else 0, dx_arg.stride(0), dw_arg.stride(0),
                     ignore_index, cap)
             flags = dict(COMPUTE_DX=do_dx, COMPUTE_DW=do_dw, COMPUTE_DB=do_db, GRAD_W_STORE=dw_store,
-                         GROUP_T=group_t, **flags_common)
+                         GROUP_T=group_t, **opts)
             if kw is None:
                 grid = lambda META: (triton.cdiv(t1 - t0, META["BLOCK_T"]) * triton.cdiv(v1 - v0, META["BLOCK_V"]),)  # noqa: E731
                 _fused_ce_bwd_tuned[fp32][grid](*args, **flags)

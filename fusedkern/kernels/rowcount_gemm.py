@@ -52,11 +52,12 @@ launches the tuned kernel and a half-width partner; both read n and the one that
 whole waves does the work, the other's programs exit at once (`_narrow_wins`; measured: 3.15 →
 2.49 ms at n = 1229). logits (V / 256 = 501 tiles per row block) and dW (16032 tiles) need no pair.
 
-Trade-off: a Triton GEMM can be slower per FLOP than cuBLAS — no warp specialization on Hopper
-(Triton 3.6's `tl.range(warp_specialize=True)` crashes its Hopper pass, WSDataPartition, on these
-kernels: tried on sm_90 by compiling), so the epilogue does not overlap the next tile's
-mainloop, and fixed tile shapes leave part of a last wave idle — but it skips the ignored rows
-with no host sync. Measured on the H200 (scripts/bench_rowcount_gemm.py, bf16, C = H = 4096,
+Trade-off: a Triton GEMM can be slower per FLOP than cuBLAS — the autotuned kernels are not warp
+specialized, so the epilogue does not overlap the next tile's loads, and fixed tile shapes leave part
+of a last wave idle — but it skips the ignored rows with no host sync. Triton 3.6 warp-specializes
+these kernels for sm_90 only with 4 warps, an unflattened persistent loop and a one-slice epilogue
+without reduce-add (its pass fails on the others; compiled, not yet timed): those variants are opt-in
+candidates, `warp_specialized_configs`. Measured on the H200 (scripts/bench_rowcount_gemm.py, bf16, C = H = 4096,
 V = 128256, p50 ms of 20 shuffled rounds; triton / cuBLAS on exactly n rows (the ideal, needs n on
 the host) / cuBLAS on all C rows):
 
@@ -88,7 +89,7 @@ import triton.language as tl
 from fusedkern._runtime import autotune_configs, interpreting, sm_count
 from fusedkern.kernels.dot import dot_fp32_acc
 
-__all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible"]
+__all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible", "warp_specialized_configs"]
 
 
 
@@ -96,9 +97,12 @@ __all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible"]
 # configs
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, slices: int = 1) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPI_SLICES": slices},
-                         num_warps=warps, num_stages=stages)
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, slices: int = 1,
+         warp_specialize: bool = False) -> triton.Config:
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPI_SLICES": slices}
+    if warp_specialize:
+        kwargs["WARP_SPECIALIZE"] = True
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
 def _configs(kernel: str, fp32: bool) -> list:
@@ -115,6 +119,25 @@ def _configs(kernel: str, fp32: bool) -> list:
                 _cfg(128, 128, 64, 8, 4, slices=2), _cfg(128, 128, 64, 8, 4, group=16, slices=4)]
     return [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4, slices=4),
             _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3, group=16)]
+
+
+def warp_specialized_configs(kernel: str) -> list:
+    """Hopper warp-specialized candidates, to pass as `config=` (kernel: 'logits', 'dx', 'dw' into a 16-bit
+    dW, 'dw_fp32' into the fp32 accumulator). Opt-in: none is among the autotune candidates until a GPU run
+    has timed them and checked them against the plain kernels (scripts/bench_rowcount_gemm.py --sweep,
+    tests/test_rowcount_gemm.py's GPU test).
+
+    Triton 3.6 splits such a kernel into a TMA producer and two consumer warpgroups (4 warps each, M split
+    between them), so the next tile's operands load while the consumers run their epilogue. Compiled for
+    sm_90 (scripts/compile_sm90.py) it takes only 4 warps, a persistent loop that is not flattened, and a
+    one-slice TMA epilogue: sliced epilogues and dW's reduce-add fail in its warp-specialization pass, so
+    'dw_fp32' adds through registers (load, add, store: the same sum, rounded once) with 128 × 128 tiles
+    (a 128 × 256 fp32 staging tile and three stages exceed the 227 KiB of shared memory)."""
+    if kernel in ("logits", "dx", "dw"):
+        return [_cfg(128, 256, 64, 4, 3, warp_specialize=True), _cfg(128, 128, 64, 4, 4, warp_specialize=True)]
+    if kernel == "dw_fp32":
+        return [_cfg(128, 128, 64, 4, 4, warp_specialize=True), _cfg(128, 128, 64, 4, 3, warp_specialize=True)]
+    raise ValueError(f"kernel must be 'logits', 'dx', 'dw' or 'dw_fp32', got {kernel!r}")
 
 
 # The interpreter runs only the first config: a small one, so that the tiny test shapes span several
@@ -140,15 +163,97 @@ def _valid_rows(count_ptr, C):
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped order: GROUP_M row blocks side by side, row block fastest within a group."""
+def _operand(ptr, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+             USE_TMA: tl.constexpr):
+    """A row-major (rows, cols) matrix as the load path addresses it: a TMA descriptor of (BLOCK_ROWS,
+    BLOCK_COLS) blocks (its extents zero-fill loads and clip stores beyond them), or the pointer itself."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[row_stride, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        return ptr
+
+
+@triton.jit
+def _tile(tile_id, num_pid_m, num_pid_n, M, N,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile `tile_id` in grouped order (GROUP_M row blocks side by side, row block fastest within
+    a group): its corner (off_m, off_n), its row and column indices, and their masks (< M, < N)."""
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = tile_id // num_pid_in_group
     first_pid_m = group_id * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + (tile_id % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    return off_m, off_n, offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _operand_ptrs(ptr, offs_outer, offs_k, stride_outer, stride_k, K_ROWS: tl.constexpr):
+    """Pointers of an operand block: (BLOCK_K, outer) when k runs along the stored rows, else (outer,
+    BLOCK_K). The row index is int64: row × stride can exceed 2^31 at LM sizes."""
+    if K_ROWS:
+        return ptr + offs_k.to(tl.int64)[:, None] * stride_k + offs_outer[None, :] * stride_outer
+    else:
+        return ptr + offs_outer.to(tl.int64)[:, None] * stride_outer + offs_k[None, :] * stride_k
+
+
+@triton.jit
+def _operand_mask(mask_outer, mask_k, K_ROWS: tl.constexpr):
+    if K_ROWS:
+        return mask_k[:, None] & mask_outer[None, :]
+    else:
+        return mask_outer[:, None] & mask_k[None, :]
+
+
+@triton.jit
+def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+              A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 (BLOCK_M, BLOCK_N) tile of A @ B at (off_m, off_n), summed over k < K.
+
+    a, b: `_operand`s. X_K_ROWS: the operand is stored with k along its rows (blocks (BLOCK_K, outer)),
+    else along its columns (blocks (outer, BLOCK_K)); a block is transposed in registers as the dot
+    needs it. Pointer path: rows and columns outside the masks, and k ≥ K, load as 0 — both operands
+    masked, since a token row beyond n may hold NaN and NaN × 0 is NaN."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            k = ki * BLOCK_K
+            if A_K_ROWS:
+                a_blk = a.load([k, off_m])
+            else:
+                a_blk = a.load([off_m, k])
+            if B_K_ROWS:
+                b_blk = b.load([k, off_n])
+            else:
+                b_blk = b.load([off_n, k])
+            # transposed after both loads: the pipeliner then waits on one barrier for the pair
+            if A_K_ROWS:
+                a_blk = a_blk.T
+            if not B_K_ROWS:
+                b_blk = b_blk.T
+            acc = dot_fp32_acc(a_blk, b_blk, acc, DOT_PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = _operand_ptrs(a, offs_m, offs_k, stride_am, stride_ak, A_K_ROWS)
+        b_ptrs = _operand_ptrs(b, offs_n, offs_k, stride_bn, stride_bk, B_K_ROWS)
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            mask_k = offs_k < K - ki * BLOCK_K
+            a_blk = tl.load(a_ptrs, mask=_operand_mask(mask_m, mask_k, A_K_ROWS), other=0.0)
+            b_blk = tl.load(b_ptrs, mask=_operand_mask(mask_n, mask_k, B_K_ROWS), other=0.0)
+            if A_K_ROWS:
+                a_blk = tl.trans(a_blk)
+            if not B_K_ROWS:
+                b_blk = tl.trans(b_blk)
+            acc = dot_fp32_acc(a_blk, b_blk, acc, DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    return acc
 
 
 @triton.jit
@@ -158,7 +263,7 @@ def _halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.split(tl.permute(t, (0, 2, 1)))
 
 
-# epilogue modes of `_store_tile`
+# epilogue modes of `_epilogue`
 _STORE, _LOAD_ADD_STORE, _REDUCE_ADD = 0, 1, 2
 
 
@@ -173,26 +278,33 @@ def _store_slice(desc, acc, off_m, off_n, MODE: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(desc, acc, off_m, off_n, MODE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SLICES: tl.constexpr):
-    """TMA store (MODE 0), load-add-store (1) or reduce-add (2) of an fp32 (BLOCK_M, BLOCK_N) tile in
-    EPI_SLICES column slices (1, 2 or 4): the shared-memory staging buffer is one slice, which
-    leaves room for more pipeline stages. The descriptor's block is (BLOCK_M, BLOCK_N // EPI_SLICES);
-    its extents clip the store."""
-    if EPI_SLICES == 1:
-        _store_slice(desc, acc, off_m, off_n, MODE)
-    elif EPI_SLICES == 2:
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        _store_slice(desc, a0, off_m, off_n, MODE)
-        _store_slice(desc, a1, off_m, off_n + BLOCK_N // 2, MODE)
+def _epilogue(out, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, MODE: tl.constexpr,
+              USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SLICES: tl.constexpr):
+    """out[tile] = acc (MODE 0), or out[tile] += acc (MODE 1: load, add in fp32, one rounding; MODE 2: a
+    TMA reduce-add, on the pointer path the same as 1). `out` is an `_operand`: TMA stores go out in
+    EPI_SLICES column slices (1, 2 or 4; the descriptor's block is (BLOCK_M, BLOCK_N // EPI_SLICES)), so
+    the shared-memory staging buffer is one slice and leaves room for more pipeline stages."""
+    if USE_TMA:
+        if EPI_SLICES == 1:
+            _store_slice(out, acc, off_m, off_n, MODE)
+        elif EPI_SLICES == 2:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            _store_slice(out, a0, off_m, off_n, MODE)
+            _store_slice(out, a1, off_m, off_n + BLOCK_N // 2, MODE)
+        else:
+            a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
+            a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
+            _store_slice(out, a00, off_m, off_n, MODE)
+            _store_slice(out, a01, off_m, off_n + BLOCK_N // 4, MODE)
+            a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
+            _store_slice(out, a10, off_m, off_n + BLOCK_N // 2, MODE)
+            _store_slice(out, a11, off_m, off_n + 3 * (BLOCK_N // 4), MODE)
     else:
-        a0, a1 = _halves(acc, BLOCK_M, BLOCK_N)
-        a00, a01 = _halves(a0, BLOCK_M, BLOCK_N // 2)
-        _store_slice(desc, a00, off_m, off_n, MODE)
-        _store_slice(desc, a01, off_m, off_n + BLOCK_N // 4, MODE)
-        a10, a11 = _halves(a1, BLOCK_M, BLOCK_N // 2)
-        _store_slice(desc, a10, off_m, off_n + BLOCK_N // 2, MODE)
-        _store_slice(desc, a11, off_m, off_n + 3 * (BLOCK_N // 4), MODE)
+        ptrs = out + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        mask = mask_m[:, None] & mask_n[None, :]
+        if MODE != 0:
+            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,56 +323,28 @@ def _logits_kernel(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
 ):
     n = _valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
     num_pid_n = tl.cdiv(V, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(H, BLOCK_K)
-    if USE_TMA:
-        # token extent n: the TMA unit zero-fills rows ≥ n (never read from memory) and clips stores
-        # there. max(n, 1): a descriptor's extents must be positive (with n = 0 no tile runs anyway).
-        n_desc = tl.maximum(n, 1)
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_desc, H], strides=[stride_xc, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_wv, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-        z_desc = tl.make_tensor_descriptor(z_ptr, shape=[n_desc, V], strides=[stride_zc, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < V
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            for ki in range(k_tiles):
-                a = x_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                b = w_desc.load([off_n, ki * BLOCK_K])  # (BLOCK_N, BLOCK_K)
-                acc = dot_fp32_acc(a, b.T, acc, DOT_PRECISION)
-        else:
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < n
-            offs_k = tl.arange(0, BLOCK_K)
-            # int64 row offsets: row × stride can exceed 2^31
-            x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xc + offs_k[None, :] * stride_xh
-            w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wv + offs_k[None, :] * stride_wh
-            for ki in range(k_tiles):
-                mask_k = offs_k < H - ki * BLOCK_K
-                a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                acc = dot_fp32_acc(a, tl.trans(b), acc, DOT_PRECISION)
-                x_ptrs += BLOCK_K * stride_xh
-                w_ptrs += BLOCK_K * stride_wh
+    # token extent n: the TMA unit zero-fills rows ≥ n (never read from memory) and clips stores
+    # there. max(n, 1): a descriptor's extents must be positive (with n = 0 no tile runs anyway).
+    n_desc = tl.maximum(n, 1)
+    x = _operand(x_ptr, n_desc, H, stride_xc, BLOCK_M, BLOCK_K, USE_TMA)
+    w = _operand(w_ptr, V, H, stride_wv, BLOCK_N, BLOCK_K, USE_TMA)
+    z = _operand(z_ptr, n_desc, V, stride_zc, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+        off_m, off_n, offs_m, offs_n, mask_m, mask_n = _tile(tile_id, num_pid_m, num_pid_n, n, V,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _mainloop(x, w, off_m, off_n, offs_m, offs_n, mask_m, mask_n, H, stride_xc, stride_xh, stride_wh,
+                        stride_wv, False, False, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n * stride_b, mask=mask_n, other=0.0).to(tl.float32)
-            acc += bias[None, :]
-        if USE_TMA:
-            _store_tile(z_desc, acc, off_m, off_n, 0, BLOCK_M, BLOCK_N, EPI_SLICES)
-        else:
-            z_ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zc + offs_n[None, :] * stride_zv
-            tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            acc += tl.load(b_ptr + offs_n * stride_b, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        _epilogue(z, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_zc, stride_zv, 0, USE_TMA,
+                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +386,7 @@ def _dx_kernel(
     PICK: tl.constexpr,  # 0: always run; 1: the wide kernel of a pair; 2: its narrow partner
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
 ):
     n = _valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
@@ -313,43 +398,18 @@ def _dx_kernel(
         num_tiles = tl.where(_narrow_wins(n, C, H, NUM_SMS, BLOCK_M, BLOCK_N), 0, num_tiles)
     elif PICK == 2:
         num_tiles = tl.where(_narrow_wins(n, C, H, NUM_SMS, BLOCK_M, 2 * BLOCK_N), num_tiles, 0)
-    k_tiles = tl.cdiv(V, BLOCK_K)
-    if USE_TMA:
-        n_desc = tl.maximum(n, 1)
-        g_desc = tl.make_tensor_descriptor(g_ptr, shape=[n_desc, V], strides=[stride_gc, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_wv, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
-        dx_desc = tl.make_tensor_descriptor(dx_ptr, shape=[n_desc, H], strides=[stride_dxc, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            for ki in range(k_tiles):
-                a = g_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                b = w_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
-                acc = dot_fp32_acc(a, b, acc, DOT_PRECISION)
-            _store_tile(dx_desc, acc, off_m, off_n, 0, BLOCK_M, BLOCK_N, EPI_SLICES)
-        else:
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            mask_m = offs_m < n
-            mask_n = offs_n < H
-            g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gc + offs_k[None, :] * stride_gv
-            w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wv + offs_n[None, :] * stride_wh
-            for ki in range(k_tiles):
-                mask_k = offs_k < V - ki * BLOCK_K
-                a = tl.load(g_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = dot_fp32_acc(a, b, acc, DOT_PRECISION)
-                g_ptrs += BLOCK_K * stride_gv
-                w_ptrs += BLOCK_K * stride_wv  # pointer arithmetic: int64 already
-            dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxc + offs_n[None, :] * stride_dxh
-            tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    n_desc = tl.maximum(n, 1)
+    g = _operand(g_ptr, n_desc, V, stride_gc, BLOCK_M, BLOCK_K, USE_TMA)
+    w = _operand(w_ptr, V, H, stride_wv, BLOCK_K, BLOCK_N, USE_TMA)
+    dx = _operand(dx_ptr, n_desc, H, stride_dxc, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+        off_m, off_n, offs_m, offs_n, mask_m, mask_n = _tile(tile_id, num_pid_m, num_pid_n, n, H,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _mainloop(g, w, off_m, off_n, offs_m, offs_n, mask_m, mask_n, V, stride_gc, stride_gv, stride_wv,
+                        stride_wh, False, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(dx, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dxc, stride_dxh, 0, USE_TMA,
+                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,9 +425,10 @@ def _dw_kernel(
     C, V, H,
     stride_gc, stride_gv, stride_xc, stride_xh, stride_dwv, stride_dwh,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EPI_MODE: tl.constexpr,  # TMA path: 0 store (β = 0), 1 load-add-store, 2 reduce-add (β = 1)
+    EPI_MODE: tl.constexpr,  # 0 store (β = 0), 1 load-add-store, 2 reduce-add (β = 1; TMA path)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
 ):
     # M = V (vocabulary rows of dW), N = H, K = the n valid tokens
     n = _valid_rows(count_ptr, C)
@@ -376,49 +437,18 @@ def _dw_kernel(
     num_tiles = num_pid_m * num_pid_n
     if ACCUMULATE:
         num_tiles = tl.where(n == 0, 0, num_tiles)  # adding an empty sum: touch nothing
-    k_tiles = tl.cdiv(n, BLOCK_K)
-    if USE_TMA:
-        n_desc = tl.maximum(n, 1)
-        g_desc = tl.make_tensor_descriptor(g_ptr, shape=[n_desc, V], strides=[stride_gc, 1],
-                                           block_shape=[BLOCK_K, BLOCK_M])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n_desc, H], strides=[stride_xc, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
-        dw_desc = tl.make_tensor_descriptor(dw_ptr, shape=[V, H], strides=[stride_dwv, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N // EPI_SLICES])
-    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < V
-        mask_n = offs_n < H
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
-            for ki in range(k_tiles):
-                a = g_desc.load([ki * BLOCK_K, off_m])  # (BLOCK_K, BLOCK_M), tokens ≥ n zero-filled
-                b = x_desc.load([ki * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
-                acc = dot_fp32_acc(a.T, b, acc, DOT_PRECISION)
-        else:
-            offs_k = tl.arange(0, BLOCK_K)
-            g_ptrs = g_ptr + offs_k.to(tl.int64)[:, None] * stride_gc + offs_m[None, :] * stride_gv
-            x_ptrs = x_ptr + offs_k.to(tl.int64)[:, None] * stride_xc + offs_n[None, :] * stride_xh
-            for ki in range(k_tiles):
-                # both operands masked: a token row ≥ n may hold NaN, and NaN × 0 is NaN
-                mask_k = offs_k < n - ki * BLOCK_K
-                a = tl.load(g_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-                b = tl.load(x_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = dot_fp32_acc(tl.trans(a), b, acc, DOT_PRECISION)
-                g_ptrs += BLOCK_K * stride_gc
-                x_ptrs += BLOCK_K * stride_xc
-        if USE_TMA:
-            _store_tile(dw_desc, acc, off_m, off_n, EPI_MODE, BLOCK_M, BLOCK_N, EPI_SLICES)
-        else:
-            dw_ptrs = dw_ptr + offs_m.to(tl.int64)[:, None] * stride_dwv + offs_n[None, :] * stride_dwh
-            mask = mask_m[:, None] & mask_n[None, :]
-            if ACCUMULATE:
-                acc += tl.load(dw_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+    n_desc = tl.maximum(n, 1)
+    g = _operand(g_ptr, n_desc, V, stride_gc, BLOCK_K, BLOCK_M, USE_TMA)
+    x = _operand(x_ptr, n_desc, H, stride_xc, BLOCK_K, BLOCK_N, USE_TMA)
+    dw = _operand(dw_ptr, V, H, stride_dwv, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
+                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+        off_m, off_n, offs_m, offs_n, mask_m, mask_n = _tile(tile_id, num_pid_m, num_pid_n, V, H,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _mainloop(g, x, off_m, off_n, offs_m, offs_n, mask_m, mask_n, n, stride_gv, stride_gc, stride_xc,
+                        stride_xh, True, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(dw, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dwv, stride_dwh, EPI_MODE, USE_TMA,
+                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,6 +549,24 @@ def _check_2d(name: str, t: torch.Tensor, shape: tuple, device: torch.device, dt
         raise ValueError(f"{name} must live on {device}, got {t.device}")
 
 
+def _require_2d(**operands) -> None:
+    """Each operand, passed as name=(tensor, "[dims]"), must be a 2-D tensor (checked before its sizes are read)."""
+    for name, (t, dims) in operands.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor {dims}")
+
+
+def _check_gemm(count: torch.Tensor, a_name: str, a: torch.Tensor, a_shape: tuple, b_name: str, b: torch.Tensor,
+                b_shape: tuple, out: torch.Tensor, out_shape: tuple) -> torch.Tensor:
+    """Operands of one GEMM on a's device with their expected shapes: a fp32/fp16/bf16, b in a's dtype,
+    out in a's dtype or fp32. Returns count as a one-element tensor."""
+    dev = a.device
+    _check_2d(a_name, a, a_shape, dev)
+    _check_2d(b_name, b, b_shape, dev, (a.dtype,))
+    _check_2d("out", out, out_shape, dev, (a.dtype, torch.float32))
+    return _check_count(count, dev)
+
+
 def _launch(tuned, rows: int, cols: int, device: torch.device, args: tuple, flags: dict,
             config: triton.Config | None) -> None:
     """Persistent launch: one program per SM, or fewer when the largest possible problem (all rows
@@ -547,17 +595,9 @@ def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count:
     count: one-element int32/int64 tensor on x's device · out: [C, V], x's dtype or fp32 (fp32
     accumulation, one rounding) · impl: 'auto' | 'tma' | 'pointer' (module docstring) · config:
     a `triton.Config` to run instead of autotuning. Returns out."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError("x must be a 2-D tensor [C, H]")
-    C, H = x.shape
-    dev = x.device
-    _check_2d("x", x, (C, H), dev)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
-        raise ValueError("w must be a 2-D tensor [V, H]")
-    V = w.shape[0]
-    _check_2d("w", w, (V, H), dev, (x.dtype,))
-    _check_2d("out", out, (C, V), dev, (x.dtype, torch.float32))
-    count = _check_count(count, dev)
+    _require_2d(x=(x, "[C, H]"), w=(w, "[V, H]"))
+    (C, H), V, dev = x.shape, w.shape[0], x.device
+    count = _check_gemm(count, "x", x, (C, H), "w", w, (V, H), out, (C, V))
     if b is not None:
         if not isinstance(b, torch.Tensor) or b.dim() != 1 or b.shape[0] != V or b.device != dev:
             raise ValueError(f"b must be a [{V}] tensor on {dev}")
@@ -586,7 +626,8 @@ def _narrow_partner(config: triton.Config) -> triton.Config | None:
     if kw["BLOCK_N"] // 2 < (16 if interpreting() else 128):
         return None
     return _cfg(kw["BLOCK_M"], kw["BLOCK_N"] // 2, kw["BLOCK_K"], config.num_warps,
-                min(config.num_stages + 1, 4) if not interpreting() else 1, group=kw["GROUP_M"], slices=1)
+                min(config.num_stages + 1, 4) if not interpreting() else 1, group=kw["GROUP_M"], slices=1,
+                warp_specialize=kw.get("WARP_SPECIALIZE", False))
 
 
 def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Tensor, *,
@@ -600,15 +641,9 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
     tuned kernel alone; later calls launch the tuned (wide) kernel and its half-width partner, and
     the one that finishes in fewer whole waves for this n does the work (`_narrow_wins`). With an
     explicit `config` only that kernel runs."""
-    if not isinstance(g, torch.Tensor) or g.dim() != 2 or not isinstance(w, torch.Tensor) or w.dim() != 2:
-        raise ValueError("g [C, V] and w [V, H] must be 2-D tensors")
-    C, V = g.shape
-    H = w.shape[1]
-    dev = g.device
-    _check_2d("g", g, (C, V), dev)
-    _check_2d("w", w, (V, H), dev, (g.dtype,))
-    _check_2d("out", out, (C, H), dev, (g.dtype, torch.float32))
-    count = _check_count(count, dev)
+    _require_2d(g=(g, "[C, V]"), w=(w, "[V, H]"))
+    (C, V), H, dev = g.shape, w.shape[1], g.device
+    count = _check_gemm(count, "g", g, (C, V), "w", w, (V, H), out, (C, H))
     if C == 0 or H == 0:
         return out
     if V == 0:  # an empty sum: the pointer kernel writes zeros into the valid rows
@@ -646,15 +681,9 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
     device · out: [V, H], fp32 or g's dtype · accumulate: False writes every element of out (zeros
     when n = 0); True adds to it (β = 1, the sum formed in fp32 and rounded once to out's dtype;
     untouched when n = 0) · impl, config: as `logits_rows`. Returns out."""
-    if not isinstance(g, torch.Tensor) or g.dim() != 2 or not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError("g [C, V] and x [C, H] must be 2-D tensors")
-    C, V = g.shape
-    H = x.shape[1]
-    dev = g.device
-    _check_2d("g", g, (C, V), dev)
-    _check_2d("x", x, (C, H), dev, (g.dtype,))
-    _check_2d("out", out, (V, H), dev, (g.dtype, torch.float32))
-    count = _check_count(count, dev)
+    _require_2d(g=(g, "[C, V]"), x=(x, "[C, H]"))
+    (C, V), H, dev = g.shape, x.shape[1], g.device
+    count = _check_gemm(count, "g", g, (C, V), "x", x, (C, H), out, (V, H))
     if V == 0 or H == 0:
         return out
     accumulate = bool(accumulate)
@@ -665,10 +694,11 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
     fp32 = g.dtype == torch.float32
     args = (g, x, out, count, C, V, H,
             g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1))
+    warp_specialized = config is not None and config.kwargs.get("WARP_SPECIALIZE", False)
     if not accumulate:
         mode = _STORE
-    elif out.dtype == torch.float32 and not interpreting():  # the interpreter has no reduce-add
-        mode = _REDUCE_ADD
+    elif out.dtype == torch.float32 and not interpreting() and not warp_specialized:
+        mode = _REDUCE_ADD  # the interpreter has no reduce-add; warp specialization fails on it
     else:
         mode = _LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
     flags = dict(ACCUMULATE=accumulate, USE_TMA=_use_tma(impl, (g, x), (out,)), DOT_PRECISION=_precision(g.dtype),

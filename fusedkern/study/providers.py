@@ -86,13 +86,12 @@ class Provider:
 
     key: str
     build: Callable[[Inputs], dict[str, Step]]
-    label: Callable[[], str]
+    version_label: Callable[[], str] | None = None  # the CSV's name when it is not the key (Liger)
     is_floor: bool = False
     accuracy: bool = True  # whether it takes part in the accuracy sweep (floors compute no loss)
 
-
-def _key_label(key: str) -> Callable[[], str]:
-    return lambda: key
+    def label(self) -> str:
+        return self.version_label() if self.version_label is not None else self.key
 
 
 def _dist_label(distribution: str) -> Callable[[], str]:
@@ -497,72 +496,55 @@ def _dist_label_suffix(distribution: str, suffix: str) -> Callable[[], str]:
     return lambda: f"{base()} {suffix}"
 
 
+# The floors, timed in the same rounds as the implementations: one GEMM (loss only), three GEMMs (forward +
+# backward, on a random G), and three on the true ∂L/∂z (a GEMM's time depends on its operands' values).
+_FLOORS = (Provider("cublas_1gemm", _cublas_1gemm, is_floor=True, accuracy=False),
+           Provider("cublas_3gemm", _cublas_3gemm, is_floor=True, accuracy=False))
+_REAL_GRAD_FLOOR = Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, is_floor=True, accuracy=False)
+
 PROVIDERS: dict[str, dict[str, Provider]] = {
     "ce": {
         p.key: p
         for p in (
-            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
-            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
-            Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, _key_label("cublas_3gemm_real_grad"),
-                     is_floor=True, accuracy=False),
-            Provider("huggingface_bf16", _ce_hf_bf16, _key_label("huggingface_bf16")),
-            Provider("torch_fp32_upcast", _ce_upcast, _key_label("torch_fp32_upcast")),
-            Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
-            Provider(
-                "fusedkern_chunked_lean",
-                _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
-                _key_label("fusedkern_chunked_lean"),
-            ),
-            Provider("fusedkern_fused", _ce_fusedkern(impl="fused"), _key_label("fusedkern_fused")),
-            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked"),
-                     _key_label("fusedkern_chunked_counted")),
+            *_FLOORS, _REAL_GRAD_FLOOR,
+            Provider("huggingface_bf16", _ce_hf_bf16),
+            Provider("torch_fp32_upcast", _ce_upcast),
+            Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked")),
+            Provider("fusedkern_chunked_lean", _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
+            Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
+            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
             Provider("fusedkern_chunked_lean_counted",
-                     _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype"),
-                     _key_label("fusedkern_chunked_lean_counted")),
-            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="chunked"),
-                     _key_label("fusedkern_chunked_device_count")),
+                     _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
+            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="chunked")),
             Provider("fusedkern_chunked_lean_device_count",
-                     _ce_fusedkern(counted="device", impl="chunked", weight_grad_accum="weight_dtype"),
-                     _key_label("fusedkern_chunked_lean_device_count")),
+                     _ce_fusedkern(counted="device", impl="chunked", weight_grad_accum="weight_dtype")),
             # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
             *(
                 Provider(f"fusedkern_chunked{suffix}_c{c}",
-                         _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum),
-                         _key_label(f"fusedkern_chunked{suffix}_c{c}"))
+                         _ce_fusedkern(impl="chunked", chunk_tokens=c, weight_grad_accum=accum))
                 for c in (512, 2048, 4096, 8192)
                 for suffix, accum in (("", "fp32"), ("_lean", "weight_dtype"))
             ),
             Provider("liger", _ce_liger, _dist_label("liger-kernel")),
-            Provider("cut_cross_entropy", _ce_cut_cross_entropy, _key_label("cut_cross_entropy")),
-            Provider("quack", _ce_quack, _key_label("quack")),
+            Provider("cut_cross_entropy", _ce_cut_cross_entropy),
+            Provider("quack", _ce_quack),
             # torch ≥ 2.13: with LinearCrossEntropyOptions() (chunked, no [T, V] logits) and without (unfused)
-            Provider("torch_linear_cross_entropy", _ce_torch_linear_cross_entropy(chunked=True),
-                     _key_label("torch_linear_cross_entropy")),
-            Provider("torch_linear_cross_entropy_unfused", _ce_torch_linear_cross_entropy(chunked=False),
-                     _key_label("torch_linear_cross_entropy_unfused")),
+            Provider("torch_linear_cross_entropy", _ce_torch_linear_cross_entropy(chunked=True)),
+            Provider("torch_linear_cross_entropy_unfused", _ce_torch_linear_cross_entropy(chunked=False)),
         )
     },
     "simpo": {
         p.key: p
         for p in (
-            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
-            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
-            Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, _key_label("cublas_3gemm_real_grad"),
-                     is_floor=True, accuracy=False),
-            Provider("huggingface_fp32", _simpo_hf_fp32, _key_label("huggingface_fp32")),
-            Provider("fusedkern_chunked", _simpo_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
-            Provider(
-                "fusedkern_chunked_lean",
-                _simpo_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
-                _key_label("fusedkern_chunked_lean"),
-            ),
+            *_FLOORS, _REAL_GRAD_FLOOR,
+            Provider("huggingface_fp32", _simpo_hf_fp32),
+            Provider("fusedkern_chunked", _simpo_fusedkern(impl="chunked")),
+            Provider("fusedkern_chunked_lean", _simpo_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             # chunks of 2048 tokens hold a whole chosen/rejected pair at seq 1024: three GEMMs, 501 MiB
-            Provider("fusedkern_chunked_c2048", _simpo_fusedkern(impl="chunked", chunk_tokens=2048),
-                     _key_label("fusedkern_chunked_c2048")),
+            Provider("fusedkern_chunked_c2048", _simpo_fusedkern(impl="chunked", chunk_tokens=2048)),
             Provider("fusedkern_chunked_lean_c2048",
-                     _simpo_fusedkern(impl="chunked", chunk_tokens=2048, weight_grad_accum="weight_dtype"),
-                     _key_label("fusedkern_chunked_lean_c2048")),
-            Provider("fusedkern_generic", _simpo_fusedkern_generic, _key_label("fusedkern_generic")),
+                     _simpo_fusedkern(impl="chunked", chunk_tokens=2048, weight_grad_accum="weight_dtype")),
+            Provider("fusedkern_generic", _simpo_fusedkern_generic),
             Provider("liger", _simpo_liger, _dist_label("liger-kernel")),
         )
     },
@@ -570,12 +552,10 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
     "preference": {
         p.key: p
         for p in (
-            Provider("cublas_1gemm", _cublas_1gemm, _key_label("cublas_1gemm"), is_floor=True, accuracy=False),
-            Provider("cublas_3gemm", _cublas_3gemm, _key_label("cublas_3gemm"), is_floor=True, accuracy=False),
-            Provider("trl_fp32", _preference_trl_fp32, _key_label("trl_fp32")),
-            Provider("fusedkern_chunked", _preference_fusedkern(impl="chunked"), _key_label("fusedkern_chunked")),
-            Provider("fusedkern_chunked_lean", _preference_fusedkern(impl="chunked", weight_grad_accum="weight_dtype"),
-                     _key_label("fusedkern_chunked_lean")),
+            *_FLOORS,
+            Provider("trl_fp32", _preference_trl_fp32),
+            Provider("fusedkern_chunked", _preference_fusedkern(impl="chunked")),
+            Provider("fusedkern_chunked_lean", _preference_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             # every loss without a reference model: see _preference_liger
             Provider("liger", _preference_liger(ref_model=False), _dist_label_suffix("liger-kernel", "ref-free")),
             Provider("liger_ref_model", _preference_liger(ref_model=True),
