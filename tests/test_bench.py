@@ -117,6 +117,14 @@ def test_ce_sweep_fusedkern_chunked():
     assert all(r["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5) for r in rows)
 
 
+@needs_fusedkern
+def test_ce_sweep_stats_in_epilogue_times_the_loss_only_mode():
+    """The opt-in statistics-epilogue pass has no gradient path: the sweep times its loss_only mode only."""
+    rows = sweeps.run_sweep("ce", [8], providers=["fusedkern_stats_in_epilogue"], **CPU_ONE_REP)
+    assert [(r["provider"], r["mode"]) for r in rows] == [("fusedkern_stats_in_epilogue", "loss_only")]
+    assert rows[0]["note"] == "" and rows[0]["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5)
+
+
 def test_simpo_sweep_matches_the_fp64_reference():
     providers = ["huggingface_fp32", "cublas_3gemm"]
     if _fusedkern_ready():

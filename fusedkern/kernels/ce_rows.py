@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting
-from fusedkern.kernels.device_math import expm1, log1p, tanh
+from fusedkern.kernels.device_math import expm1, log1p, softcapped, tanh
 
 
 @triton.jit
@@ -57,19 +57,6 @@ _CONFIGS = [
 ]
 if interpreting():  # tiny shapes on CPU: a small block keeps the masked tail paths exercised
     _CONFIGS = [triton.Config({"BLOCK_V": 32}, num_warps=1)]
-
-
-@triton.jit
-def _softcapped(z, softcap, logit_scale, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr,
-                USE_LIBDEVICE: tl.constexpr):
-    """s = softcap(z)·scale in fp32 (scale = 1/τ, a sampling temperature; HAS_SCALE compiles it in)."""
-    if HAS_SOFTCAP:
-        s = softcap * tanh(z / softcap, USE_LIBDEVICE)
-    else:
-        s = z
-    if HAS_SCALE:
-        s = s * logit_scale
-    return s
 
 
 @triton.jit
@@ -97,7 +84,7 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, logit_scale, m_
         z = tl.load(row_ptr + cols, mask=mask, other=0.0)
     else:
         z = tl.load(row_ptr + cols)
-    s = _softcapped(z.to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE, USE_LIBDEVICE)  # 0 if masked out
+    s = softcapped(z.to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE, USE_LIBDEVICE)  # 0 if masked out
     # One exp per element: with u = exp(−|s − m|), a new max gives rest' = (rest + 1)·u and m = s,
     # otherwise rest + u (rest = Σ exp(s − m) without the max's own 1, see `_merge_mass`). The lane
     # starts at m = −inf, so a finite first s gives u = exp(−inf) = 0; an s = −inf (a −inf bias masking
@@ -196,7 +183,7 @@ def _row_stats_kernel(
     if FIND_TARGET:
         col_y = tl.load(target_ptr + row).to(tl.int64) - col_base  # outside [col0, col1) when ignored
         if (col_y >= col0) & (col_y < col1):
-            s_y = _softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE,
+            s_y = softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE,
                               USE_LIBDEVICE)
             tl.store(target_logit_ptr + row, s_y)
 

@@ -1,6 +1,7 @@
-"""Elementwise fp32 math shared by the row kernels (`ce_rows`) and the fused kernels (`fused_ce`): a tanh
-that also runs in Triton's interpreter (no libdevice there), and expm1 / log1p without the cancellation of
-their naive forms, on which the target's p_y − 1 and the log-sum-exp's log(1 + rest) depend."""
+"""Elementwise fp32 math shared by the row kernels (`ce_rows`), the fused kernels (`fused_ce`) and the
+statistics epilogue (`logits_stats`): a tanh that also runs in Triton's interpreter (no libdevice there),
+the softcapped and scaled logit, and expm1 / log1p without the cancellation of their naive forms, on which
+the target's p_y − 1 and the log-sum-exp's log(1 + rest) depend."""
 
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ def tanh(u, USE_LIBDEVICE: tl.constexpr):
         small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
         r = tl.where(a < 0.125, small, big)
         return tl.where(u < 0, -r, r)
+
+
+@triton.jit
+def softcapped(z, softcap, logit_scale, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr,
+               USE_LIBDEVICE: tl.constexpr):
+    """s = softcap(z)·scale in fp32 (scale = 1/τ, a sampling temperature; HAS_SCALE compiles it in)."""
+    if HAS_SOFTCAP:
+        s = softcap * tanh(z / softcap, USE_LIBDEVICE)
+    else:
+        s = z
+    if HAS_SCALE:
+        s = s * logit_scale
+    return s
 
 
 @triton.jit

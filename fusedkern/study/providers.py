@@ -173,6 +173,22 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
+def _ce_fusedkern_stats_in_epilogue(inp: Inputs) -> dict[str, Step]:
+    """Loss only, the row statistics in the logits GEMM's epilogue and no logits written
+    (`chunked.chunked_loss(stats_in_epilogue=True)`, opt-in until timed): the mean over valid tokens, as
+    the other providers return it."""
+    from fusedkern.chunked import LossOptions, chunked_loss
+
+    x2d, w, y = inp.x2d().detach(), inp.w.detach(), inp.target.reshape(-1)
+    opts = LossOptions(ignore_index=IGNORE_INDEX, softcap=inp.softcap)
+
+    def loss_only(_):
+        loss_tok, _ = chunked_loss(x2d, w, None, y, None, opts, stats_in_epilogue=True)
+        return loss_tok.sum() / (y != IGNORE_INDEX).sum()
+
+    return {"loss_only": Step(loss_only)}
+
+
 def _ce_liger(inp: Inputs) -> dict[str, Step]:
     _require_cuda(inp, "Liger-Kernel")
     try:  # the public module, what users call
@@ -512,6 +528,7 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked")),
             Provider("fusedkern_chunked_lean", _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
+            Provider("fusedkern_stats_in_epilogue", _ce_fusedkern_stats_in_epilogue),  # loss only
             Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
             Provider("fusedkern_chunked_lean_counted",
                      _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
