@@ -98,17 +98,9 @@ if have:
 
 # %%
 if have and ratio is not None:
-    biggest = max(full.columns)
-    fastest = ratio[biggest].drop("cublas_3gemm").dropna().sort_values()
-    print(f"At {biggest} tokens, forward + backward, in multiples of the three-GEMM floor "
-          f"({full.loc['cublas_3gemm', biggest]:.1f} ms):")
-    for provider, r in fastest.items():
-        print(f"  {plotting.label_for(provider):<32} {r:5.2f}×  ({full.loc[provider, biggest]:.1f} ms)")
-    for provider in ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_fused"):
-        if provider in ratio.index:
-            row = ratio.loc[provider].dropna()
-            print(f"{plotting.label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over "
-                  f"{int(row.index.min())}–{int(row.index.max())} tokens")
+    print("\n".join(tables.floor_summary(full, ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_fused"),
+                                         plotting.label_for, at=lambda x: f"{x} tokens",
+                                         span=lambda lo, hi: f"{lo}–{hi} tokens")))
 
 # %% [markdown]
 # ## Every mode

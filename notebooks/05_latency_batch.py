@@ -102,17 +102,10 @@ if have:
 
 # %%
 if have and ratio is not None:
-    biggest = max(full.columns)
-    fastest = ratio[biggest].drop("cublas_3gemm").dropna().sort_values()
-    print(f"At batch {biggest} ({biggest * seq} tokens), forward + backward, in multiples of the three-GEMM floor "
-          f"({full.loc['cublas_3gemm', biggest]:.1f} ms):")
-    for provider, r in fastest.items():
-        print(f"  {plotting.label_for(provider):<32} {r:5.2f}×  ({full.loc[provider, biggest]:.1f} ms)")
-    for provider in ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_chunked_c2048", "fusedkern_chunked_lean_c2048", "fusedkern_generic"):
-        if provider in ratio.index:
-            row = ratio.loc[provider].dropna()
-            print(f"{plotting.label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over batch "
-                  f"{int(row.index.min())}–{int(row.index.max())}")
+    ours = ("fusedkern_chunked", "fusedkern_chunked_lean", "fusedkern_chunked_c2048", "fusedkern_chunked_lean_c2048",
+            "fusedkern_generic")
+    print("\n".join(tables.floor_summary(full, ours, plotting.label_for, at=lambda x: f"batch {x} ({x * seq} tokens)",
+                                         span=lambda lo, hi: f"batch {lo}–{hi}")))
 
 # %% [markdown]
 # ## Every mode

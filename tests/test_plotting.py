@@ -347,3 +347,14 @@ def test_round_up_log_steps_quarter_decades():
     got = round_up_log(pd.Series([1e-7, 1.01e-7, 1.7e-7, 9.9e-3]))
     want = [1e-7, 10 ** -6.75, 10 ** -6.75, 1e-2]
     assert np.allclose(got.to_numpy(), want, rtol=1e-12)
+
+
+def test_floor_summary_reads_the_pivot():
+    full = pd.DataFrame({4096: [10.0, 11.0, 30.0, 12.0], 8192: [20.0, 21.0, 44.0, np.nan]},
+                        index=["cublas_3gemm", "fusedkern_chunked", "liger", "fusedkern_fused"])
+    lines = tables.floor_summary(full, ("fusedkern_chunked", "fusedkern_fused", "absent"), str.upper,
+                                 at=lambda x: f"{x} tokens", span=lambda lo, hi: f"{lo}–{hi} tokens")
+    assert lines[0] == "At 8192 tokens, forward + backward, in multiples of the three-GEMM floor (20.0 ms):"
+    assert lines[1:3] == [f"  {'FUSEDKERN_CHUNKED':<32}  1.05×  (21.0 ms)", f"  {'LIGER':<32}  2.20×  (44.0 ms)"]
+    assert lines[3:] == ["FUSEDKERN_CHUNKED: 1.05–1.10× the floor over 4096–8192 tokens",
+                         "FUSEDKERN_FUSED: 1.20–1.20× the floor over 4096–4096 tokens"]

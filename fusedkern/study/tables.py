@@ -137,6 +137,26 @@ def ratio_tables(df: pd.DataFrame, modes: Sequence[str], *, workload: str | None
     return out
 
 
+def floor_summary(full: pd.DataFrame, ours: Sequence[str], label_for: Callable[[str], str], *,
+                  at: Callable[[int], str], span: Callable[[int, int], str]) -> list[str]:
+    """The latency notebooks' summary of a pivot of full-step medians (providers × sizes, with
+    "cublas_3gemm"): every provider at the largest size in multiples of the three-GEMM floor, fastest
+    first, then the range of each of `ours` over all sizes. at(x), span(lo, hi): how a size and a range
+    of sizes read ("8192 tokens", "batch 2–16")."""
+    ratio = full / full.loc["cublas_3gemm"]
+    biggest = max(full.columns)
+    lines = [f"At {at(biggest)}, forward + backward, in multiples of the three-GEMM floor "
+             f"({full.loc['cublas_3gemm', biggest]:.1f} ms):"]
+    for provider, r in ratio[biggest].drop("cublas_3gemm").dropna().sort_values().items():
+        lines.append(f"  {label_for(provider):<32} {r:5.2f}×  ({full.loc[provider, biggest]:.1f} ms)")
+    for provider in ours:
+        if provider in ratio.index:
+            row = ratio.loc[provider].dropna()
+            lines.append(f"{label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over "
+                         f"{span(int(row.index.min()), int(row.index.max()))}")
+    return lines
+
+
 def failed_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The rows the harness could not measure (out of memory, errors), with their note."""
     columns = ["provider", "x", "mode", *(c for c in WORKLOAD_COLUMNS if c in df), "note"]
