@@ -1,83 +1,35 @@
-"""Row-count GEMMs: the chunked strategy's three GEMMs on only the first `n` rows of a chunk, where
-`n` is a device scalar that the kernels read themselves — no host synchronization.
-
-Why: the caller compacts a chunk's valid (non-ignored) tokens to the front of its buffers; how many
-there are is known on the device only. cuBLAS needs the row count on the host (a device→host read
-that stalls the stream, or the whole chunk's work including the ignored rows). These Triton GEMMs
-load `count` from device memory and do only the valid rows' work:
+"""Row-count GEMMs: the chunked strategy's three GEMMs on only the first n rows of a chunk, n a device
+scalar the kernels read themselves — no host synchronization (cuBLAS needs n on the host: a read that
+stalls the stream, or the whole chunk's work, ignored rows included). The caller compacts a chunk's
+valid tokens to the front of its buffers:
 
     logits_rows(x, w, b, count, out)          out[:n] = x[:n] @ wᵀ (+ b)     x [C, H], w [V, H], out [C, V]
     dx_rows(g, w, count, out)                 out[:n] = g[:n] @ w            g [C, V], w [V, H], out [C, H]
     dw_rows(g, x, count, out, accumulate)     out (+)= g[:n]ᵀ @ x[:n]        g [C, V], x [C, H], out [V, H]
 
-with n = clamp(count, 0, C) read on the device (int32 or int64, one element, on the inputs' device).
-Every product accumulates in fp32 and is rounded once to the output's dtype.
+n = clamp(count, 0, C), count one int32/int64 element on the inputs' device. Products accumulate in fp32
+and round once to the output's dtype. `logits_rows` and `dx_rows` never write out[n:] (zeroing would cost
+the work this module skips) and never read the inputs' rows ≥ n (they may hold NaN). `dw_rows` sums over
+t < n: accumulate=False writes all of out (zeros when n = 0); accumulate=True adds into out, fp32 (the
+chunked strategy's accumulator) or the inputs' dtype, and leaves it untouched when n = 0.
 
-Contract for the rows beyond n: `logits_rows` and `dx_rows` do NOT write out[n:] — those rows keep
-whatever they held (not zeroed: zeroing would cost a write of the ignored rows, the work this module
-exists to skip). Their inputs' rows beyond n are never used either (masked / zero-padded loads), so
-they may hold anything, NaN included. `dw_rows` reduces over the tokens t < n only: with
-accumulate=False it writes every element of out (zeros when n = 0), with accumulate=True it adds to
-out, which may be fp32 (the chunked strategy's accumulator: β = 1 without precision loss) or the
-inputs' dtype (each call rounds the sum once); with n = 0 and accumulate=True no program touches out.
+Kernels: persistent (one program per SM walks the tiles the valid rows need, so a short chunk costs
+proportionally less), grouped tile order, autotuned (≤ 4 configs, keyed on the buffer shapes) over the
+building blocks of `gemm_tiles`: TMA descriptors whose token extent is n (sm_90+, aligned 16-bit
+operands; dW's β = 1 into fp32 a TMA reduce-add in L2) or masked pointer loads (everything else, and the
+interpreter). `impl="tma"` / `"pointer"` force a path. dX has few tiles (H / 256 per row block), so
+`dx_rows` launches the tuned kernel and a half-width partner and the one that needs fewer whole waves
+for this n does the work (`_narrow_wins`).
 
-Kernels: persistent (grid = number of SMs; each program walks tiles tile_id, tile_id + grid, ... of
-the tiles that the valid rows need; tiles of rows beyond n do not exist in that count, so a short
-chunk costs proportionally less and count = 0 costs a launch), grouped tile order (GROUP_M row
-blocks side by side, so the programs in flight share operand blocks in L2), fp32 accumulation.
-Autotuned (≤ 4 configs each, keyed on the buffer shapes, tuned at the first call's count); on the
-H200 all four picked 128 × 256 × 64 tiles, 8 warps, 3 stages (GROUP_M 8 or 16; dW's epilogue in
-quarter slices). Two load paths, chosen per call:
-  * TMA (sm_90+, fp16/bf16 operands, 16-byte aligned bases and row strides, unit inner stride):
-    device-side tensor descriptors (`tl.make_tensor_descriptor`) whose token extent is n itself, so
-    the TMA unit zero-fills the rows beyond n and clips the output stores there — no masks in the K
-    loop. Output tiles leave through a descriptor in EPI_SLICES column slices (one slice of shared
-    memory staged at a time, leaving room for the operand pipeline); dW's β = 1 into fp32 is a TMA
-    reduce-add (`desc.atomic_add`: the add happens in L2, no load round trip; each element has one
-    writer, so it is deterministic and rounds exactly like load + add + store); into a 16-bit dW
-    it is load + add in fp32 + one rounding. Device-side descriptors need Triton's global scratch
-    allocator: if none is set, the first TMA launch installs one backed by `torch.empty`
-    (`triton.set_allocator`; an allocator the user set is kept).
-  * pointers (everything else — e.g. a bf16 [C, V] buffer with V % 8 ≠ 0 — and Triton's interpreter
-    on CPU, where the tests run): masked `tl.load`/`tl.store` with int64 row offsets (row × row
-    stride can exceed 2^31 at LM sizes: e.g. 32768 × 128256 for a [T, V] buffer, or a view into a
-    larger buffer).
-`impl="tma"` forces the TMA kernels (they also run in the interpreter, which checks the descriptor
-extents and offsets; the interpreter has no reduce-add, so there β = 1 takes load + add + store),
-`impl="pointer"` the pointer kernels.
+Trade-off: it skips the ignored rows without a sync, but the tiles' epilogue does not overlap the next
+tile's loads (the opt-in `warp_specialized_configs` are what Triton 3.6 can warp-specialize on sm_90,
+compiled but not yet timed) and fixed tiles leave part of a last wave idle. Measured on the H200
+(scripts/bench_rowcount_gemm.py, C = H = 4096, V = 128256): at n = C within 1 % of cuBLAS on all rows for
+logits, dX and dW into bf16, 4 % slower for dW into fp32; at n = 1229 2.5× faster than cuBLAS on all
+rows per chunk, 23 % slower than cuBLAS on exactly n rows (the table: docs/design.md).
 
-dX has few tiles (H / 256 per 128-row block), so the last wave of the persistent grid can be mostly
-idle (n = 1229: 160 tiles for 132 SMs, two waves, the second a fifth full). `dx_rows` therefore
-launches the tuned kernel and a half-width partner; both read n and the one that needs fewer
-whole waves does the work, the other's programs exit at once (`_narrow_wins`; measured: 3.15 →
-2.49 ms at n = 1229). logits (V / 256 = 501 tiles per row block) and dW (16032 tiles) need no pair.
-
-Trade-off: a Triton GEMM can be slower per FLOP than cuBLAS — the autotuned kernels are not warp
-specialized, so the epilogue does not overlap the next tile's loads, and fixed tile shapes leave part
-of a last wave idle — but it skips the ignored rows with no host sync. Triton 3.6 warp-specializes
-these kernels for sm_90 only with 4 warps, an unflattened persistent loop and a one-slice epilogue
-without reduce-add (its pass fails on the others; compiled, not yet timed): those variants are opt-in
-candidates, `warp_specialized_configs`. Measured on the H200 (scripts/bench_rowcount_gemm.py, bf16, C = H = 4096,
-V = 128256, p50 ms of 20 shuffled rounds; triton / cuBLAS on exactly n rows (the ideal, needs n on
-the host) / cuBLAS on all C rows):
-
-    n      logits               dX                   dW += (fp32 acc)     dW = (bf16)
-    4096   6.34 / 6.34 / 6.43   6.26 / 6.25 / 6.25   7.04 / 6.76 / 6.72   6.46 / 6.45 / 6.51
-    2867   4.58 / 4.43 / 6.34   4.70 / 4.42 / 6.26   5.46 / 4.98 / 6.75   4.65 / 4.60 / 6.47
-    2048   3.18 / 3.19 / 6.34   3.20 / 3.09 / 6.24   4.32 / 3.93 / 6.75   3.38 / 3.34 / 6.40
-    1229   1.98 / 1.95 / 6.34   2.49 / 1.91 / 6.30   3.30 / 2.46 / 6.75   2.26 / 2.18 / 6.45
-
-A default-mode chunk (logits + dX + dW into fp32) at 30 % ignored (n = 2867): 14.7 ms against 19.4
-for cuBLAS on all rows (1.31× faster) and 13.8 for the ideal (6 % slower); at n = 1229: 7.8 against
-19.4 (2.5×) and 6.3 (23 % slower: dW's fp32 epilogue, 4 GB of accumulator traffic that cuBLAS hides
-behind its mainloop and this kernel does not, 0.84 ms; dX's waves 0.58 ms); at n = C: 19.6 against
-19.4 (1 % slower).
-Maximum errors against fp32 torch.mm equal cuBLAS's in every cell. Caveat: the cuBLAS-on-all-rows
-runs see random values in the ignored rows; in the chunked strategy G's ignored rows are zero,
-which can make the tensor cores a little faster (lower power) than measured here.
-
-Size (> 400 lines): three GEMMs × two load paths (TMA, pointers) sharing one tile scheduler and one
-set of configs; a file per GEMM would repeat both.
+Size (> 400 lines): three kernels and their launchers, validation and autotune setup, sharing one set of
+configs; the device building blocks are in `gemm_tiles`.
 """
 
 from __future__ import annotations
