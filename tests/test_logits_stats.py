@@ -108,7 +108,8 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_gpu_bf16_study_shape_within_twice_torch(softcap):
     """bf16, 4096 tokens of the Llama-3 head (TMA path): the loss and lse against fp64 within 2× torch's
-    bf16 computation, and the same numbers as the loss-only tile pass to fp32 rounding."""
+    bf16 computation, and no less exact than the loss-only tile pass (which rounds its logits to bf16
+    before their statistics; the epilogue takes them in fp32)."""
     torch.manual_seed(0)
     T, H, V = 4096, 4096, 128256
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -124,5 +125,5 @@ def test_gpu_bf16_study_shape_within_twice_torch(softcap):
                                                  reduction="none")
     assert_close_to_ref("loss", loss[rows], ref, same)
     assert rel_err(lse_of(stats)[rows], ref_lse) < 1e-5
-    torch.testing.assert_close(loss, tiles, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse_of(stats), lse_of(tile_stats), rtol=1e-5, atol=1e-5)
+    assert rel_err(loss[rows], ref) <= rel_err(tiles[rows], ref) + 1e-6
+    assert rel_err(lse_of(stats)[rows], ref_lse) <= rel_err(lse_of(tile_stats)[rows], ref_lse) + 1e-6

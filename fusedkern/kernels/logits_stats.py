@@ -11,7 +11,8 @@ vocabulary-sliced tiles of the loss-only pass. The chunked strategy's loss-only 
 logits tile to memory and reads it back for its statistics: 2·T·V·2 bytes (17 GB at T = 32768,
 V = 128256, ~4 ms on the H200 against one GEMM's ~49 ms). Here the tile never leaves registers: what is
 left beside the GEMM is the epilogue's T·V exponentials (one per logit, as the statistics pass does) and
-3·P·4 bytes of partials per row.
+3·P·4 bytes of partials per row. The statistics see the fp32 accumulator, not logits rounded to the
+inputs' dtype, so the loss is also more exact than the tile pass's.
 
 Trade-off: the epilogue's exponentials and row reductions run between tiles (the tile loop is not warp
 specialized), so they add to the GEMM's time instead of hiding behind it: ~32 768 exponentials per
