@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
@@ -72,13 +71,15 @@ def loss_kwargs(spec: dict) -> dict:
     return {k: spec[k] for k in keys if k in spec}
 
 
-def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str, device: str) -> None:
+def run_rank(rank: int, world: int, case_file: str, out_dir: str, device: str) -> None:
     """One rank: every case on its vocabulary shard; writes out_dir/rank{r}.pt (or rank{r}.err). On a GPU the
     ranks share it and talk over gloo (NCCL needs one GPU per rank)."""
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # 600 s: on a GPU a peer may still be compiling its kernels when this rank reaches a collective
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        # a file rendezvous: a free port picked by the parent could be taken by another test's ranks before
+        # these bind it. 600 s: on a GPU a peer may still be compiling its kernels when this rank reaches a
+        # collective
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
         torch.set_num_threads(1)
         from fusedkern.distributed import vocab_parallel_cross_entropy, vocab_parallel_logprobs
 
@@ -110,6 +111,7 @@ def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str, dev
                 res.update(dx=x.grad.cpu(), dw=w.grad.cpu(), db=None if b is None else b.grad.cpu())
             results[case["name"]] = res
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while another may still use it
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
@@ -117,16 +119,10 @@ def run_rank(rank: int, world: int, port: int, case_file: str, out_dir: str, dev
         raise
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, cases: list, tmp_path, device: str, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
     case_file = str(tmp_path / "cases.pt")
     torch.save(cases, case_file)
-    ctx = mp.start_processes(run_rank, args=(world, free_port(), case_file, str(tmp_path), device), nprocs=world,
+    ctx = mp.start_processes(run_rank, args=(world, case_file, str(tmp_path), device), nprocs=world,
                              join=False, start_method="spawn")
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
     try:

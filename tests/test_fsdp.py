@@ -18,7 +18,6 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-import socket
 import time
 
 import pytest
@@ -200,17 +199,20 @@ def run_llama(rank, mesh):
     return out
 
 
-def run_rank(rank: int, port: int, folder: str) -> None:
+def run_rank(rank: int, folder: str) -> None:
     """One rank of every scenario (spawned): its results go to folder/rank{rank}.pt."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks (and maybe another test's two) share the CI machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    # a file rendezvous: a free port picked by the parent could be taken by another test's ranks before
+    # these bind it
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
+                            world_size=WORLD_SIZE)
     try:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         results = dict(dtensor=run_dtensor(rank, mesh), refusals=run_refusals(rank, mesh),
                        tiny_lm=run_tiny_lm(rank, mesh), llama=run_llama(rank, mesh) if HAS_TRANSFORMERS else None)
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears the group down while the other may still use it
     finally:
         dist.destroy_process_group()
 
@@ -219,17 +221,10 @@ def run_rank(rank: int, port: int, folder: str) -> None:
 # the test process's side
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_ranks(folder: str) -> None:
     """Run every scenario on WORLD_SIZE ranks, their results into `folder`. A rank's exception fails the test
     with its traceback; ranks still running after TIMEOUT_S are killed and the test fails."""
-    context = mp.start_processes(run_rank, args=(free_port(), folder), nprocs=WORLD_SIZE, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(run_rank, args=(folder,), nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
         if time.monotonic() >= deadline:
