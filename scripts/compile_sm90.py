@@ -3,7 +3,8 @@
 The CPU test suite runs the kernels through Triton's interpreter, which never lowers them: an op the
 GPU backend rejects, or a config that spills past the register file, would pass CI and fail on the
 first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptxas ships with Triton):
-- `ce_rows`' two kernels for the smallest and largest autotune block, every option flag off and on;
+- `ce_rows`' two kernels for the smallest and largest autotune block, every option flag off and on,
+  and with the row count, temperature and entropy the compacted and GRPO paths use; `scale`'s kernel;
 - the fused strategy's forward and backward (`fused_ce`, bf16, the first autotune config: the one the
   H200 picks) in each launch mode, flags off and on;
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
@@ -38,23 +39,25 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows, fused_ce, logits_stats, rowcount_gemm  # noqa: E402
+from fusedkern.kernels import ce_rows, fused_ce, logits_stats, rowcount_gemm, scale  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
 STATS_SIGNATURE = {
-    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "logits_ptr": "*bf16",
-    "class_weight_ptr": "*fp32", "target_ptr": "*i64", "target_logit_ptr": "*fp32", "V": "i32", "stride_row": "i64",
-    "span": "i32", "partial_stride": "i32", "col_base": "i32", "softcap": "fp32",
+    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "partial_ent_ptr": "*fp32",
+    "logits_ptr": "*bf16", "class_weight_ptr": "*fp32", "target_ptr": "*i64", "target_logit_ptr": "*fp32",
+    "row_count_ptr": "*i32", "V": "i32", "stride_row": "i64", "span": "i32", "partial_stride": "i32", "col_base": "i32",
+    "softcap": "fp32", "logit_scale": "fp32",
 }
 FINISH_SIGNATURE = {
     "logits_ptr": "*bf16", "loss_ptr": "*fp32", "row_max_ptr": "*fp32", "log_sumexp_ptr": "*fp32",
-    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "target_ptr": "*i64",
-    "target_logit_ptr": "*fp32", "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32",
+    "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "partial_ent_ptr": "*fp32",
+    "entropy_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "target_ptr": "*i64", "target_logit_ptr": "*fp32",
+    "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32", "row_count_ptr": "*i32",
     "V": "i32", "stride_row": "i64", "span": "i32", "col_base": "i32", "vocab_total": "i32", "ignore_index": "i32",
-    "label_smoothing": "fp32", "z_loss": "fp32",
-    "softcap": "fp32",
+    "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32", "logit_scale": "fp32",
 }
+SCALE_SIGNATURE = {"data_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
 
 
 FUSED_FWD_SIGNATURE = {
@@ -210,17 +213,29 @@ def main() -> int:
     ends = [min(configs, key=lambda c: c.kwargs["BLOCK_V"]),
             max(configs, key=lambda c: (c.kwargs["BLOCK_V"], c.num_warps))]
     cases = []
+    off = dict(HAS_ROW_COUNT=False, HAS_ENTROPY=False, HAS_SCALE=False)
     for on in (False, True):
         cases.append(("stats", ce_rows._row_stats_kernel, STATS_SIGNATURE,
-                      dict(SPLIT=8, HAS_WEIGHT=on, HAS_SMOOTHING=on, HAS_SOFTCAP=on, FIND_TARGET=on)))
+                      dict(off, SPLIT=8, HAS_WEIGHT=on, HAS_SMOOTHING=on, HAS_SOFTCAP=on, FIND_TARGET=on)))
+    # the compacted chunks' row count, a temperature and the entropy (GRPO's log-probs)
+    cases.append(("stats", ce_rows._row_stats_kernel, STATS_SIGNATURE,
+                  dict(SPLIT=8, HAS_WEIGHT=False, HAS_SMOOTHING=False, HAS_SOFTCAP=True, FIND_TARGET=True,
+                       HAS_ROW_COUNT=True, HAS_ENTROPY=True, HAS_SCALE=True)))
     # forward with gradient · backward with per-token gradient · merge of a loss-only forward's tiles
     for split, compute_stats, write_grad, per_token in ((8, True, True, False), (1, False, True, True),
                                                         (16, True, False, False)):
         for on in (False, True):
             cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
-                          dict(SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats,
+                          dict(off, SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats,
                                WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token)))
+        # the same three launches with a row count, a temperature and the entropy (and its gradient)
+        cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
+                      dict(SPLIT=split, HAS_WEIGHT=False, HAS_SOFTCAP=True, COMPUTE_STATS=compute_stats,
+                           WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token, HAS_ROW_COUNT=True, HAS_ENTROPY=True,
+                           HAS_SCALE=True)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
+    runs.append(("scale", scale._scale_unless_one_kernel, SCALE_SIGNATURE, {},
+                 triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""

@@ -1,6 +1,6 @@
-"""The Triton kernels (row kernels, the fused strategy, the row-count GEMMs) lower to H200 (sm_90)
-machine code: what the interpreter runs on CPU is never compiled, so an op the GPU backend rejects would
-otherwise first fail on a GPU machine."""
+"""The Triton kernels (row kernels, the fused strategy, the row-count and statistics-epilogue GEMMs, the
+scale kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is never compiled, so
+an op the GPU backend rejects would otherwise first fail on a GPU machine."""
 
 import os
 import subprocess
@@ -18,8 +18,12 @@ def test_kernels_compile_for_sm90():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ok")]
-    # 16 row-kernel variants + 8 of the fused strategy + 17 row-count GEMMs + 8 statistics-epilogue GEMMs
-    assert len(lines) == 49
+    # 24 row-kernel variants + the scale kernel + 8 of the fused strategy + 17 row-count GEMMs + 8 statistics-
+    # epilogue GEMMs
+    assert len(lines) == 58
+    # the row kernels keep everything in registers, every variant
+    rows = [line for line in lines if line.startswith(("sm_90 ok: stats ", "sm_90 ok: finish "))]
+    assert len(rows) == 24 and all(" stack=0 " in line for line in rows), rows
     gemms = {line.split()[2]: [] for line in lines if line.startswith("sm_90 ok: gemm_")}
     for line in lines:
         if line.startswith("sm_90 ok: gemm_"):
