@@ -6,11 +6,12 @@
 #   scripts/h200_speed_calls.sh OUTDIR a    # carry .whl/qa .whl/liger085 .whl/cce: GPU tests, SimPO, CE masked 30/70
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
 #   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
-#   scripts/h200_speed_calls.sh OUTDIR d    # no carry needed: the kernels changed without a GPU: the row-count
-#                                           # GEMMs' and the statistics epilogue's GPU tests (warp-specialized
+#   scripts/h200_speed_calls.sh OUTDIR d    # no carry needed (~560 s): the kernels changed without a GPU: the
+#                                           # row-count GEMMs' and the statistics epilogue's GPU tests (warp-specialized
 #                                           # candidates bitwise against the plain kernels), every GEMM config
 #                                           # and candidate timed (rowcount_gemm.csv, _sweep.csv), and the
-#                                           # loss-only pass with the statistics in the epilogue (ce_loss_epilogue.csv)
+#                                           # loss-only pass with the statistics in the epilogue (ce_loss_epilogue.csv),
+#                                           # and Qwen2.5-7B's head at fixed chunk sizes (ce_qwen25_7b_chunks.csv)
 #
 # Call a leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
@@ -67,13 +68,20 @@ if [ "$part" = a ]; then
         --workload masked_30 masked_70 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
         fusedkern_chunked_device_count huggingface_bf16 liger --out "$outdir/ce_llama3_masked_30_70.csv"
 elif [ "$part" = d ]; then  # kernels changed without a GPU (compiled for sm_90 only): their GPU tests, then timings
-    step gpu_tests_gemms 240 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_rowcount_gemm.py \
-        tests/test_logits_stats.py tests/test_num_valid_tokens.py
-    step rowcount_gemm 180 python3 scripts/bench_rowcount_gemm.py --out "$outdir/rowcount_gemm.csv" --sweep
-    step ce_loss_epilogue 120 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 \
+    step gpu_tests_gemms 210 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_rowcount_gemm.py \
+        tests/test_logits_stats.py
+    step rowcount_gemm 140 python3 scripts/bench_rowcount_gemm.py --out "$outdir/rowcount_gemm.csv" --sweep \
+        --counts 4096 1229 --reps 10
+    step ce_loss_epilogue 110 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 \
         --warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress --modes loss_only \
         --providers cublas_1gemm fusedkern_chunked fusedkern_stats_in_epilogue huggingface_bf16 \
         --out "$outdir/ce_loss_epilogue.csv"
+    # Qwen2.5-7B's dense lag at 8192 tokens: its plan is 3584 + 3584 + 1024-token chunks through the fp32
+    # accumulator (one chunk misses the memory contract by 1.6 %); the fixed-chunk variants show what chunking costs
+    # shellcheck disable=SC2086
+    step ce_qwen_chunks 80 python3 -m fusedkern.bench ce --head qwen25_7b --tokens 8192 $timing --workload dense \
+        --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c2048 fusedkern_chunked_c4096 \
+        fusedkern_chunked_c8192 fusedkern_chunked_lean huggingface_bf16 --out "$outdir/ce_qwen25_7b_chunks.csv"
 elif [ "$part" = c ]; then  # the kernels' remaining GPU tests, and Gemma-2's head where part b ran out of time
     step gpu_tests_fused 170 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_fused_ce.py
     step gpu_tests_rest 110 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_simpo.py \
