@@ -100,6 +100,9 @@ def test_bad_arguments_raise():
         logits_stats_rows(x, w, None, y, count, parts, target_logit, impl="cublas")
     with pytest.raises(ValueError, match="impl='tma'"):
         logits_stats_rows(x, w, None, y, count, parts, target_logit, impl="tma")  # fp32: no TMA path
+    with pytest.raises(ValueError, match="class_weight must be"):
+        logits_stats_rows(x, w, None, y, count, parts, target_logit, class_weight=torch.ones(40, dtype=torch.float64,
+                                                                                          device=DEVICE))
     with pytest.raises(ValueError, match="entropy"):
         chunked_loss(x, w, None, y, None, LossOptions(), stats_in_epilogue=True, entropy=torch.empty(8))
 

@@ -163,6 +163,10 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                          f"{column_tiles(V, x.dtype)} (stats_partials), got {tuple(parts.shape)}")
     if target.shape != (C,) or target_logit.shape != (C,) or target_logit.dtype != torch.float32:
         raise ValueError(f"target [{C}] and target_logit [{C}] fp32 expected")
+    if class_weight is not None and (class_weight.shape != (V,) or class_weight.dtype != torch.float32
+                                     or not class_weight.is_contiguous() or class_weight.device != dev):
+        raise ValueError(f"class_weight must be a contiguous fp32 [{V}] tensor on {dev}, got "
+                         f"{tuple(class_weight.shape)} {class_weight.dtype}")
     if not isinstance(count, torch.Tensor) or count.numel() != 1 or count.dtype not in (torch.int32, torch.int64):
         raise ValueError("count must be a one-element int32/int64 tensor")
     if count.device != dev:
