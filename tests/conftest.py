@@ -48,3 +48,16 @@ def poison_allocations(monkeypatch):
         monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
         monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
     return enable
+
+
+def run_twice_second_without_sync(step) -> None:
+    """step() once (autotuning and first allocations may synchronize), then again under CUDA's sync-debug
+    mode "error": a host synchronization in a warmed-up training step raises."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

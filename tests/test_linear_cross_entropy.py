@@ -16,7 +16,7 @@ import fusedkern
 from fusedkern import reference
 from fusedkern.chunked import LossOptions, chunked_loss, lse_of
 from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, run_twice_second_without_sync
 
 HAS_FUSED = importlib.util.find_spec("fusedkern.kernels.fused_ce") is not None
 IMPLS = ["chunked"] + (["fused"] if HAS_FUSED else [])
@@ -353,14 +353,7 @@ def test_gpu_chunked_step_never_waits_for_the_gpu(accum):
         x.grad = w.grad = None
         fusedkern.linear_cross_entropy(x, w, y, weight_grad_accum=accum, chunk_tokens=512).backward()
 
-    step()  # autotuning and the first allocations may synchronize; a training step after them must not
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    run_twice_second_without_sync(step)
     assert torch.isfinite(w.grad).all()
 
 
