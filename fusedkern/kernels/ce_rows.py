@@ -184,7 +184,7 @@ def _row_stats_kernel(
         col_y = tl.load(target_ptr + row).to(tl.int64) - col_base  # outside [col0, col1) when ignored
         if (col_y >= col0) & (col_y < col1):
             s_y = softcapped(tl.load(row_ptr + col_y).to(tl.float32), softcap, logit_scale, HAS_SOFTCAP, HAS_SCALE,
-                              USE_LIBDEVICE)
+                             USE_LIBDEVICE)
             tl.store(target_logit_ptr + row, s_y)
 
 

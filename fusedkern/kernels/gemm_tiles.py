@@ -32,7 +32,7 @@ def valid_rows(count_ptr, C):
 
 @triton.jit
 def operand(ptr, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-             USE_TMA: tl.constexpr):
+            USE_TMA: tl.constexpr):
     """A row-major (rows, cols) matrix as the load path addresses it: a TMA descriptor of (BLOCK_ROWS,
     BLOCK_COLS) blocks (its extents zero-fill loads and clip stores beyond them), or the pointer itself."""
     if USE_TMA:
@@ -44,7 +44,7 @@ def operand(ptr, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: t
 
 @triton.jit
 def tile(tile_id, num_pid_m, num_pid_n, M, N,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Output tile `tile_id` in grouped order (GROUP_M row blocks side by side, row block fastest within
     a group): its corner (off_m, off_n), its row and column indices, and their masks (< M, < N)."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -80,8 +80,8 @@ def _operand_mask(mask_outer, mask_k, K_ROWS: tl.constexpr):
 
 @triton.jit
 def mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
-              A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 (BLOCK_M, BLOCK_N) tile of A @ B at (off_m, off_n), summed over k < K.
 
     a, b: `operand`s. X_K_ROWS: the operand is stored with k along its rows (blocks (BLOCK_K, outer)),
@@ -162,7 +162,7 @@ def _store_slice(desc, acc, off_m, off_n, MODE: tl.constexpr):
 
 @triton.jit
 def epilogue(out, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_om, stride_on, MODE: tl.constexpr,
-              USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SLICES: tl.constexpr):
+             USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPI_SLICES: tl.constexpr):
     """out[tile] = acc (MODE 0), or out[tile] += acc (MODE 1: load, add in fp32, one rounding; MODE 2: a
     TMA reduce-add, on the pointer path the same as 1). `out` is an `operand`: TMA stores go out in
     EPI_SLICES column slices (1, 2 or 4; the descriptor's block is (BLOCK_M, BLOCK_N // EPI_SLICES)), so

@@ -137,7 +137,7 @@ def _logits_kernel(
             x, w, b_ptr, tile_id, num_pid_m, num_pid_n, n, V, H, stride_xc, stride_xh, stride_wv, stride_wh, stride_b,
             HAS_BIAS, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         epilogue(z, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_zc, stride_zv, 0, USE_TMA,
-                  BLOCK_M, BLOCK_N, EPI_SLICES)
+                 BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,11 +198,11 @@ def _dx_kernel(
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n = tile(tile_id, num_pid_m, num_pid_n, n, H,
-                                                             BLOCK_M, BLOCK_N, GROUP_M)
+                                                            BLOCK_M, BLOCK_N, GROUP_M)
         acc = mainloop(g, w, off_m, off_n, offs_m, offs_n, mask_m, mask_n, V, stride_gc, stride_gv, stride_wv,
-                        stride_wh, False, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_wh, False, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         epilogue(dx, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dxc, stride_dxh, 0, USE_TMA,
-                  BLOCK_M, BLOCK_N, EPI_SLICES)
+                 BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,11 +237,11 @@ def _dw_kernel(
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n = tile(tile_id, num_pid_m, num_pid_n, V, H,
-                                                             BLOCK_M, BLOCK_N, GROUP_M)
+                                                            BLOCK_M, BLOCK_N, GROUP_M)
         acc = mainloop(g, x, off_m, off_n, offs_m, offs_n, mask_m, mask_n, n, stride_gv, stride_gc, stride_xc,
-                        stride_xh, True, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       stride_xh, True, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         epilogue(dw, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dwv, stride_dwh, EPI_MODE, USE_TMA,
-                  BLOCK_M, BLOCK_N, EPI_SLICES)
+                 BLOCK_M, BLOCK_N, EPI_SLICES)
 
 
 # ----------------------------------------------------------------------------------------------
