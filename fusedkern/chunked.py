@@ -155,28 +155,40 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
                         entropy=None if entropy is None else entropy[c0:c1], **kernel_args)
 
 
-def _run_epilogue_stats(x, w, b, target, class_weight, opts: LossOptions, C: int | None, *, loss_tok,
-                        stats) -> None:
+def chunk_row_counts(count: torch.Tensor, n_tokens: int, chunk: int) -> torch.Tensor:
+    """[n_chunks] int32 on the device: the valid rows of each chunk, clamp(count − c0, 0, chunk)."""
+    starts = torch.arange(0, n_tokens, chunk, device=count.device, dtype=torch.int64)
+    return (count.reshape(()).to(torch.int64) - starts).clamp_(0, chunk).to(torch.int32)
+
+
+def _run_epilogue_stats(x, w, b, target, class_weight, opts: LossOptions, C: int | None, *, loss_tok, stats,
+                        count: torch.Tensor | None) -> None:
     """Loss-only pass without logits: per chunk of C tokens (default: `chunk_plan.epilogue_stats_rows`),
     the logits GEMM reduces each output tile to row statistics in its epilogue (`kernels.logits_stats`),
-    then one merge into lse and loss."""
+    then one merge into lse and loss. count: rows sorted valid-first, that many valid (a device tensor):
+    each chunk's GEMM and merge skip the rows past it, whose loss stays 0."""
     T, V = x.shape[0], w.shape[0]
     P = triton.next_power_of_2(column_tiles(V, x.dtype))
     C = C or epilogue_stats_rows(T, P)
     kernel_args = row_kernel_args(class_weight, opts)
-    for c0 in range(0, T, C):
+    if count is None:
+        counts = torch.full((triton.cdiv(T, C),), C, device=x.device, dtype=torch.int32)  # rows past T: clamped
+    else:
+        counts = chunk_row_counts(count, T, C)
+        loss_tok.zero_()
+    for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         y_c = target[c0:c1]
         parts, target_logit = stats_partials(c1 - c0, V, x.device, x.dtype)
-        count = torch.full((1,), c1 - c0, device=x.device, dtype=torch.int64)
-        logits_stats_rows(x[c0:c1], w, b, y_c, count, parts, target_logit, class_weight=class_weight,
+        logits_stats_rows(x[c0:c1], w, b, y_c, counts[i], parts, target_logit, class_weight=class_weight,
                           softcap=opts.softcap, label_smoothing=opts.label_smoothing, logit_scale=opts.logit_scale)
-        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1], **kernel_args)
+        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
+                        row_count=None if count is None else counts[i:i + 1], **kernel_args)
 
 
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
                  tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None,
-                 stats_in_epilogue: bool = False):
+                 stats_in_epilogue: bool = False, count: torch.Tensor | None = None):
     """Per-token loss and row statistics, no gradient: one GEMM's work within 64 MiB.
 
     x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`).
@@ -184,7 +196,9 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
     (or `tile` = (C, Vs), for tests). entropy: a [T] fp32 buffer to receive each token's entropy of
     softmax(s) (0 where ignored), or None (the statistic is compiled out). stats_in_epilogue: the row
     statistics come out of the logits GEMM's epilogue and no logits are written (`kernels.logits_stats`;
-    chunk_tokens, if given, sets its chunk); opt-in until timed on a GPU, and without entropy.
+    chunk_tokens, if given, sets its chunk); opt-in until timed on a GPU, and without entropy. count (with
+    stats_in_epilogue): the rows are sorted valid-first and this device tensor counts the valid ones; the
+    work past it is skipped without a host sync, its loss is 0 and its stats are not computed.
     """
     T, V = x.shape[0], w.shape[0]
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
@@ -192,8 +206,11 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
     if stats_in_epilogue:
         if entropy is not None:
             raise ValueError("stats_in_epilogue=True does not compute the entropy; pass entropy=None")
-        _run_epilogue_stats(x, w, b, target, class_weight, opts, chunk_tokens, loss_tok=loss_tok, stats=stats)
+        _run_epilogue_stats(x, w, b, target, class_weight, opts, chunk_tokens, loss_tok=loss_tok, stats=stats,
+                            count=count)
         return loss_tok, stats
+    if count is not None:
+        raise ValueError("count needs stats_in_epilogue=True")
     if chunk_tokens:
         C, Vs = chunk_tokens, V
     else:

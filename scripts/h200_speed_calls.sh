@@ -74,8 +74,8 @@ elif [ "$part" = d ]; then  # kernels changed without a GPU (compiled for sm_90 
         --counts 4096 1229 --reps 10
     step ce_loss_epilogue 110 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 \
         --warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress --modes loss_only \
-        --providers cublas_1gemm fusedkern_chunked fusedkern_stats_in_epilogue huggingface_bf16 \
-        --out "$outdir/ce_loss_epilogue.csv"
+        --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked fusedkern_stats_in_epilogue \
+        fusedkern_stats_in_epilogue_device_count huggingface_bf16 --out "$outdir/ce_loss_epilogue.csv"
     # Qwen2.5-7B's dense lag at 8192 tokens: its plan is 3584 + 3584 + 1024-token chunks through the fp32
     # accumulator (one chunk misses the memory contract by 1.6 %); the fixed-chunk variants show what chunking costs
     # shellcheck disable=SC2086

@@ -120,9 +120,14 @@ def test_ce_sweep_fusedkern_chunked():
 @needs_fusedkern
 def test_ce_sweep_stats_in_epilogue_times_the_loss_only_mode():
     """The opt-in statistics-epilogue pass has no gradient path: the sweep times its loss_only mode only."""
-    rows = sweeps.run_sweep("ce", [8], providers=["fusedkern_stats_in_epilogue"], **CPU_ONE_REP)
-    assert [(r["provider"], r["mode"]) for r in rows] == [("fusedkern_stats_in_epilogue", "loss_only")]
-    assert rows[0]["note"] == "" and rows[0]["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5)
+    providers = ["fusedkern_stats_in_epilogue", "fusedkern_stats_in_epilogue_device_count", "torch_fp32_upcast"]
+    rows = sweeps.run_sweep("ce", [16], providers=providers, workloads=["dense", "masked_50"], seq=8,
+                            modes=["loss_only"], **CPU_ONE_REP)
+    assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
+        (p, w) for p in providers for w in ("dense", "masked_50"))
+    for workload in ("dense", "masked_50"):  # the same mean over the valid tokens as torch's
+        losses = [r["loss"] for r in rows if r["workload"] == workload]
+        assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
 
 
 def test_simpo_sweep_matches_the_fp64_reference():

@@ -74,6 +74,23 @@ def test_dominant_class_and_masked_vocabulary():
     torch.testing.assert_close(loss[:10].double(), ref[:10], rtol=1e-3, atol=2e-14)
 
 
+@pytest.mark.parametrize("n_valid", [0, 1, 8, 13, 23])  # chunks of 8 rows: none, one, a chunk's edge, mid, all
+def test_counted_loss_only_skips_the_ignored_rows(n_valid, poison_allocations):
+    """Rows sorted valid-first and counted on the device: the valid rows' loss as without the count, 0 past
+    it, and the rows past it never read (they hold NaN here)."""
+    x, w, y, b, _ = make_inputs(23, 29, 131, torch.float32, ignore_frac=0.0, bias=True)
+    y[n_valid:] = -100
+    ref, ref_lse = _fp64(x, w, y, b, None, label_smoothing=0.1)
+    x[n_valid:] = float("nan")
+    poison_allocations()
+    loss, stats = chunked_loss(x, w, b, y, None, LossOptions(label_smoothing=0.1), 8, stats_in_epilogue=True,
+                               count=torch.tensor(n_valid, device=DEVICE))
+    assert (loss[n_valid:] == 0).all()
+    if n_valid:
+        assert rel_err(loss[:n_valid], ref[:n_valid]) < 1e-6
+        assert rel_err(lse_of(stats)[:n_valid], ref_lse[:n_valid]) < 1e-6
+
+
 def test_rows_beyond_the_count_are_not_written():
     x, w, y, _, _ = make_inputs(21, 16, 70, torch.float32, ignore_frac=0.0)
     parts, target_logit = stats_partials(21, 70, x.device, x.dtype)
@@ -103,6 +120,8 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="class_weight must be"):
         logits_stats_rows(x, w, None, y, count, parts, target_logit, class_weight=torch.ones(40, dtype=torch.float64,
                                                                                           device=DEVICE))
+    with pytest.raises(ValueError, match="count needs"):
+        chunked_loss(x, w, None, y, None, LossOptions(), count=count)
     with pytest.raises(ValueError, match="entropy"):
         chunked_loss(x, w, None, y, None, LossOptions(), stats_in_epilogue=True, entropy=torch.empty(8))
 
