@@ -135,6 +135,8 @@ def gemm_cases() -> list:
                rg._narrow_partner(wide)),
               ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, count),
                dict(ws, ACCUMULATE=False, EPI_MODE=0), rg.warp_specialized_configs("dw")[0]),
+              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, count),
+               dict(ws, ACCUMULATE=True, EPI_MODE=1), rg.warp_specialized_configs("dw")[0]),
               ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": "*fp32"}),
                dict(ws, ACCUMULATE=True, EPI_MODE=1), rg.warp_specialized_configs("dw_fp32")[0])]
     return cases
