@@ -162,7 +162,7 @@ def chunk_row_counts(count: torch.Tensor, n_tokens: int, chunk: int) -> torch.Te
 
 
 def _run_epilogue_stats(x, w, b, target, class_weight, opts: LossOptions, C: int | None, *, loss_tok, stats,
-                        count: torch.Tensor | None) -> None:
+                        entropy: torch.Tensor | None, count: torch.Tensor | None) -> None:
     """Loss-only pass without logits: per chunk of C tokens (default: `chunk_plan.epilogue_stats_rows`),
     the logits GEMM reduces each output tile to row statistics in its epilogue (`kernels.logits_stats`),
     then one merge into lse and loss. count: rows sorted valid-first, that many valid (a device tensor):
@@ -176,13 +176,16 @@ def _run_epilogue_stats(x, w, b, target, class_weight, opts: LossOptions, C: int
     else:
         counts = chunk_row_counts(count, T, C)
         loss_tok.zero_()
+        if entropy is not None:
+            entropy.zero_()
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         y_c = target[c0:c1]
-        parts, target_logit = stats_partials(c1 - c0, V, x.device, x.dtype)
+        parts, target_logit = stats_partials(c1 - c0, V, x.device, x.dtype, entropy=entropy is not None)
         logits_stats_rows(x[c0:c1], w, b, y_c, counts[i], parts, target_logit, class_weight=class_weight,
                           softcap=opts.softcap, label_smoothing=opts.label_smoothing, logit_scale=opts.logit_scale)
         merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
+                        entropy=None if entropy is None else entropy[c0:c1],
                         row_count=None if count is None else counts[i:i + 1], **kernel_args)
 
 
@@ -196,18 +199,16 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
     (or `tile` = (C, Vs), for tests). entropy: a [T] fp32 buffer to receive each token's entropy of
     softmax(s) (0 where ignored), or None (the statistic is compiled out). stats_in_epilogue: the row
     statistics come out of the logits GEMM's epilogue and no logits are written (`kernels.logits_stats`;
-    chunk_tokens, if given, sets its chunk); opt-in until timed on a GPU, and without entropy. count (with
-    stats_in_epilogue): the rows are sorted valid-first and this device tensor counts the valid ones; the
-    work past it is skipped without a host sync, its loss is 0 and its stats are not computed.
+    chunk_tokens, if given, sets its chunk); opt-in until timed on a GPU. count (with stats_in_epilogue):
+    the rows are sorted valid-first and this device tensor counts the valid ones; the work past it is
+    skipped without a host sync, its loss and entropy are 0 and its stats are not computed.
     """
     T, V = x.shape[0], w.shape[0]
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
     if stats_in_epilogue:
-        if entropy is not None:
-            raise ValueError("stats_in_epilogue=True does not compute the entropy; pass entropy=None")
         _run_epilogue_stats(x, w, b, target, class_weight, opts, chunk_tokens, loss_tok=loss_tok, stats=stats,
-                            count=count)
+                            entropy=entropy, count=count)
         return loss_tok, stats
     if count is not None:
         raise ValueError("count needs stats_in_epilogue=True")

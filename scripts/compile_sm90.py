@@ -144,14 +144,15 @@ def gemm_cases() -> list:
 
 def stats_cases() -> list:
     """(name, kernel, signature, flags, config) of the statistics-epilogue GEMM (`logits_stats`, bf16, TMA):
-    options off and on (bias, softcap, smoothing with class weights), at each autotune candidate."""
+    options off and on (bias, softcap, temperature, smoothing with class weights, entropy), at each autotune
+    candidate."""
     kernel = logits_stats._logits_stats_kernel
     signature = gemm_signature(kernel, {"target_ptr": "*i64", "class_weight_ptr": "*fp32", "part_ptr": "*fp32",
                                         "target_logit_ptr": "*fp32", "count_ptr": "*i32"})
     signature.update(softcap="fp32", logit_scale="fp32")
     return [("stats_gemm", kernel, signature,
-             dict(HAS_BIAS=on, HAS_SOFTCAP=on, HAS_SCALE=False, HAS_SMOOTHING=on, HAS_WEIGHT=on, USE_TMA=True,
-                  DOT_PRECISION="tf32"), config)
+             dict(HAS_BIAS=on, HAS_SOFTCAP=on, HAS_SCALE=on, HAS_SMOOTHING=on, HAS_WEIGHT=on, HAS_ENTROPY=on,
+                  USE_TMA=True, DOT_PRECISION="tf32"), config)
             for on in (False, True) for config in logits_stats._CONFIGS]
 
 

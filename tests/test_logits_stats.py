@@ -91,6 +91,23 @@ def test_counted_loss_only_skips_the_ignored_rows(n_valid, poison_allocations):
         assert rel_err(lse_of(stats)[:n_valid], ref_lse[:n_valid]) < 1e-6
 
 
+@pytest.mark.parametrize("counted", [False, True])
+def test_entropy_at_a_temperature_matches_fp64(counted):
+    """With the entropy's statistic (GRPO's log-probs and entropies, softcap then temperature): log-probs
+    and entropies against fp64, 0 for ignored rows; counted, the rows sorted valid-first."""
+    x, w, y, b, _ = make_inputs(23, 29, 131, torch.float32, bias=True, seed=5)
+    if counted:
+        rows = torch.argsort((y == -100).to(torch.uint8), stable=True)
+        x, y = x[rows], y[rows]
+    ref_logp, ref_ent = reference.linear_logprobs_entropy_fp64(x.double(), w.double(), y, linear_bias=b.double(),
+                                                               softcap=4.0, temperature=0.7)
+    entropy = torch.empty(23, device=DEVICE)
+    loss, _ = chunked_loss(x, w, b, y, None, LossOptions(softcap=4.0, logit_scale=1 / 0.7), 8, entropy=entropy,
+                           stats_in_epilogue=True, count=(y != -100).sum() if counted else None)
+    assert rel_err(-loss, ref_logp) < 1e-6 and rel_err(entropy, ref_ent) < 1e-6
+    assert (entropy[y == -100] == 0).all()
+
+
 def test_rows_beyond_the_count_are_not_written():
     x, w, y, _, _ = make_inputs(21, 16, 70, torch.float32, ignore_frac=0.0)
     parts, target_logit = stats_partials(21, 70, x.device, x.dtype)
@@ -122,8 +139,6 @@ def test_bad_arguments_raise():
                                                                                           device=DEVICE))
     with pytest.raises(ValueError, match="count needs"):
         chunked_loss(x, w, None, y, None, LossOptions(), count=count)
-    with pytest.raises(ValueError, match="entropy"):
-        chunked_loss(x, w, None, y, None, LossOptions(), stats_in_epilogue=True, entropy=torch.empty(8))
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
     logits_stats_rows(x, w, b, target, count, parts, target_logit, ...)
         for the first n = clamp(count, 0, C) rows of x [C, H] and every column tile j of Z = x wᵀ (+ b):
         parts[0, t, j] = max_v s_tv, parts[1, t, j] = Σ_v exp(s_tv − max) − 1 ("rest": the max's own 1
-        left out), parts[2, t, j] = Σ_v w_v·s_tv (label smoothing), over the tile's columns v, and
+        left out), parts[2, t, j] = Σ_v w_v·s_tv (label smoothing), with parts of 4 rows also
+        parts[3, t, j] = Σ_v exp(s_tv − max)·(s_tv − max) (the entropy's), over the tile's columns v, and
         target_logit[t] = s_{t, y_t} from the tile that holds the target;  s = softcap(z)·scale
 
 `ce_rows.merge_row_stats` then reduces each row's partials to its lse and loss, exactly as it merges the
@@ -22,7 +23,7 @@ timed on a GPU: `chunked.chunked_loss(stats_in_epilogue=True)` is opt-in until i
 Inputs: x [C, H] and w [V, H] fp32/fp16/bf16 (same dtype), b [V] or None, target [C] int64 (ignored rows:
 any value outside [0, V)), count one-element int32/int64 on x's device, parts [3, C, P] fp32 with
 P ≥ `column_tiles(V)` (pre-filled by `stats_partials`: unused slots hold max = −inf, no mass),
-target_logit [C] fp32. Rows ≥ n are not written.
+target_logit [C] fp32. Rows ≥ n are not written. parts [4, C, P] adds the entropy's statistic.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> 
 
 
 # No output tile is staged in shared memory, so the operand pipeline has it all. The epilogue holds a few
-# (BLOCK_M, BLOCK_N) fp32 temporaries beside the accumulator: on sm_90, 128 × 128 with 8 warps and 64 × 256
-# keep them in registers; 128 × 256 spills 56–192 bytes a thread and 4 warps more (scripts/compile_sm90.py).
+# (BLOCK_M, BLOCK_N) fp32 temporaries beside the accumulator: on sm_90, 128 × 128 with 8 warps keeps them in
+# registers (16 bytes of spill with every option at once, the entropy included); 128 × 256 spills 56–664
+# bytes a thread, and 4 warps more (scripts/compile_sm90.py).
 _CONFIGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(64, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3)]
 _FP32_CONFIGS = [_cfg(64, 64, 32, 4, 3), _cfg(64, 128, 32, 8, 2)]  # ieee fp32 dots run on the FMA units
 # the interpreter runs one small config: the tiny test shapes span several tiles and masked tails
@@ -62,13 +64,14 @@ def column_tiles(vocab: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return triton.cdiv(vocab, narrowest)
 
 
-def stats_partials(n_tokens: int, vocab: int, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parts [3, C, P] fp32, target_logit [C] fp32) for `logits_stats_rows` and `ce_rows.merge_row_stats`:
-    P = the next power of two ≥ `column_tiles` (the merge loads a row's partials as one vector); every slot
-    starts as (max −inf, rest 0, Σ w·s 0): no mass, so slots no tile writes change nothing."""
+def stats_partials(n_tokens: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts [3, C, P] fp32 ([4, C, P] with the entropy's statistic), target_logit [C] fp32) for
+    `logits_stats_rows` and `ce_rows.merge_row_stats`: P = the next power of two ≥ `column_tiles` (the merge
+    loads a row's partials as one vector); every slot starts as (max −inf, 0, 0[, 0]): no mass, so slots no
+    tile writes change nothing."""
     P = triton.next_power_of_2(column_tiles(vocab, dtype))
-    parts = torch.empty((3, n_tokens, P), device=device, dtype=torch.float32)
+    parts = torch.empty((4 if entropy else 3, n_tokens, P), device=device, dtype=torch.float32)
     parts[0].fill_(-float("inf"))
     parts[1:].zero_()
     return parts, torch.zeros(n_tokens, device=device, dtype=torch.float32)
@@ -81,15 +84,16 @@ def _logits_stats_kernel(
     b_ptr,  # (V,) bias (HAS_BIAS)
     target_ptr,  # (C,) int64 class indices; outside [0, V) for ignored rows
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT: weights the smoothing sum)
-    part_ptr,  # (3, C, P) fp32 out: max, rest, Σ w·s of (row, column tile)
+    part_ptr,  # (3 or 4, C, P) fp32 out: max, rest, Σ w·s (and the entropy's A) of (row, column tile)
     target_logit_ptr,  # (C,) fp32 out: s of the target column
     count_ptr,  # (1,) int32/int64 valid rows
     C, V, H,
     stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_pk, stride_pc,
     softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
@@ -113,12 +117,15 @@ def _logits_stats_kernel(
         # all −inf (a −inf bias masking padded vocabulary): exponents against 0, no −inf − (−inf) = NaN,
         # and no mass at all
         empty = tile_max == -float("inf")
-        e = tl.exp(s_m - tl.where(empty, 0.0, tile_max)[:, None])
+        shifted = s_m - tl.where(empty, 0.0, tile_max)[:, None]  # s − max, −inf on masked columns
+        e = tl.exp(shifted)
         ties = tl.sum(is_max.to(tl.float32), axis=1)
         rest = tl.sum(tl.where(is_max, 0.0, e), axis=1) + tl.where(empty, 0.0, ties - 1.0)
         out = part_ptr + offs_m.to(tl.int64) * stride_pc + off_n // BLOCK_N  # (BLOCK_M,) slot of this tile
         tl.store(out, tile_max, mask=mask_m)
         tl.store(out + stride_pk, rest, mask=mask_m)
+        if HAS_ENTROPY:  # A = Σ exp(s − max)·(s − max): the max's own term is 0, a masked one 0·(−inf) → 0
+            tl.store(out + 3 * stride_pk, tl.sum(tl.where(e == 0.0, 0.0, e * shifted), axis=1), mask=mask_m)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 s_w = s * tl.load(class_weight_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -133,8 +140,8 @@ def _logits_stats_kernel(
         tl.store(target_logit_ptr + offs_m, s_y, mask=holds)
 
 
-_TUNED = {fp32: triton.autotune(configs=_config_list(fp32), key=["C", "V", "H", "HAS_BIAS", "HAS_SOFTCAP",
-                                                                 "HAS_SMOOTHING", "USE_TMA"])(_logits_stats_kernel)
+_AUTOTUNE_KEY = ["C", "V", "H", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS_ENTROPY", "USE_TMA"]
+_TUNED = {fp32: triton.autotune(configs=_config_list(fp32), key=_AUTOTUNE_KEY)(_logits_stats_kernel)
           for fp32 in (False, True)}
 
 
@@ -157,9 +164,9 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"x must be fp32, fp16 or bf16, got {x.dtype}")
     P = parts.shape[2] if parts.dim() == 3 else 0
-    if (parts.dim() != 3 or parts.shape[:2] != (3, C) or parts.dtype != torch.float32 or parts.device != dev
-            or not parts.is_contiguous() or P < column_tiles(V, x.dtype)):
-        raise ValueError(f"parts must be a contiguous fp32 [3, {C}, P] tensor on {dev} with P ≥ "
+    if (parts.dim() != 3 or parts.shape[0] not in (3, 4) or parts.shape[1] != C or parts.dtype != torch.float32
+            or parts.device != dev or not parts.is_contiguous() or P < column_tiles(V, x.dtype)):
+        raise ValueError(f"parts must be a contiguous fp32 [3 or 4, {C}, P] tensor on {dev} with P ≥ "
                          f"{column_tiles(V, x.dtype)} (stats_partials), got {tuple(parts.shape)}")
     if target.shape != (C,) or target_logit.shape != (C,) or target_logit.dtype != torch.float32:
         raise ValueError(f"target [{C}] and target_logit [{C}] fp32 expected")
@@ -190,7 +197,8 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
             b.stride(0) if b is not None else 0, parts.stride(0), parts.stride(1),
             float(softcap or 1.0), float(logit_scale))
     flags = dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_SCALE=logit_scale != 1.0,
-                 HAS_SMOOTHING=smoothing, HAS_WEIGHT=cw is not None, USE_LIBDEVICE=not interpreting(),
+                 HAS_SMOOTHING=smoothing, HAS_WEIGHT=cw is not None, HAS_ENTROPY=parts.shape[0] == 4,
+                 USE_LIBDEVICE=not interpreting(),
                  USE_TMA=use_tma, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     sms = sm_count(dev)
 
