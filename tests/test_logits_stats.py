@@ -128,12 +128,12 @@ def test_bad_arguments_raise():
         logits_stats_rows(x, w, None, y, count, parts[:, :, :1].contiguous(), target_logit)
     with pytest.raises(ValueError, match="w must be"):
         logits_stats_rows(x, w[:, :8], None, y, count, parts, target_logit)
-    with pytest.raises(ValueError, match="count must be"):
+    with pytest.raises(TypeError, match="count must be"):
         logits_stats_rows(x, w, None, y, count.float(), parts, target_logit)
     with pytest.raises(ValueError, match="impl must be"):
         logits_stats_rows(x, w, None, y, count, parts, target_logit, impl="cublas")
-    with pytest.raises(ValueError, match="impl='tma'"):
-        logits_stats_rows(x, w, None, y, count, parts, target_logit, impl="tma")  # fp32: no TMA path
+    with pytest.raises(ValueError, match="impl='tma'"):  # rows of 15 fp16: not 16-byte aligned
+        logits_stats_rows(x[:, :15].half(), w[:, :15].half(), None, y, count, parts, target_logit, impl="tma")
     with pytest.raises(ValueError, match="class_weight must be"):
         logits_stats_rows(x, w, None, y, count, parts, target_logit, class_weight=torch.ones(40, dtype=torch.float64,
                                                                                           device=DEVICE))

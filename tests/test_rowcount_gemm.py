@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fusedkern.kernels import rowcount_gemm as rg
+from fusedkern.kernels.gemm_tiles import launch_persistent
 from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows, logits_rows
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
@@ -160,7 +161,7 @@ def test_dx_wide_narrow_pair(impl):
         outs = []
         for pick, config in ((1, wide), (2, narrow)):
             out = torch.full((C, H), NAN, dtype=dtype, device=DEVICE)
-            rg._launch(rg._DX[False], C, H, g.device, args(cnt, out), dict(flags, PICK=pick), config)
+            launch_persistent(rg._DX[False], C, H, g.device, args(cnt, out), dict(flags, PICK=pick), config)
             outs.append(out)
         narrow_won = _narrow_wins_host(n, C, H, sms, wide.kwargs["BLOCK_M"], wide.kwargs["BLOCK_N"])
         picked.add(narrow_won)

@@ -7,6 +7,7 @@ fp32) with fp32 accumulation, as the tensor cores do. The GPU path is untouched.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,3 +23,9 @@ def dot_fp32_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`dot_fp32_acc`'s DOT_PRECISION for operands of `dtype`: exact fp32 products for fp32 operands, like
+    torch's default (TF32 off for matmuls); "tf32" means nothing to 16-bit operands."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -38,7 +38,7 @@ from fusedkern.chunk_plan import fused_accumulator_budget  # the 16 MiB default,
 # shared with the row kernels: tanh in fp32 (libdevice on the GPU, exact forms in the interpreter), and
 # exp(u) − 1 without cancellation near 0 (the target's p − 1 of a confident prediction)
 from fusedkern.kernels.device_math import expm1, tanh
-from fusedkern.kernels.dot import dot_fp32_acc
+from fusedkern.kernels.dot import dot_fp32_acc, dot_precision
 
 #: granularity (elements) of V-splits / chunks: a multiple of every BLOCK_V among the configs
 _V_GRANULE = 256
@@ -475,8 +475,7 @@ def _options(x, bias, class_weight, softcap, label_smoothing):
         HAS_SOFTCAP=has_softcap,
         HAS_SMOOTHING=float(label_smoothing) > 0.0,
         USE_LIBDEVICE=not interpreting(),
-        # fp32 operands: exact fp32 products like torch's default (TF32 off for matmuls)
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(x.dtype),
     )
     return flags, (float(softcap) if has_softcap else 1.0), cw
 

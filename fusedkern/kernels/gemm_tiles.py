@@ -1,7 +1,8 @@
 """Building blocks of the persistent Triton GEMMs (`rowcount_gemm`, `logits_stats`): on the device, an
 operand as a TMA descriptor or a pointer, the grouped tile order, the K loop on either load path, and
-the epilogue that stores (or adds) an output tile; on the host, which tensors a descriptor can address
-and the scratch allocator that device-side descriptors need.
+the epilogue that stores (or adds) an output tile; on the host, which tensors a descriptor can address,
+the choice of load path, the scratch allocator that device-side descriptors need, the row-count check
+and the persistent launch.
 
 Both load paths compute the same fp32 tile. TMA (sm_90+, 16-bit operands, 16-byte aligned rows): the
 descriptor's extents zero-fill loads and clip stores beyond the matrix, so the K loop has no masks, and
@@ -16,10 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedkern._runtime import interpreting, sm_count
 from fusedkern.kernels.dot import dot_fp32_acc
 
-__all__ = ["valid_rows", "operand", "tile", "mainloop", "linear_tile", "epilogue", "STORE", "LOAD_ADD_STORE",
-           "REDUCE_ADD", "tma_addressable", "ensure_allocator"]
+__all__ = ["valid_rows", "operand", "product_tile", "linear_tile", "epilogue", "STORE", "LOAD_ADD_STORE",
+           "REDUCE_ADD", "tma_addressable", "ensure_allocator", "tma_eligible", "use_tma", "check_count",
+           "launch_persistent"]
 
 
 @triton.jit
@@ -43,8 +46,8 @@ def operand(ptr, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: t
 
 
 @triton.jit
-def tile(tile_id, num_pid_m, num_pid_n, M, N,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile(tile_id, num_pid_m, num_pid_n, M, N,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Output tile `tile_id` in grouped order (GROUP_M row blocks side by side, row block fastest within
     a group): its corner (off_m, off_n), its row and column indices, and their masks (< M, < N)."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -79,9 +82,9 @@ def _operand_mask(mask_outer, mask_k, K_ROWS: tl.constexpr):
 
 
 @triton.jit
-def mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
-             A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+              A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 (BLOCK_M, BLOCK_N) tile of A @ B at (off_m, off_n), summed over k < K.
 
     a, b: `operand`s. X_K_ROWS: the operand is stored with k along its rows (blocks (BLOCK_K, outer)),
@@ -125,15 +128,28 @@ def mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, s
 
 
 @triton.jit
+def product_tile(a, b, tile_id, num_pid_m, num_pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile `tile_id` of A @ B (M × N, summed over k < K; a, b: `operand`s laid out as `_mainloop` says):
+    (off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc) with acc the fp32 (BLOCK_M, BLOCK_N) tile."""
+    off_m, off_n, offs_m, offs_n, mask_m, mask_n = _tile(tile_id, num_pid_m, num_pid_n, M, N, BLOCK_M, BLOCK_N,
+                                                         GROUP_M)
+    acc = _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk,
+                    stride_bn, A_K_ROWS, B_K_ROWS, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    return off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc
+
+
+@triton.jit
 def linear_tile(x, w, b_ptr, tile_id, num_pid_m, num_pid_n, n, V, H,
                 stride_xc, stride_xh, stride_wv, stride_wh, stride_b, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr):
-    """Tile `tile_id` of Z = X[:n] Wᵀ (+ b), X [C, H] and W [V, H] as `operand`s: (off_m, off_n, offs_m,
-    offs_n, mask_m, mask_n, z) with z the fp32 (BLOCK_M, BLOCK_N) tile."""
-    off_m, off_n, offs_m, offs_n, mask_m, mask_n = tile(tile_id, num_pid_m, num_pid_n, n, V, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = mainloop(x, w, off_m, off_n, offs_m, offs_n, mask_m, mask_n, H, stride_xc, stride_xh, stride_wh,
-                   stride_wv, False, False, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    """Tile `tile_id` of Z = X[:n] Wᵀ (+ b), X [C, H] and W [V, H] as `operand`s: `product_tile`'s tuple
+    with z, the fp32 (BLOCK_M, BLOCK_N) tile, last."""
+    off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
+        x, w, tile_id, num_pid_m, num_pid_n, n, V, H, stride_xc, stride_xh, stride_wh, stride_wv, False, False,
+        USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n * stride_b, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     return off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc
@@ -214,3 +230,64 @@ def ensure_allocator() -> None:
         unset = True
     if unset:
         triton.set_allocator(_torch_scratch)
+
+
+def tma_eligible(operands: tuple, outputs: tuple = ()) -> bool:
+    """True when `impl="auto"` takes the TMA kernels: a CUDA device of sm_90 or newer, fp16/bf16
+    operands, and every tensor (operands and outputs) addressable by a descriptor (unit inner stride,
+    16-byte aligned base and row stride; e.g. a bf16 [C, V] buffer needs V % 8 == 0)."""
+    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    dev = operands[0].device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
+        return False
+    return (all(t.dtype in (torch.float16, torch.bfloat16) for t in operands)
+            and all(tma_addressable(t) for t in (*operands, *outputs)))
+
+
+def use_tma(impl: str, operands: tuple, outputs: tuple) -> bool:
+    """Whether a launch takes the TMA path. impl: 'auto' (where `tma_eligible`), 'tma' (forced; each
+    tensor's addressability checked), 'pointer'. Installs the descriptors' scratch allocator when needed."""
+    if impl == "pointer":
+        return False
+    if impl == "tma":
+        for t in (*operands, *outputs):
+            if not tma_addressable(t):
+                raise ValueError(f"impl='tma' needs 2-D tensors with unit inner stride and 16-byte aligned "
+                                 f"base and row stride; got shape {tuple(t.shape)}, strides {t.stride()}, "
+                                 f"{t.dtype}")
+        use = True
+    elif impl == "auto":
+        use = tma_eligible(operands, outputs)
+    else:
+        raise ValueError(f"impl must be 'auto', 'tma' or 'pointer', got {impl!r}")
+    if use and not interpreting():
+        ensure_allocator()
+    return use
+
+
+def check_count(count: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The row count a kernel reads on the device, checked; returned as a one-element tensor."""
+    if not isinstance(count, torch.Tensor) or count.numel() != 1:
+        raise ValueError("count must be a one-element int32/int64 tensor")
+    if count.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"count must be int32 or int64, got {count.dtype}")
+    if count.device != device:
+        raise ValueError(f"count must live on {device} (the kernel reads it), got {count.device}")
+    return count.reshape(1)
+
+
+def launch_persistent(tuned, rows: int, cols: int, device: torch.device, args: tuple, flags: dict,
+                      config: triton.Config | None) -> None:
+    """Persistent launch: one program per SM, or fewer when the largest possible problem (all rows
+    valid) has fewer tiles. `config` bypasses the autotuner (benchmarks, reproducibility)."""
+    sms = sm_count(device)
+
+    def grid(meta):
+        return (max(1, min(sms, triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]))),)
+
+    if config is None:
+        tuned[grid](*args, **flags)
+    else:
+        meta = {**flags, **config.kwargs}
+        tuned.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

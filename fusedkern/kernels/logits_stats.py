@@ -32,9 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedkern._runtime import autotune_configs, interpreting, sm_count
+from fusedkern._runtime import autotune_configs, interpreting
 from fusedkern.kernels.device_math import softcapped
-from fusedkern.kernels.gemm_tiles import ensure_allocator, linear_tile, operand, tma_addressable, valid_rows
+from fusedkern.kernels.dot import dot_precision
+from fusedkern.kernels.gemm_tiles import (check_count, launch_persistent, linear_tile, operand,
+                                          use_tma, valid_rows)
 
 __all__ = ["logits_stats_rows", "stats_partials", "column_tiles"]
 
@@ -151,8 +153,8 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                       label_smoothing: float = 0.0, logit_scale: float = 1.0, impl: str = "auto",
                       config: triton.Config | None = None) -> None:
     """Row statistics of Z[:n] = x[:n] wᵀ (+ b) per column tile, into parts and target_logit (module
-    docstring). impl: 'auto' (TMA on sm_90+ for aligned 16-bit operands), 'tma' or 'pointer'; config: a
-    `triton.Config` to run instead of autotuning."""
+    docstring). impl: 'auto' (TMA on sm_90+ for aligned 16-bit operands), 'tma' or 'pointer'
+    (`gemm_tiles.use_tma`); config: a `triton.Config` to run instead of autotuning."""
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor")
@@ -174,40 +176,17 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                                      or not class_weight.is_contiguous() or class_weight.device != dev):
         raise ValueError(f"class_weight must be a contiguous fp32 [{V}] tensor on {dev}, got "
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
-    if not isinstance(count, torch.Tensor) or count.numel() != 1 or count.dtype not in (torch.int32, torch.int64):
-        raise ValueError("count must be a one-element int32/int64 tensor")
-    if count.device != dev:
-        raise ValueError(f"count must live on {dev} (the kernel reads it), got {count.device}")
+    count = check_count(count, dev)
     if C == 0 or V == 0:
         return
-    if impl not in ("auto", "tma", "pointer"):
-        raise ValueError(f"impl must be 'auto', 'tma' or 'pointer', got {impl!r}")
-    tma_ok = (hasattr(tl, "make_tensor_descriptor") and x.dtype != torch.float32 and tma_addressable(x)
-              and tma_addressable(w))
-    if impl == "tma" and not tma_ok:
-        raise ValueError("impl='tma' needs 16-bit 2-D operands with unit inner stride and 16-byte aligned rows")
-    use_tma = impl == "tma" or (impl == "auto" and tma_ok and not interpreting() and dev.type == "cuda"
-                                and torch.cuda.get_device_capability(dev)[0] >= 9)
-    if use_tma and not interpreting():
-        ensure_allocator()
+    tma = use_tma(impl, (x, w), ())
     smoothing = label_smoothing > 0.0
     cw = class_weight if (class_weight is not None and smoothing) else None
     args = (x, w, b if b is not None else x, target, cw if cw is not None else parts, parts, target_logit,
-            count.reshape(1), C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            count, C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             b.stride(0) if b is not None else 0, parts.stride(0), parts.stride(1),
             float(softcap or 1.0), float(logit_scale))
     flags = dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_SCALE=logit_scale != 1.0,
                  HAS_SMOOTHING=smoothing, HAS_WEIGHT=cw is not None, HAS_ENTROPY=parts.shape[0] == 4,
-                 USE_LIBDEVICE=not interpreting(),
-                 USE_TMA=use_tma, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    sms = sm_count(dev)
-
-    def grid(meta):
-        return (max(1, min(sms, triton.cdiv(C, meta["BLOCK_M"]) * triton.cdiv(V, meta["BLOCK_N"]))),)
-
-    tuned = _TUNED[x.dtype == torch.float32]
-    if config is None:
-        tuned[grid](*args, **flags)
-    else:
-        meta = {**flags, **config.kwargs}
-        tuned.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+                 USE_LIBDEVICE=not interpreting(), USE_TMA=tma, DOT_PRECISION=dot_precision(x.dtype))
+    launch_persistent(_TUNED[x.dtype == torch.float32], C, V, dev, args, flags, config)

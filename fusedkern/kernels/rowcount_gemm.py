@@ -39,8 +39,10 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import autotune_configs, interpreting, sm_count
-from fusedkern.kernels.gemm_tiles import (LOAD_ADD_STORE, REDUCE_ADD, STORE, ensure_allocator, epilogue, linear_tile,
-                                          mainloop, operand, tile, tma_addressable, valid_rows)
+from fusedkern.kernels.dot import dot_precision
+from fusedkern.kernels.gemm_tiles import (LOAD_ADD_STORE, REDUCE_ADD, STORE, check_count, epilogue,
+                                          launch_persistent, linear_tile, operand, product_tile, tma_eligible,
+                                          use_tma, valid_rows)
 
 __all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible", "warp_specialized_configs"]
 
@@ -197,10 +199,9 @@ def _dx_kernel(
     dx = operand(dx_ptr, n_desc, H, stride_dxc, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
-        off_m, off_n, offs_m, offs_n, mask_m, mask_n = tile(tile_id, num_pid_m, num_pid_n, n, H,
-                                                            BLOCK_M, BLOCK_N, GROUP_M)
-        acc = mainloop(g, w, off_m, off_n, offs_m, offs_n, mask_m, mask_n, V, stride_gc, stride_gv, stride_wv,
-                       stride_wh, False, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
+            g, w, tile_id, num_pid_m, num_pid_n, n, H, V, stride_gc, stride_gv, stride_wv, stride_wh, False, True,
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         epilogue(dx, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dxc, stride_dxh, 0, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -236,10 +237,9 @@ def _dw_kernel(
     dw = operand(dw_ptr, V, H, stride_dwv, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
-        off_m, off_n, offs_m, offs_n, mask_m, mask_n = tile(tile_id, num_pid_m, num_pid_n, V, H,
-                                                            BLOCK_M, BLOCK_N, GROUP_M)
-        acc = mainloop(g, x, off_m, off_n, offs_m, offs_n, mask_m, mask_n, n, stride_gv, stride_gc, stride_xc,
-                       stride_xh, True, True, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
+            g, x, tile_id, num_pid_m, num_pid_n, V, H, n, stride_gv, stride_gc, stride_xc, stride_xh, True, True,
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         epilogue(dw, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dwv, stride_dwh, EPI_MODE, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -263,50 +263,7 @@ _DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA"], [
 # ----------------------------------------------------------------------------------------------
 # host side
 
-_HALF = (torch.float16, torch.bfloat16)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def tma_eligible(operands: tuple, outputs: tuple = ()) -> bool:
-    """True when `impl="auto"` takes the TMA kernels: a CUDA device of sm_90 or newer, fp16/bf16
-    operands, and every tensor (operands and outputs) addressable by a descriptor (unit inner stride,
-    16-byte aligned base and row stride; e.g. a bf16 [C, V] buffer needs V % 8 == 0)."""
-    if interpreting() or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    dev = operands[0].device
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
-        return False
-    return all(t.dtype in _HALF for t in operands) and all(tma_addressable(t) for t in (*operands, *outputs))
-
-
-def _use_tma(impl: str, operands: tuple, outputs: tuple) -> bool:
-    """impl: 'auto' (TMA where `tma_eligible`), 'tma' (forced; alignment checked), 'pointer'."""
-    if impl == "pointer":
-        return False
-    if impl == "tma":
-        for t in (*operands, *outputs):
-            if not tma_addressable(t):
-                raise ValueError(f"impl='tma' needs 2-D tensors with unit inner stride and 16-byte aligned "
-                                 f"base and row stride; got shape {tuple(t.shape)}, strides {t.stride()}, "
-                                 f"{t.dtype}")
-        use = True
-    elif impl == "auto":
-        use = tma_eligible(operands, outputs)
-    else:
-        raise ValueError(f"impl must be 'auto', 'tma' or 'pointer', got {impl!r}")
-    if use and not interpreting():
-        ensure_allocator()
-    return use
-
-
-def _check_count(count: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if not isinstance(count, torch.Tensor) or count.numel() != 1:
-        raise ValueError("count must be a one-element int32/int64 tensor")
-    if count.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"count must be int32 or int64, got {count.dtype}")
-    if count.device != device:
-        raise ValueError(f"count must live on {device} (the kernel reads it), got {count.device}")
-    return count.reshape(1)
 
 
 def _check_2d(name: str, t: torch.Tensor, shape: tuple, device: torch.device, dtypes=_FLOAT) -> None:
@@ -335,27 +292,7 @@ def _check_gemm(count: torch.Tensor, a_name: str, a: torch.Tensor, a_shape: tupl
     _check_2d(a_name, a, a_shape, dev)
     _check_2d(b_name, b, b_shape, dev, (a.dtype,))
     _check_2d("out", out, out_shape, dev, (a.dtype, torch.float32))
-    return _check_count(count, dev)
-
-
-def _launch(tuned, rows: int, cols: int, device: torch.device, args: tuple, flags: dict,
-            config: triton.Config | None) -> None:
-    """Persistent launch: one program per SM, or fewer when the largest possible problem (all rows
-    valid) has fewer tiles. `config` bypasses the autotuner (benchmarks, reproducibility)."""
-    sms = sm_count(device)
-
-    def grid(meta):
-        return (max(1, min(sms, triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]))),)
-
-    if config is None:
-        tuned[grid](*args, **flags)
-    else:
-        meta = {**flags, **config.kwargs}
-        tuned.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 means nothing to 16-bit operands
+    return check_count(count, dev)
 
 
 def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count: torch.Tensor, out: torch.Tensor,
@@ -380,9 +317,9 @@ def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count:
     args = (x, w, b if b is not None else x, out, count, C, V, H,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
             out.stride(0), out.stride(1))
-    flags = dict(HAS_BIAS=b is not None, USE_TMA=H > 0 and _use_tma(impl, (x, w), (out,)),
-                 DOT_PRECISION=_precision(x.dtype))
-    _launch(_LOGITS[fp32], C, V, dev, args, flags, config)
+    flags = dict(HAS_BIAS=b is not None, USE_TMA=H > 0 and use_tma(impl, (x, w), (out,)),
+                 DOT_PRECISION=dot_precision(x.dtype))
+    launch_persistent(_LOGITS[fp32], C, V, dev, args, flags, config)
     return out
 
 
@@ -423,24 +360,24 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
     sms = sm_count(dev)
     args = (g, w, out, count, C, V, H,
             g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms)
-    use_tma = _use_tma(impl, (g, w), (out,))
-    flags = dict(USE_TMA=use_tma, DOT_PRECISION=_precision(g.dtype))
+    tma = use_tma(impl, (g, w), (out,))
+    flags = dict(USE_TMA=tma, DOT_PRECISION=dot_precision(g.dtype))
     tuned = _DX[fp32]
     if config is not None:
-        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), config)
+        launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), config)
         return out
-    key = (C, V, H, use_tma, g.dtype, out.dtype, dev)
+    key = (C, V, H, tma, g.dtype, out.dtype, dev)
     chosen = _DX_CHOSEN.get(key)
     if chosen is None:  # first call: autotune (at this call's n) and run the tuned kernel alone
-        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), None)
+        launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), None)
         _DX_CHOSEN[key] = getattr(tuned, "best_config", None) or tuned.configs[0]
         return out
     partner = _narrow_partner(chosen)
     if partner is None:
-        _launch(tuned, C, H, dev, args, dict(flags, PICK=0), chosen)
+        launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), chosen)
     else:
-        _launch(tuned, C, H, dev, args, dict(flags, PICK=1), chosen)
-        _launch(tuned, C, H, dev, args, dict(flags, PICK=2), partner)
+        launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=1), chosen)
+        launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=2), partner)
     return out
 
 
@@ -472,7 +409,7 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
         mode = REDUCE_ADD  # the interpreter has no reduce-add; warp specialization fails on it
     else:
         mode = LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
-    flags = dict(ACCUMULATE=accumulate, USE_TMA=_use_tma(impl, (g, x), (out,)), DOT_PRECISION=_precision(g.dtype),
+    flags = dict(ACCUMULATE=accumulate, USE_TMA=use_tma(impl, (g, x), (out,)), DOT_PRECISION=dot_precision(g.dtype),
                  EPI_MODE=mode)
-    _launch(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
+    launch_persistent(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
     return out
