@@ -6,14 +6,14 @@
 #   scripts/h200_speed_calls.sh OUTDIR a    # carry .whl/qa .whl/liger085 .whl/cce: GPU tests, SimPO, CE masked 30/70
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
 #   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
-#   scripts/h200_speed_calls.sh OUTDIR d    # no carry needed (~560 s): the kernels changed without a GPU: the
+#   scripts/h200_speed_calls.sh OUTDIR d    # carry .whl/qa to run b next (~560 s): the kernels changed without a GPU: the
 #                                           # row-count GEMMs' and the statistics epilogue's GPU tests (warp-specialized
 #                                           # candidates bitwise against the plain kernels), every GEMM config
 #                                           # and candidate timed (rowcount_gemm.csv, _sweep.csv), and the
 #                                           # loss-only pass with the statistics in the epilogue (ce_loss_epilogue.csv),
 #                                           # and Qwen2.5-7B's head at fixed chunk sizes (ce_qwen25_7b_chunks.csv)
 #
-# Call a leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
+# Call a (or d) leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
 # with the shuffled protocol (a new provider order every round). Wheels: `scripts/fetch_wheels.sh --quack`.
@@ -92,13 +92,15 @@ elif [ "$part" = c ]; then  # the kernels' remaining GPU tests, and Gemma-2's he
         huggingface_bf16 --out "$outdir/ce_gemma2_8k_shuffled.csv"
 else
     # shellcheck disable=SC2086
-    step ce_llama3 330 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
+    step ce_llama3 300 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
         --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
         fusedkern_chunked_device_count fusedkern_chunked_lean fusedkern_chunked_lean_counted huggingface_bf16 \
         liger cut_cross_entropy quack --out "$outdir/ce_llama3_shuffled.csv"
-    for head in qwen25_7b gemma2; do
+    for head in qwen25_7b gemma2; do  # Gemma-2's 256000-word head: 8192 tokens only (16384 ran past the cap in call Z)
+        tokens="8192 16384"
+        [ "$head" = gemma2 ] && tokens=8192
         # shellcheck disable=SC2086
-        step "ce_$head" 75 python3 -m fusedkern.bench ce --head "$head" --tokens 8192 16384 $timing \
+        step "ce_$head" 105 python3 -m fusedkern.bench ce --head "$head" --tokens $tokens $timing \
             --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
             fusedkern_chunked_device_count huggingface_bf16 liger quack --out "$outdir/ce_${head}_shuffled.csv"
     done
