@@ -130,6 +130,20 @@ def test_ce_sweep_stats_in_epilogue_times_the_loss_only_mode():
         assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
 
 
+@needs_fusedkern
+def test_ce_sweep_row_pass_in_gemms_matches_the_default():
+    """The opt-in folded row pass, dense and with the device count, times every mode and returns the
+    same mean over the valid tokens as the default."""
+    providers = ["fusedkern_row_pass_in_gemms", "fusedkern_row_pass_in_gemms_device_count", "fusedkern_chunked"]
+    rows = sweeps.run_sweep("ce", [16], providers=providers, workloads=["dense", "masked_50"], seq=8,
+                            modes=["full"], **CPU_ONE_REP)
+    assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
+        (p, w) for p in providers for w in ("dense", "masked_50"))
+    for workload in ("dense", "masked_50"):
+        losses = [r["loss"] for r in rows if r["workload"] == workload]
+        assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
+
+
 def test_simpo_sweep_matches_the_fp64_reference():
     providers = ["huggingface_fp32", "cublas_3gemm"]
     if _fusedkern_ready():

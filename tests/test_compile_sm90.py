@@ -1,6 +1,6 @@
 """The Triton kernels (row kernels, the fused strategy, the row-count and statistics-epilogue GEMMs, the
-scale kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is never compiled, so
-an op the GPU backend rejects would otherwise first fail on a GPU machine."""
+folded row pass, the scale kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is
+never compiled, so an op the GPU backend rejects would otherwise first fail on a GPU machine."""
 
 import os
 import subprocess
@@ -18,9 +18,9 @@ def test_kernels_compile_for_sm90():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ok")]
-    # 24 row-kernel variants + the scale kernel + 8 of the fused strategy + 18 row-count GEMMs + 8 statistics-
-    # epilogue GEMMs
-    assert len(lines) == 59
+    # 24 row-kernel variants + the scale kernel + 8 of the fused strategy + 18 row-count GEMMs (+ 5 scaling their
+    # operand) + 8 statistics-epilogue GEMMs (+ 4 writing probabilities) + 2 of prob_scales
+    assert len(lines) == 70
     # the row kernels keep everything in registers, every variant
     rows = [line for line in lines if line.startswith(("sm_90 ok: stats ", "sm_90 ok: finish "))]
     assert len(rows) == 24 and all(" stack=0 " in line for line in rows), rows
@@ -36,8 +36,13 @@ def test_kernels_compile_for_sm90():
     # the TMA kernels at the H200's tiles, and every warp-specialized one, keep their accumulators in
     # registers: a spill (stack > 0) would cost the speed they were measured at
     fast = [line for line in gemm_lines if "'USE_TMA': True" in line]
-    assert len(fast) == 12
+    assert len(fast) == 17
     assert all(" stack=0 " in line for line in fast), fast
+    # the row pass folded into the GEMMs: the probabilities' epilogue at its first candidate (4 stages) and the
+    # per-row scale kernel spill nothing either
+    folded = [line for line in lines if line.startswith(("sm_90 ok: stats_gemm_probs", "sm_90 ok: prob_scales"))
+              and ("stages=4" in line or "prob_scales" in line) and "'USE_TMA': False" not in line]
+    assert len(folded) == 3 and all(" stack=0 " in line for line in folded), folded
     # the statistics-epilogue GEMM's first candidates (128 × 128 tiles, 8 warps) hold their epilogue in
     # registers; with every option at once (entropy and temperature included) they spill at most a few words
     first = [line for line in lines if line.startswith("sm_90 ok: stats_gemm BLOCK_M=128 BLOCK_N=128")

@@ -38,7 +38,7 @@ from fusedkern.kernels.dot import dot_precision
 from fusedkern.kernels.gemm_tiles import (check_count, launch_persistent, linear_tile, operand,
                                           use_tma, valid_rows)
 
-__all__ = ["logits_stats_rows", "stats_partials", "column_tiles"]
+__all__ = ["logits_stats_rows", "stats_partials", "column_tiles", "PROB_TILE"]
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
@@ -89,13 +89,14 @@ def _logits_stats_kernel(
     part_ptr,  # (3 or 4, C, P) fp32 out: max, rest, Σ w·s (and the entropy's A) of (row, column tile)
     target_logit_ptr,  # (C,) fp32 out: s of the target column
     count_ptr,  # (1,) int32/int64 valid rows
+    probs_ptr,  # (C, V) out: exp(s − tile max), 0 in rows whose target is outside [0, V) (WRITE_PROBS)
     C, V, H,
-    stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_pk, stride_pc,
+    stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_pk, stride_pc, stride_probc,
     softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, WRITE_PROBS: tl.constexpr = False,
 ):
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
@@ -104,6 +105,8 @@ def _logits_stats_kernel(
     # token extent n: the TMA unit zero-fills rows ≥ n; max(n, 1): a descriptor's extents must be positive
     x = operand(x_ptr, tl.maximum(n, 1), H, stride_xc, BLOCK_M, BLOCK_K, USE_TMA)
     w = operand(w_ptr, V, H, stride_wv, BLOCK_N, BLOCK_K, USE_TMA)
+    if WRITE_PROBS:
+        probs = operand(probs_ptr, tl.maximum(n, 1), V, stride_probc, BLOCK_M, BLOCK_N, USE_TMA)
     cols = tl.arange(0, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, z = linear_tile(
@@ -121,6 +124,14 @@ def _logits_stats_kernel(
         empty = tile_max == -float("inf")
         shifted = s_m - tl.where(empty, 0.0, tile_max)[:, None]  # s − max, −inf on masked columns
         e = tl.exp(shifted)
+        if WRITE_PROBS:  # the gradient's probabilities in the tile's reference (`prob_scales`)
+            y_row = tl.load(target_ptr + offs_m, mask=mask_m, other=-1)
+            p = tl.where(((y_row >= 0) & (y_row < V))[:, None], e, 0.0).to(probs_ptr.dtype.element_ty)
+            if USE_TMA:
+                probs.store([off_m, off_n], p)
+            else:
+                tl.store(probs + offs_m.to(tl.int64)[:, None] * stride_probc + offs_n[None, :], p,
+                         mask=mask_m[:, None] & mask_n[None, :])
         ties = tl.sum(is_max.to(tl.float32), axis=1)
         rest = tl.sum(tl.where(is_max, 0.0, e), axis=1) + tl.where(empty, 0.0, ties - 1.0)
         out = part_ptr + offs_m.to(tl.int64) * stride_pc + off_n // BLOCK_N  # (BLOCK_M,) slot of this tile
@@ -146,15 +157,34 @@ _AUTOTUNE_KEY = ["C", "V", "H", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS
 _TUNED = {fp32: triton.autotune(configs=_config_list(fp32), key=_AUTOTUNE_KEY)(_logits_stats_kernel)
           for fp32 in (False, True)}
 
+#: the column tile of the probabilities' epilogue: every candidate has this BLOCK_N, so that the gradient
+#: GEMMs know which scale each column takes (`prob_scales`); 128 × 128 tiles also keep the epilogue in
+#: registers, and the TMA store's staging tile (32 KiB) fits beside 4–5 stages
+PROB_TILE = 32 if interpreting() else 128
+
+
+def _prob_configs(fp32: bool) -> list:
+    if interpreting():
+        return autotune_configs([_INTERP_CONFIG])
+    return autotune_configs([_cfg(64, PROB_TILE, 32, 8, 2)] if fp32 else
+                            [_cfg(128, PROB_TILE, 64, 8, 4), _cfg(128, PROB_TILE, 64, 8, 5)])
+
+
+_TUNED_PROBS = {fp32: triton.autotune(configs=_prob_configs(fp32), key=_AUTOTUNE_KEY)(_logits_stats_kernel)
+                for fp32 in (False, True)}
+
 
 def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                       count: torch.Tensor, parts: torch.Tensor, target_logit: torch.Tensor, *,
                       class_weight: torch.Tensor | None = None, softcap: float | None = None,
                       label_smoothing: float = 0.0, logit_scale: float = 1.0, impl: str = "auto",
-                      config: triton.Config | None = None) -> None:
+                      config: triton.Config | None = None, probs: torch.Tensor | None = None) -> None:
     """Row statistics of Z[:n] = x[:n] wᵀ (+ b) per column tile, into parts and target_logit (module
     docstring). impl: 'auto' (TMA on sm_90+ for aligned 16-bit operands), 'tma' or 'pointer'
-    (`gemm_tiles.use_tma`); config: a `triton.Config` to run instead of autotuning."""
+    (`gemm_tiles.use_tma`); config: a `triton.Config` to run instead of autotuning. probs: a [C, V] tensor
+    in x's dtype that receives exp(s − max of its `PROB_TILE`-column tile) in rows < n (0 where the target
+    is outside [0, V)), for `prob_scales`; tiles are then `PROB_TILE` wide. No softcap, scale or smoothing
+    with it."""
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor")
@@ -176,17 +206,25 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                                      or not class_weight.is_contiguous() or class_weight.device != dev):
         raise ValueError(f"class_weight must be a contiguous fp32 [{V}] tensor on {dev}, got "
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
+    if probs is not None:
+        if probs.shape != (C, V) or probs.dtype != x.dtype or probs.device != dev or probs.stride(1) != 1:
+            raise ValueError(f"probs must be a [{C}, {V}] tensor in x's dtype on {dev} with unit inner stride")
+        if softcap is not None or logit_scale != 1.0 or label_smoothing > 0.0 or parts.shape[0] == 4:
+            raise ValueError("probs= is for plain cross-entropy: no softcap, logit_scale, label_smoothing or entropy")
     count = check_count(count, dev)
     if C == 0 or V == 0:
         return
-    tma = use_tma(impl, (x, w), ())
+    tma = use_tma(impl, (x, w), () if probs is None else (probs,))
     smoothing = label_smoothing > 0.0
     cw = class_weight if (class_weight is not None and smoothing) else None
     args = (x, w, b if b is not None else x, target, cw if cw is not None else parts, parts, target_logit,
-            count, C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            count, probs if probs is not None else x, C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             b.stride(0) if b is not None else 0, parts.stride(0), parts.stride(1),
-            float(softcap or 1.0), float(logit_scale))
+            probs.stride(0) if probs is not None else 0, float(softcap or 1.0), float(logit_scale))
     flags = dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_SCALE=logit_scale != 1.0,
                  HAS_SMOOTHING=smoothing, HAS_WEIGHT=cw is not None, HAS_ENTROPY=parts.shape[0] == 4,
                  USE_LIBDEVICE=not interpreting(), USE_TMA=tma, DOT_PRECISION=dot_precision(x.dtype))
-    launch_persistent(_TUNED[x.dtype == torch.float32], C, V, dev, args, flags, config)
+    if probs is not None:
+        flags["WRITE_PROBS"] = True
+    tuned = (_TUNED_PROBS if probs is not None else _TUNED)[x.dtype == torch.float32]
+    launch_persistent(tuned, C, V, dev, args, flags, config)

@@ -177,12 +177,16 @@ def _dx_kernel(
     C, V, H,
     stride_gc, stride_gv, stride_wv, stride_wh, stride_dxc, stride_dxh,
     NUM_SMS,  # the SM count the host sizes both grids of a wide/narrow pair with (PICK > 0)
+    scale_ptr,  # (C, P) fp32: g's scale per (row, column tile of SCALE_TILE) (SCALED)
+    stride_sc,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PICK: tl.constexpr,  # 0: always run; 1: the wide kernel of a pair; 2: its narrow partner
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
+    SCALED: tl.constexpr = False, SCALE_TILE: tl.constexpr = 1,
 ):
+    tl.static_assert(not SCALED or SCALE_TILE % BLOCK_K == 0, "a K block must lie in one scale tile")
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -201,7 +205,8 @@ def _dx_kernel(
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
             g, w, tile_id, num_pid_m, num_pid_n, n, H, V, stride_gc, stride_gv, stride_wv, stride_wh, False, True,
-            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, stride_sc, 1 if SCALED else 0,
+            SCALE_TILE)
         epilogue(dx, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dxc, stride_dxh, 0, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -218,12 +223,16 @@ def _dw_kernel(
     count_ptr,
     C, V, H,
     stride_gc, stride_gv, stride_xc, stride_xh, stride_dwv, stride_dwh,
+    scale_ptr,  # (C, P) fp32: g's scale per (row, column tile of SCALE_TILE) (SCALED)
+    stride_sc,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EPI_MODE: tl.constexpr,  # 0 store (β = 0), 1 load-add-store, 2 reduce-add (β = 1; TMA path)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
+    SCALED: tl.constexpr = False, SCALE_TILE: tl.constexpr = 1,
 ):
+    tl.static_assert(not SCALED or SCALE_TILE % BLOCK_M == 0, "a tile's vocabulary rows must lie in one scale tile")
     # M = V (vocabulary rows of dW), N = H, K = the n valid tokens
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(V, BLOCK_M)
@@ -239,7 +248,8 @@ def _dw_kernel(
                             flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
             g, x, tile_id, num_pid_m, num_pid_n, V, H, n, stride_gv, stride_gc, stride_xc, stride_xh, True, True,
-            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, stride_sc, 2 if SCALED else 0,
+            SCALE_TILE)
         epilogue(dw, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dwv, stride_dwh, EPI_MODE, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -254,9 +264,9 @@ def _tuned(kernel, name: str, fp32: bool, key: list, restore: list):
 
 _LOGITS = {fp32: _tuned(_logits_kernel, "logits", fp32, ["C", "V", "H", "HAS_BIAS", "USE_TMA"], [])
            for fp32 in (False, True)}
-_DX = {fp32: _tuned(_dx_kernel, "dx", fp32, ["C", "V", "H", "USE_TMA"], []) for fp32 in (False, True)}
+_DX = {fp32: _tuned(_dx_kernel, "dx", fp32, ["C", "V", "H", "USE_TMA", "SCALED"], []) for fp32 in (False, True)}
 # β = 1: the autotuner runs every candidate on the real output, so it restores it after each run
-_DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA"], ["dw_ptr"] if acc else [])
+_DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA", "SCALED"], ["dw_ptr"] if acc else [])
        for fp32 in (False, True) for acc in (False, True)}
 
 
@@ -293,6 +303,21 @@ def _check_gemm(count: torch.Tensor, a_name: str, a: torch.Tensor, a_shape: tupl
     _check_2d(b_name, b, b_shape, dev, (a.dtype,))
     _check_2d("out", out, out_shape, dev, (a.dtype, torch.float32))
     return check_count(count, dev)
+
+
+def _check_scales(scales: torch.Tensor | None, scale_tile: int, rows: int, cols: int, device: torch.device) -> dict:
+    """The kernel flags of a scale table: g's element (t, v) is multiplied by scales[t, v // scale_tile]
+    before the product (`kernels.prob_scales`); None: no scaling."""
+    if scales is None:
+        return dict(SCALED=False, SCALE_TILE=1)
+    if not isinstance(scale_tile, int) or scale_tile < 1 or scale_tile & (scale_tile - 1):
+        raise ValueError(f"scale_tile must be a power of two, got {scale_tile!r}")
+    if (not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.shape[0] != rows
+            or scales.shape[1] < triton.cdiv(cols, scale_tile) or scales.dtype != torch.float32
+            or scales.stride(1) != 1 or scales.device != device):
+        raise ValueError(f"scales must be an fp32 [{rows}, ≥ {triton.cdiv(cols, scale_tile)}] tensor with unit inner "
+                         f"stride on {device}")
+    return dict(SCALED=True, SCALE_TILE=scale_tile)
 
 
 def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count: torch.Tensor, out: torch.Tensor,
@@ -339,11 +364,13 @@ def _narrow_partner(config: triton.Config) -> triton.Config | None:
 
 
 def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Tensor, *,
-            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
+            impl: str = "auto", config: triton.Config | None = None, scales: torch.Tensor | None = None,
+            scale_tile: int = 0) -> torch.Tensor:
     """out[:n] = g[:n] @ w with n = clamp(count, 0, C) read on the device; out[n:] is not written.
 
     g: [C, V] fp32/fp16/bf16 · w: [V, H], g's dtype · count: one-element int32/int64 tensor on g's
-    device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows`. Returns out.
+    device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows` · scales [C, P] fp32,
+    scale_tile: g[t, v] · scales[t, v // scale_tile] (rounded to g's dtype) takes g's place. Returns out.
 
     Tile width follows n without a sync: the first call for a problem key autotunes and runs the
     tuned kernel alone; later calls launch the tuned (wide) kernel and its half-width partner, and
@@ -358,15 +385,17 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
         impl = "pointer"
     fp32 = g.dtype == torch.float32
     sms = sm_count(dev)
+    scaling = _check_scales(scales, scale_tile, C, V, dev)
     args = (g, w, out, count, C, V, H,
-            g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms)
+            g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms,
+            scales if scales is not None else g, scales.stride(0) if scales is not None else 0)
     tma = use_tma(impl, (g, w), (out,))
-    flags = dict(USE_TMA=tma, DOT_PRECISION=dot_precision(g.dtype))
+    flags = dict(USE_TMA=tma, DOT_PRECISION=dot_precision(g.dtype), **scaling)
     tuned = _DX[fp32]
     if config is not None:
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), config)
         return out
-    key = (C, V, H, tma, g.dtype, out.dtype, dev)
+    key = (C, V, H, tma, g.dtype, out.dtype, dev, scaling["SCALED"])
     chosen = _DX_CHOSEN.get(key)
     if chosen is None:  # first call: autotune (at this call's n) and run the tuned kernel alone
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), None)
@@ -382,13 +411,14 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
 
 
 def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Tensor, accumulate: bool, *,
-            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
+            impl: str = "auto", config: triton.Config | None = None, scales: torch.Tensor | None = None,
+            scale_tile: int = 0) -> torch.Tensor:
     """out (+)= g[:n]ᵀ @ x[:n] with n = clamp(count, 0, C) read on the device.
 
     g: [C, V] fp32/fp16/bf16 · x: [C, H], g's dtype · count: one-element int32/int64 tensor on g's
     device · out: [V, H], fp32 or g's dtype · accumulate: False writes every element of out (zeros
     when n = 0); True adds to it (β = 1, the sum formed in fp32 and rounded once to out's dtype;
-    untouched when n = 0) · impl, config: as `logits_rows`. Returns out."""
+    untouched when n = 0) · impl, config, scales, scale_tile: as `dx_rows`. Returns out."""
     _require_2d(g=(g, "[C, V]"), x=(x, "[C, H]"))
     (C, V), H, dev = g.shape, x.shape[1], g.device
     count = _check_gemm(count, "g", g, (C, V), "x", x, (C, H), out, (V, H))
@@ -400,8 +430,10 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
             out.zero_()
         return out
     fp32 = g.dtype == torch.float32
+    scaling = _check_scales(scales, scale_tile, C, V, dev)
     args = (g, x, out, count, C, V, H,
-            g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1))
+            g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            scales if scales is not None else g, scales.stride(0) if scales is not None else 0)
     warp_specialized = config is not None and config.kwargs.get("WARP_SPECIALIZE", False)
     if not accumulate:
         mode = STORE
@@ -410,6 +442,6 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
     else:
         mode = LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
     flags = dict(ACCUMULATE=accumulate, USE_TMA=use_tma(impl, (g, x), (out,)), DOT_PRECISION=dot_precision(g.dtype),
-                 EPI_MODE=mode)
+                 EPI_MODE=mode, **scaling)
     launch_persistent(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
     return out

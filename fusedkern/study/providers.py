@@ -173,6 +173,55 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
+class _RowPassInGemms(torch.autograd.Function):
+    """The mean cross-entropy through `compacted.counted_loss_and_grads(row_pass_in_gemms=True)`, wired as the
+    library's chunked operator is: loss and gradients in the forward, rescaled in the backward
+    (`fusedkern.autograd`). device_count: rows sorted valid-first, the count on the device, dX scattered
+    back; else every row is computed (count = T)."""
+
+    @staticmethod
+    def forward(ctx, x2d, w, y, device_count: bool):
+        from fusedkern.autograd import save_precomputed_grads
+        from fusedkern.chunked import LossOptions
+        from fusedkern.compacted import counted_loss_and_grads
+        from fusedkern.linear_cross_entropy import valid_rows_first
+
+        valid = (y != IGNORE_INDEX).sum()
+        if device_count:
+            rows = valid_rows_first(y, IGNORE_INDEX)
+            xs, ys, count = x2d.index_select(0, rows), y.index_select(0, rows), valid.reshape(1)
+        else:
+            xs, ys = x2d, y
+            count = torch.full((1,), y.shape[0], device=y.device, dtype=torch.int64)
+        grad_scale = (1.0 / valid.float()).reshape(1)
+        loss_tok, dx, dw, dw_out = counted_loss_and_grads(
+            xs, w, None, ys, None, LossOptions(ignore_index=IGNORE_INDEX), grad_scale, count, need_dx=True,
+            need_dw=True, weight_grad_accum="fp32", row_pass_in_gemms=True)
+        if device_count:
+            dx = torch.zeros_like(x2d).index_copy_(0, rows, dx)
+        save_precomputed_grads(ctx, x2d, w, None, dx, dw, None, dw_out)
+        return loss_tok.sum() * grad_scale[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        from fusedkern.autograd import rescaled_grads
+
+        dx, dw, _ = rescaled_grads(ctx, grad_loss, "the row pass in the GEMMs")
+        return dx, dw, None, None
+
+
+def _ce_fusedkern_row_pass_in_gemms(device_count: bool) -> Callable[[Inputs], dict[str, Step]]:
+    """The row kernel's passes folded into Triton GEMMs (`kernels.prob_scales`): plain cross-entropy, mean over
+    valid tokens, dW accumulated in fp32 (as the default); opt-in until timed on a GPU."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        if inp.softcap is not None:
+            raise ValueError("the row pass in the GEMMs computes plain cross-entropy (no softcap)")
+        y = inp.target.reshape(-1)
+        return loss_steps(lambda: _RowPassInGemms.apply(inp.x2d(), inp.w, y, device_count))
+
+    return build
+
+
 def _ce_fusedkern_stats_in_epilogue(device_count: bool) -> Callable[[Inputs], dict[str, Step]]:
     """Loss only, the row statistics in the logits GEMM's epilogue and no logits written
     (`chunked.chunked_loss(stats_in_epilogue=True)`, opt-in until timed): the mean over valid tokens, as
@@ -541,6 +590,8 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
             Provider("fusedkern_stats_in_epilogue", _ce_fusedkern_stats_in_epilogue(False)),  # loss only
             Provider("fusedkern_stats_in_epilogue_device_count", _ce_fusedkern_stats_in_epilogue(True)),
+            Provider("fusedkern_row_pass_in_gemms", _ce_fusedkern_row_pass_in_gemms(False)),
+            Provider("fusedkern_row_pass_in_gemms_device_count", _ce_fusedkern_row_pass_in_gemms(True)),
             Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
             Provider("fusedkern_chunked_lean_counted",
                      _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
