@@ -153,7 +153,7 @@ def test_dx_wide_narrow_pair(impl):
     narrow = rg._narrow_partner(wide)
     assert narrow is not None and narrow.kwargs["BLOCK_N"] * 2 == wide.kwargs["BLOCK_N"]
     sms = rg.sm_count(g.device)
-    args = lambda cnt, out: (g, w, out, cnt, C, v, H, *g.stride(), *w.stride(), *out.stride(), sms)  # noqa: E731
+    args = lambda cnt, out: (g, w, out, cnt, C, v, H, *g.stride(), *w.stride(), *out.stride(), sms, g, 0)  # noqa: E731
     flags = dict(USE_TMA=impl == "tma", DOT_PRECISION="tf32")
     picked = set()
     for n in (1, 20, C):
