@@ -13,6 +13,11 @@ within 1 % of cuBLAS for the logits and dX GEMMs on the rows they do, 4–25 % b
 accumulation into fp32; `kernels/rowcount_gemm.py`), in exchange for skipping the ignored rows when
 only the device knows how many there are. With the count on the host, `linear_cross_entropy`'s
 `num_valid_tokens=int` gathers exactly those rows and keeps cuBLAS instead.
+
+Opt-in (`row_pass_in_gemms=True`, plain cross-entropy): no row kernel over the logits at all. The logits
+GEMM's epilogue writes the row statistics and each tile's probabilities, `kernels.prob_scales` turns the
+merged lse into per-tile scales, and dX / dW scale their operand on the fly (docs/design.md: its roofline
+and the rule that decides whether it becomes the default once a GPU has timed it).
 """
 
 from __future__ import annotations

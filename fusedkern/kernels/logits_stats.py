@@ -7,6 +7,10 @@
         parts[3, t, j] = Σ_v exp(s_tv − max)·(s_tv − max) (the entropy's), over the tile's columns v, and
         target_logit[t] = s_{t, y_t} from the tile that holds the target;  s = softcap(z)·scale
 
+With `probs=`, the epilogue also writes each tile's exp(s − tile max) in the inputs' dtype, `PROB_TILE`
+columns wide: the gradient's probabilities that `prob_scales` rescales for dX and dW (the row pass folded
+into the GEMMs).
+
 `ce_rows.merge_row_stats` then reduces each row's partials to its lse and loss, exactly as it merges the
 vocabulary-sliced tiles of the loss-only pass. The chunked strategy's loss-only pass writes each [C, Vs]
 logits tile to memory and reads it back for its statistics: 2·T·V·2 bytes (17 GB at T = 32768,
