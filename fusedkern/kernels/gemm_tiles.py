@@ -6,7 +6,8 @@ and the persistent launch.
 
 Both load paths compute the same fp32 tile. TMA (sm_90+, 16-bit operands, 16-byte aligned rows): the
 descriptor's extents zero-fill loads and clip stores beyond the matrix, so the K loop has no masks, and
-the output leaves in EPI_SLICES column slices so that one slice of shared memory stages it. Pointers
+the output leaves in EPI_SLICES column slices so that one slice of shared memory stages it. Optionally the
+A operand is scaled per (row, column tile) in registers before the product (`kernels.prob_scales`). Pointers
 (everything else, and Triton's interpreter): masked loads with int64 row offsets (row × stride passes
 2^31 at LM sizes: 32768 × 128256).
 """
@@ -90,12 +91,11 @@ def _scaled(a_blk, scale_ptr, stride_scale, k, off_m, offs_m, mask_m, K, A_SCALE
     outside the masks (and k ≥ K) load as 0."""
     if A_SCALE == 1:
         s = tl.load(scale_ptr + offs_m.to(tl.int64) * stride_scale + k // SCALE_TILE, mask=mask_m, other=0.0)
-        return (a_blk.to(tl.float32) * s[:, None]).to(a_blk.dtype)
     else:
         offs_k = k + tl.arange(0, BLOCK_K)
         s = tl.load(scale_ptr + offs_k.to(tl.int64) * stride_scale + off_m // SCALE_TILE, mask=offs_k < K,
                     other=0.0)
-        return (a_blk.to(tl.float32) * s[:, None]).to(a_blk.dtype)
+    return (a_blk.to(tl.float32) * s[:, None]).to(a_blk.dtype)
 
 
 @triton.jit
