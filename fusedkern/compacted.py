@@ -76,16 +76,13 @@ def counted_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
                             **kernel_args)
             scales = prob_scales(z, parts[0], stats[:, c0:c1], y_c, target_logit, grad_scale, n_i, parts[1],
                                  tile=PROB_TILE, ignore_index=opts.ignore_index, class_weight=class_weight)
-            if dx is not None:
-                dx_rows(z, w, n_i, dx[c0:c1], scales=scales, scale_tile=PROB_TILE)
-            if dw is not None:
-                dw_rows(z, x_c, n_i, dw, accumulate=i > 0, scales=scales, scale_tile=PROB_TILE)
-            continue
-        logits_rows(x_c, w, b, n_i, z)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
-                compute_stats=True, row_count=n_i, **kernel_args)
+        else:
+            logits_rows(x_c, w, b, n_i, z)
+            ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
+                    compute_stats=True, row_count=n_i, **kernel_args)
+            scales = None
         if dx is not None:
-            dx_rows(z, w, n_i, dx[c0:c1])
+            dx_rows(z, w, n_i, dx[c0:c1], scales=scales, scale_tile=PROB_TILE)
         if dw is not None:
-            dw_rows(z, x_c, n_i, dw, accumulate=i > 0)
+            dw_rows(z, x_c, n_i, dw, accumulate=i > 0, scales=scales, scale_tile=PROB_TILE)
     return loss_tok, dx, dw, dw_out

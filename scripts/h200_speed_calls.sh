@@ -10,20 +10,19 @@
 #                                           # GPU tests of the folded row pass and the statistics epilogue; the folded
 #                                           # row pass timed (ce_row_pass_in_gemms.csv) and the loss-only pass with
 #                                           # the statistics in the epilogue (ce_loss_epilogue.csv)
-#   scripts/h200_speed_calls.sh OUTDIR e    # no carry (~280 s): part d's core, the folded row pass's GPU tests and
-#                                           # its timing at 4096 and 16384 tokens, dense and masked_50
 #   scripts/h200_speed_calls.sh OUTDIR f    # no carry: the row-count GEMMs' GPU tests (warp-specialized candidates
 #                                           # bitwise against the plain kernels), every config and candidate timed
 #                                           # (rowcount_gemm.csv, _sweep.csv), Qwen2.5-7B's head at fixed chunk sizes
 #
-# Call a (or d) leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
+# Steps run in order of importance and each writes its files as it ends, so a call cut short by its
+# time limit still brings back what finished. Call a (or d) leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
 # with the shuffled protocol (a new provider order every round). Wheels: `scripts/fetch_wheels.sh --quack`.
 set -uo pipefail
-part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|e|f}"
+part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|f}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|e|f}"
+device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|f}"
 site="${TMPDIR:-/tmp}"/site_speed
 install_wheels "$site" .whl/liger085 .whl/cce
 parts_dir="${TMPDIR:-/tmp}"/quack_parts
@@ -83,13 +82,6 @@ elif [ "$part" = d ]; then  # kernels changed without a GPU (compiled for sm_90 
         --warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress --modes loss_only \
         --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked fusedkern_stats_in_epilogue \
         fusedkern_stats_in_epilogue_device_count huggingface_bf16 --out "$outdir/ce_loss_epilogue.csv"
-elif [ "$part" = e ]; then  # part d's core within ~300 s: the folded row pass's GPU tests and two sizes timed
-    step gpu_tests_folded 90 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_prob_scales.py
-    # shellcheck disable=SC2086
-    step ce_row_pass_in_gemms 170 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 16384 $timing \
-        --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_row_pass_in_gemms \
-        fusedkern_chunked_device_count fusedkern_row_pass_in_gemms_device_count \
-        --out "$outdir/ce_row_pass_in_gemms.csv"
 elif [ "$part" = f ]; then  # what part d left out: the row-count GEMMs' GPU tests and every config timed, Qwen2.5-7B
     step gpu_tests_gemms 150 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_rowcount_gemm.py
     step rowcount_gemm 140 python3 scripts/bench_rowcount_gemm.py --out "$outdir/rowcount_gemm.csv" --sweep \
