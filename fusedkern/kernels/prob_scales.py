@@ -57,18 +57,21 @@ def _prob_scales_kernel(
         coef = tl.load(grad_scale_ptr)
         if HAS_WEIGHT:
             coef *= tl.load(class_weight_ptr + y_safe)
-        lse = tl.load(stats_ptr + row) + tl.load(stats_ptr + stride_stats + row)
+        # lse = row_max + log_sum is never formed: in fp32 its rounding (an ulp of the row max) would be the
+        # error of every exponent below, where s − row_max is exact for the values that matter
+        row_max = tl.load(stats_ptr + row)
+        log_sum = tl.load(stats_ptr + stride_stats + row)
         slots = tl.arange(0, BLOCK_P)
         m = tl.load(part_max_ptr + row64 * stride_mc + slots, mask=slots < P, other=-float("inf"))
         # an empty slot (m = −inf) and an ignored row scale by exactly 0
-        s = tl.where(valid & (m > -float("inf")), coef * tl.exp(m - lse), 0.0)
+        s = tl.where(valid & (m > -float("inf")), coef * tl.exp((m - row_max) - log_sum), 0.0)
         if valid:
             j = y_safe // TILE
             cols = j * TILE + tl.arange(0, TILE)
             ptrs = probs_ptr + row64 * stride_pc + cols
             m_y = tl.load(part_max_ptr + row64 * stride_mc + j)
-            p = tl.load(ptrs, mask=cols < V, other=0.0).to(tl.float32) * tl.exp(m_y - lse)
-            p = tl.where(cols == y_safe, expm1(tl.load(target_logit_ptr + row) - lse), p)
+            p = tl.load(ptrs, mask=cols < V, other=0.0).to(tl.float32) * tl.exp((m_y - row_max) - log_sum)
+            p = tl.where(cols == y_safe, expm1((tl.load(target_logit_ptr + row) - row_max) - log_sum), p)
             tl.store(ptrs, p.to(probs_ptr.dtype.element_ty), mask=cols < V)
             s = tl.where(slots == j, coef, s)
         tl.store(scale_ptr + row64 * stride_sc + slots, s, mask=slots < P)
