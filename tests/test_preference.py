@@ -20,7 +20,6 @@ from fusedkern.simpo import simpo_loss_from_logps
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import ATOL, IMPLS, make_inputs
-from tests.test_property import gpu_bf16_rounding
 
 B, S, H, V = 3, 7, 24, 67  # pairs, sequence, hidden, vocabulary: odd, tiny
 N_KTO = 5  # unpaired sequences
@@ -104,8 +103,7 @@ def check_against_fp64(case, dtype, *, impl=FAST_IMPL, softcap=None, x=None, w=N
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_loss_type_matches_fp64(name, dtype):
-    with gpu_bf16_rounding():  # the GPU's fp32 → bf16 rounding in the interpreter (see tests/test_property.py)
-        grads = check_against_fp64(CASES[name], dtype)
+    grads = check_against_fp64(CASES[name], dtype)
     # row 1's response is empty: no gradient reaches it; its partner (pair losses) or the others (KTO) get one
     # (ORPO: the pair has no odds ratio and the NLL covers chosen rows, so the partner gets none either;
     # a hinge pair past its margin has no gradient at all)
@@ -137,7 +135,7 @@ def test_three_gemm_path_half_precision_matches_fp64(name, dtype, chunk_pairs):
     w_like = torch.empty(V, H, dtype=dtype)
     assert preference_plan(2 * B, S, True, w_like, True, "fp32", 2 * chunk_pairs * S)[1].buffer_in_dw_storage \
         == (chunk_pairs == 1)
-    with gpu_bf16_rounding(), mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
+    with mock.patch.object(ChunkedPreference, "apply", wraps=ChunkedPreference.apply) as spy:
         check_against_fp64(CASES[name], dtype, impl="auto", chunk_tokens=2 * chunk_pairs * S, seed=11)
     assert spy.call_count == 1
 

@@ -1,0 +1,36 @@
+"""`fusedkern._runtime`: a Triton kernel's fp32 → bf16 conversion rounds to nearest even, bit for bit as torch does,
+on the GPU and in the interpreter (where `round_bf16_like_the_gpu` replaces Triton 3.6's truncation)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import fusedkern  # noqa: F401  (first: picks GPU or the interpreter before the kernel below is decorated)
+from tests.conftest import DEVICE
+
+
+@triton.jit
+def _to_bf16_kernel(src_ptr, cast_ptr, stored_ptr, scalar_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    vals = tl.load(src_ptr + offs, mask=mask)
+    tl.store(cast_ptr + offs, vals.to(tl.bfloat16), mask=mask)  # an explicit cast
+    tl.store(stored_ptr + offs, vals, mask=mask)  # fp32 values stored into a bf16 tensor
+    tl.store(scalar_ptr, tl.load(src_ptr) * 3.0)  # a scalar
+
+
+def test_fp32_to_bf16_rounds_to_nearest_even_like_torch():
+    # ties at 1 + 2^-8 (to even: 1) and 1 + 3·2^-8 (to even: 1 + 2^-6), a value truncation would take
+    # down a whole ulp, specials, the largest fp32 (overflows to inf), a subnormal, −0, then random values
+    edge = [1.00390625, 1.01171875, 1.0 + 2 ** -8 + 2 ** -20, float("nan"), float("inf"), -float("inf"),
+            3.4e38, 1e-40, -0.0]
+    src = torch.cat([torch.tensor(edge), torch.randn(4096 - len(edge)) * 10.0]).to(DEVICE)
+    cast, stored = (torch.empty(src.shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    scalar = torch.empty(1, dtype=torch.bfloat16, device=DEVICE)
+    _to_bf16_kernel[(1,)](src, cast, stored, scalar, src.numel(), BLOCK=triton.next_power_of_2(src.numel()))
+    expected = src.to(torch.bfloat16)
+    for got in (cast, stored):
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(scalar.view(torch.int16), (src[:1] * 3.0).to(torch.bfloat16).view(torch.int16))
