@@ -88,6 +88,18 @@ def test_options_it_does_not_compute_are_refused(options):
                                          weight_grad_accum="fp32", row_pass_in_gemms=True)
 
 
+def test_a_config_with_another_column_tile_is_refused():
+    """The scales are per PROB_TILE columns: probabilities tiled otherwise would be scaled wrongly."""
+    import triton
+
+    x, w, y, _, _ = make_inputs(8, 16, 37, torch.float32)
+    parts, target_logit = stats_partials(8, 37, x.device, x.dtype)
+    config = triton.Config(dict(BLOCK_M=16, BLOCK_N=2 * PROB_TILE, BLOCK_K=16, GROUP_M=2), num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="BLOCK_N = PROB_TILE"):
+        logits_stats_rows(x, w, None, y, torch.tensor([8], device=DEVICE), parts, target_logit, config=config,
+                          probs=torch.empty(8, 37, device=DEVICE))
+
+
 def test_every_output_element_is_written(poison_allocations):
     """With every allocation NaN-poisoned, the folded pass's loss and gradients are finite and equal to
     the row-kernel pass's (dX of the ignored rows: exact zeros)."""

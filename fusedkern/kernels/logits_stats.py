@@ -215,6 +215,10 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
             raise ValueError(f"probs must be a [{C}, {V}] tensor in x's dtype on {dev} with unit inner stride")
         if softcap is not None or logit_scale != 1.0 or label_smoothing > 0.0 or parts.shape[0] == 4:
             raise ValueError("probs= is for plain cross-entropy: no softcap, logit_scale, label_smoothing or entropy")
+        if config is not None and config.kwargs.get("BLOCK_N") != PROB_TILE:
+            # prob_scales and the gradient GEMMs read one scale per PROB_TILE columns
+            raise ValueError(f"with probs=, config must have BLOCK_N = PROB_TILE = {PROB_TILE}, got "
+                             f"{config.kwargs.get('BLOCK_N')}")
     count = check_count(count, dev)
     if C == 0 or V == 0:
         return
