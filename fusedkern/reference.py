@@ -724,3 +724,75 @@ def grpo_loss_from_logps(
     if loss_type == "dr_grpo":
         return total / (logps.shape[0] * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Distillation (a student's LM head against a teacher's): TRL's `generalized_jsd_loss` convention
+# ----------------------------------------------------------------------------------------------
+
+__all__ += ["distillation_from_logits", "linear_distillation_loss_fp64", "upcast_linear_distillation_loss"]
+
+
+def distillation_from_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                             target: torch.Tensor | None = None, *, beta: float = 0.5, temperature: float = 1.0,
+                             ignore_index: int = -100, reduction: str = "mean", weight_hard_loss: float = 0.0,
+                             weight_soft_loss: float = 1.0) -> torch.Tensor:
+    """ℓ_t = weight_soft_loss·D_β(softmax(z_s/τ), softmax(z_t/τ)) + weight_hard_loss·CE(z_s, y_t), in the logits' dtype.
+
+    D as TRL's GKD `generalized_jsd_loss` (F.kl_div with log targets): β = 0 KL(teacher‖student), β = 1
+    KL(student‖teacher), else β·KL(q‖m) + (1 − β)·KL(p‖m) with m = (1 − β)p + βq (p student, q teacher).
+    The hard-label cross-entropy uses the student's logits without temperature (Liger's distillation base).
+    Rows whose target is ignore_index count nothing; "mean" divides by the valid rows, at least 1 (TRL's
+    clamp: all ignored gives 0), or by the number of rows without a target."""
+    lp = F.log_softmax(student_logits / temperature, dim=-1)
+    lq = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        div = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+    elif beta == 1:
+        div = F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+    else:
+        b = torch.tensor(beta, dtype=lp.dtype, device=lp.device)
+        lm = torch.logsumexp(torch.stack([lp + torch.log1p(-b), lq + torch.log(b)]), dim=0)
+        div = (b * F.kl_div(lm, lq, reduction="none", log_target=True)
+               + (1 - b) * F.kl_div(lm, lp, reduction="none", log_target=True)).sum(-1)
+    loss = weight_soft_loss * div
+    if target is not None:
+        valid, safe = _safe_target(target, ignore_index)
+        if weight_hard_loss:
+            ce = torch.logsumexp(student_logits, -1) - student_logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+            loss = loss + weight_hard_loss * ce
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        count = valid.sum()
+    else:
+        count = torch.tensor(loss.numel(), device=loss.device)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / count.clamp(min=1)
+
+
+def linear_distillation_loss_fp64(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                                  teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                                  target: torch.Tensor | None = None, *, student_bias: torch.Tensor | None = None,
+                                  teacher_bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """Exact reference of `fusedkern.linear_distillation_loss`: both heads' logits and the loss in float64,
+    differentiable (autograd gives the fp64 gradients of the student's operands)."""
+    def f64(t):
+        return None if t is None else t.double()
+    zs = F.linear(f64(student_hidden), f64(student_weight), f64(student_bias))
+    zt = F.linear(f64(teacher_hidden), f64(teacher_weight), f64(teacher_bias))
+    return distillation_from_logits(zs, zt, target, **options)
+
+
+def upcast_linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                                    teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                                    target: torch.Tensor | None = None, *, student_bias: torch.Tensor | None = None,
+                                    teacher_bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """The materialized baseline: both [T, V] logits in the inputs' dtype, then `.float()` and the loss in
+    fp32 (what a trainer computing TRL's `generalized_jsd_loss` on upcast logits does); the teacher's
+    logits under no_grad."""
+    zs = F.linear(student_hidden, student_weight, student_bias).float()
+    with torch.no_grad():
+        zt = F.linear(teacher_hidden, teacher_weight, teacher_bias).float()
+    return distillation_from_logits(zs, zt, target, **options)

@@ -1,0 +1,431 @@
+"""`linear_distillation_loss`: a student's LM head distilled from a teacher's (forward KL, reverse KL or
+generalized JSD at a temperature, optionally mixed with the hard-label cross-entropy) without either model's
+[tokens, V] logits — the public function, its `nn.Module`, the chunk loop and its custom operators.
+
+The chunked strategy of `chunked.py`, with a second logits GEMM: per chunk of C tokens, Z_s = X_s W_sᵀ and
+Z_t = X_t W_tᵀ into two reused [C, V] buffers, `kernels.distill_rows` writes each token's loss and
+overwrites Z_s with G = ∂L/∂Z_s, then dX_s = G W_s and dW_s (+)= Gᵀ X_s (fp32 accumulator as `chunked.py`).
+Four GEMMs in all for mean/sum (the upstream gradient per token is known in the forward; the backward only
+rescales); reduction "none" recomputes both logits in backward (six). The teacher gets no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fusedkern._validation import (
+    FLOAT_DTYPES,
+    REDUCTIONS,
+    check_choice,
+    check_int,
+    check_kernel_device,
+    check_real,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+    check_target_type,
+    finish_checks,
+    start_checks,
+    validate_strategy,
+)
+from fusedkern.autograd import (
+    absent,
+    call_op,
+    cast_or_none,
+    first_order_only,
+    or_absent,
+    register_op,
+    register_op_without_grad,
+    rescaled_grads,
+)
+from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
+from fusedkern.chunked import chunk_grads, grad_buffers, logits_buffer, logits_into, plan_for_grads
+from fusedkern.kernels.distill_rows import distill_rows
+from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """ℓ_t = weight_soft_loss·D_β(softmax(z_s/τ) ‖ softmax(z_t/τ)) + weight_hard_loss·CE(z_s, y_t)."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    weight_hard_loss: float = 0.0
+    weight_soft_loss: float = 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# the chunk loop
+
+
+def distill_plan(n_tokens: int, ws: torch.Tensor, wt: torch.Tensor, need_dw: bool, weight_grad_accum: str,
+                 chunk_tokens: int | None) -> GradChunkPlan:
+    """`chunked.plan_for_grads` for the student, with C capped so that the teacher's [C, V] buffer also stays
+    within the 256 MiB logits budget (the student's may live in dW's storage; the teacher's never can)."""
+    plan = plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, chunk_tokens)
+    if chunk_tokens:
+        return plan
+    cap = chunk_rows(n_tokens, wt.shape[0], wt.element_size(), GRAD_CHUNK_BUDGET_BYTES)
+    return plan if plan.chunk_tokens <= cap else plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, cap)
+
+
+def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *, loss_tok, grad,
+                per_token_grad: bool, dx=None, dw=None, db=None, scratch=None) -> None:
+    """Per chunk: both logits GEMMs → the row kernel → (with grad) the student's gradient GEMMs."""
+    T, V = xs.shape[0], ws.shape[0]
+    buf_s = logits_buffer(min(C, T), V, xs, scratch)
+    buf_t = logits_buffer(min(C, T), V, xt)
+    for i, c0 in enumerate(range(0, T, C)):
+        c1 = min(c0 + C, T)
+        zs = logits_into(buf_s, xs[c0:c1], ws, bs)
+        zt = logits_into(buf_t, xt[c0:c1], wt, bt)
+        distill_rows(zs, zt, None if target is None else target[c0:c1], loss_tok[c0:c1],
+                     None if grad is None else (grad[c0:c1] if per_token_grad else grad),
+                     beta=opts.beta, temperature=opts.temperature, weight_soft=opts.weight_soft_loss,
+                     weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index, per_token_grad=per_token_grad)
+        if grad is not None:
+            chunk_grads(zs, xs[c0:c1], ws, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
+
+
+def mean_denominator(target: torch.Tensor | None, n_tokens: int, ignore_index: int) -> torch.Tensor | float:
+    """The mean's divisor: the rows whose target is not ignored, at least 1 (TRL's clamp: all ignored gives
+    a loss of 0, not NaN), or every row without a target."""
+    if target is None:
+        return float(max(n_tokens, 1))
+    return (target != ignore_index).sum(dtype=torch.float32).clamp_(min=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom operators (see `linear_cross_entropy.py` for the pattern: fake implementation + autograd formula)
+
+
+def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor, wt: torch.Tensor,
+                    bt: torch.Tensor | None, target: torch.Tensor | None, beta: float, temperature: float,
+                    ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, reduction: str,
+                    weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool,
+                    return_dw_out: bool, check_target: torch.Tensor | None, count: torch.Tensor | None,
+                    count_int: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mean/sum with gradients: loss and the student's gradients in one pass (four GEMMs). Returns (loss 0-d
+    fp32, dx, dw (fp32 accumulator or dW), db fp32, dw_out) as `linear_cross_entropy._chunked_scalar`."""
+    checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
+    opts = DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss)
+    T = xs.shape[0]
+    if reduction == "mean":
+        grad_scale = (1.0 / torch.as_tensor(mean_denominator(target, T, ignore_index), device=xs.device,
+                                            dtype=torch.float32)).reshape(1)
+    else:
+        grad_scale = torch.ones(1, device=xs.device, dtype=torch.float32)
+    plan = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens)
+    loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
+    dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target, opts, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
+                per_token_grad=False, dx=dx, dw=dw, db=db, scratch=dw_out if plan.buffer_in_dw_storage else None)
+    loss = loss_tok.sum() * grad_scale[0] if reduction == "mean" else loss_tok.sum()
+    finish_checks(checks)
+    return (loss, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
+            or_absent(dw_out if return_dw_out else None, ws))
+
+
+distill_scalar = torch.library.custom_op("fusedkern::distill_scalar", _distill_scalar, mutates_args=(),
+                                         tags=CHECKING_OP_TAGS)
+
+
+@distill_scalar.register_fake
+def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, reduction,
+      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int):
+    (T, H), V = xs.shape, ws.shape[0]
+    fp32_accumulator = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
+    f32 = torch.float32
+    return (xs.new_empty((), dtype=f32), xs.new_empty((T, H)) if need_dx else absent(xs),
+            ws.new_empty((V, H), dtype=f32 if fp32_accumulator else ws.dtype) if need_dw else absent(ws),
+            ws.new_empty((V,), dtype=f32) if need_db else absent(ws, f32),
+            ws.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(ws))
+
+
+def _setup_distill_scalar(ctx, inputs, output):
+    xs, ws, bs = inputs[:3]
+    need_dx, need_dw, need_db = inputs[15:18]
+    save_output_grads(ctx, xs, ws, bs, need_dx, need_dw, need_db, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+@first_order_only
+def _backward_distill_scalar(ctx, grad_loss, *_):
+    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 19))
+
+
+register_op(distill_scalar, _distill_scalar, _setup_distill_scalar, _backward_distill_scalar)
+
+
+def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
+                       wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None, beta: float,
+                       temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float,
+                       weight_grad_accum: str, chunk_tokens: int | None, check_target: torch.Tensor | None,
+                       count: torch.Tensor | None, count_int: int) -> torch.Tensor:
+    """Per-token loss ℓ_t [T] fp32, no gradient formed: chunks whose two buffers fit the 64 MiB loss-only
+    budget each (or `chunk_tokens`). The backward recomputes both logits and accepts any ∂L/∂ℓ_t."""
+    checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
+    T, V = xs.shape[0], ws.shape[0]
+    C = chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
+    loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target,
+                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss), C,
+                loss_tok=loss_tok, grad=None, per_token_grad=False)
+    finish_checks(checks)
+    return loss_tok
+
+
+distill_per_token = torch.library.custom_op("fusedkern::distill_per_token", _distill_per_token, mutates_args=(),
+                                            tags=CHECKING_OP_TAGS)
+
+
+@distill_per_token.register_fake
+def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
+      weight_grad_accum, chunk_tokens, check_target, count, count_int):
+    return xs.new_empty((xs.shape[0],), dtype=torch.float32)
+
+
+def _setup_distill_per_token(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7])
+    ctx.options = tuple(inputs[7:14])
+
+
+@first_order_only
+def _backward_distill_per_token(ctx, grad_loss_tok):
+    xs, ws, bs, xt, wt, bt, target = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and bs is not None
+    dx, dw, db = call_op(distill_per_token_backward, xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
+                         *ctx.options, need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 14))
+
+
+register_op(distill_per_token, _distill_per_token, _setup_distill_per_token, _backward_distill_per_token)
+
+
+def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
+                                wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None,
+                                grad_tok: torch.Tensor, beta: float, temperature: float, ignore_index: int,
+                                weight_hard_loss: float, weight_soft_loss: float, weight_grad_accum: str,
+                                chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_t grad_tok[t]·ℓ_t with both logits recomputed: (dx, dw, db) in the student's dtypes."""
+    plan = distill_plan(xs.shape[0], ws, wt, need_dw, weight_grad_accum, chunk_tokens)
+    dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
+    loss_tok = torch.empty(xs.shape[0], device=xs.device, dtype=torch.float32)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target,
+                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss), plan.chunk_tokens,
+                loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
+                scratch=dw_out if plan.buffer_in_dw_storage else None)
+    if dw_out is not None:
+        dw = dw_out.copy_(dw)
+    return (or_absent(cast_or_none(dx, xs.dtype), xs), or_absent(cast_or_none(dw, ws.dtype), ws),
+            absent(ws) if db is None else db.to(bs.dtype))
+
+
+distill_per_token_backward = torch.library.custom_op("fusedkern::distill_per_token_backward",
+                                                     _distill_per_token_backward, mutates_args=())
+register_op_without_grad(distill_per_token_backward, _distill_per_token_backward)
+
+
+@distill_per_token_backward.register_fake
+def _(xs, ws, bs, xt, wt, bt, target, grad_tok, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
+      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db):
+    return (torch.empty_like(xs) if need_dx else absent(xs), torch.empty_like(ws) if need_dw else absent(ws),
+            torch.empty_like(bs) if need_db and bs is not None else absent(ws))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and dispatch
+
+
+def validate_distillation_options(*, beta, temperature, ignore_index, reduction, weight_hard_loss, weight_soft_loss,
+                                  weight_grad_accum, chunk_tokens) -> None:
+    """The settings that do not depend on the call's tensors (checked again by `LinearDistillationLoss`)."""
+    check_real("beta", beta, low=0.0, high=1.0)
+    check_real("temperature", temperature, low=0.0, low_inclusive=False)
+    check_int("ignore_index", ignore_index)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_real("weight_hard_loss", weight_hard_loss, low=0.0)
+    check_real("weight_soft_loss", weight_soft_loss, low=0.0)
+    validate_strategy("auto", weight_grad_accum, chunk_tokens)
+
+
+def validate_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+                               teacher_bias, num_valid_tokens, **options) -> None:
+    validate_distillation_options(**options)
+    for side, hidden, weight, bias in (("student", student_hidden, student_weight, student_bias),
+                                       ("teacher", teacher_hidden, teacher_weight, teacher_bias)):
+        check_tensor(f"{side}_hidden", hidden, min_ndim=1, dtypes=FLOAT_DTYPES)
+        check_tensor(f"{side}_weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+        check_kernel_device(f"{side}_hidden", hidden)
+        check_same_device("student_hidden", student_hidden, **{f"{side}_hidden": hidden, f"{side}_weight": weight,
+                                                               f"{side}_bias": bias})
+        check_same_dtype(f"{side}_hidden", hidden, **{f"{side}_weight": weight, f"{side}_bias": bias})
+        vocab, hidden_size = weight.shape
+        if hidden.shape[-1] != hidden_size:
+            raise ValueError(f"{side}_hidden's last dimension ({hidden.shape[-1]}) must equal {side}_weight.shape[1] "
+                             f"(hidden = {hidden_size}); {side}_weight is [vocab, hidden] = {tuple(weight.shape)}")
+        if bias is not None:
+            check_tensor(f"{side}_bias", bias, ndim=1)
+            check_shape(f"{side}_bias", bias, (vocab,), f"one entry per vocabulary row of {side}_weight")
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight must have the student's vocabulary size {student_weight.shape[0]} "
+                         f"(rows of student_weight), got {teacher_weight.shape[0]}; a different vocabulary needs a "
+                         "token mapping first")
+    check_shape("teacher_hidden", teacher_hidden, (*student_hidden.shape[:-1], teacher_hidden.shape[-1]),
+                "the leading dimensions of student_hidden")
+    if target is None:
+        if options["weight_hard_loss"]:
+            raise ValueError("weight_hard_loss > 0 needs target (the hard labels)")
+        if num_valid_tokens is not None:
+            raise ValueError("num_valid_tokens needs target (it counts the targets that are not ignore_index)")
+        return
+    check_same_device("student_hidden", student_hidden, target=target)
+    check_target_type(target, student_hidden.shape[:-1])
+    if isinstance(num_valid_tokens, torch.Tensor):
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
+                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
+        check_same_device("target", target, num_valid_tokens=num_valid_tokens)
+    elif num_valid_tokens is not None and not 0 <= check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+        raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
+                         f"tensor holding it, or None; got {num_valid_tokens}")
+
+
+def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_grad_accum, chunk_tokens,
+          checks=(None, None, -1)):
+    """(loss: 0-d for mean/sum, [T] for "none") for flat, validated inputs: the operator dispatch."""
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and xs.requires_grad, grad and ws.requires_grad
+    need_db = grad and bs is not None and bs.requires_grad
+    loss_options = (opts.beta, opts.temperature, opts.ignore_index, opts.weight_hard_loss, opts.weight_soft_loss)
+    if reduction != "none" and (need_dx or need_dw or need_db):
+        loss, *_ = call_op(distill_scalar, xs, ws, bs, xt, wt, bt, y, *loss_options, reduction, weight_grad_accum,
+                           chunk_tokens, need_dx, need_dw, need_db, not torch.compiler.is_compiling(), *checks)
+        return loss
+    loss_tok = call_op(distill_per_token, xs, ws, bs, xt, wt, bt, y, *loss_options, weight_grad_accum, chunk_tokens,
+                       *checks)
+    if reduction == "none":
+        return loss_tok
+    if reduction == "sum":
+        return loss_tok.sum()
+    return loss_tok.sum() / mean_denominator(y, xs.shape[0], opts.ignore_index)
+
+
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    if t.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return None
+
+
+def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                             teacher_weight: torch.Tensor, target: torch.Tensor | None = None, *,
+                             student_bias: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
+                             beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                             reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
+                             weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
+                             num_valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Distillation of a student's LM head from a teacher's without either model's [T, V] logits.
+
+    Computes, per token t, ℓ_t = weight_soft_loss·D_β(p_t, q_t) + weight_hard_loss·CE(z_s, y_t) with
+    p = softmax(z_s/τ), q = softmax(z_t/τ), z_s = student_hidden @ student_weightᵀ (+ student_bias), z_t
+    likewise for the teacher. D follows TRL's GKD `generalized_jsd_loss`: β = 0 forward KL(q‖p) (teacher‖student),
+    β = 1 reverse KL(p‖q), in between the generalized JSD β·KL(q‖m) + (1 − β)·KL(p‖m), m = (1 − β)p + βq
+    (Liger's `LigerFusedLinearJSDLoss` uses the same β; its defaults weight_hard_loss = weight_soft_loss = 0.5
+    mix in the cross-entropy, here off by default as in TRL). The hard-label cross-entropy uses the student's
+    logits without temperature (as Liger's). The teacher gets no gradient.
+
+    Args:
+        student_hidden: [..., H_s] student activations, float32 / float16 / bfloat16.
+        student_weight: [V, H_s] the student's LM head, student_hidden's dtype. student_bias: optional [V].
+        teacher_hidden: [..., H_t] teacher activations (same leading shape; H_t may differ from H_s).
+        teacher_weight: [V, H_t] the teacher's LM head (same V), teacher_hidden's dtype. teacher_bias: optional [V].
+        target: optional [...] int64/int32 labels: rows at `ignore_index` count nothing; None: every row counts.
+        beta: in [0, 1], see above.  temperature: τ > 0, divides both models' logits in the divergence.
+        reduction: "mean" (over the rows not ignored, at least 1: all ignored gives 0, as TRL), "sum" or "none".
+        weight_hard_loss / weight_soft_loss: ≥ 0, the weights of the cross-entropy and the divergence (Liger's names).
+        weight_grad_accum, chunk_tokens: as `linear_cross_entropy` (the chunk also bounds the teacher's buffer).
+        num_valid_tokens: the targets that are not ignore_index, as `linear_cross_entropy`: an int gathers
+            those rows and computes only them; a device tensor is checked against the target (no host sync)
+            and the rows are computed densely. Either wrong count raises ValueError.
+
+    Returns:
+        the loss in float32: 0-d for mean/sum, the input's leading shape for "none".
+    """
+    autocast = _autocast_dtype(student_hidden) if isinstance(student_hidden, torch.Tensor) else None
+    if autocast is not None:  # as F.linear under autocast: every floating operand in the autocast dtype
+        def cast(t):
+            return t.to(autocast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            return linear_distillation_loss(
+                cast(student_hidden), cast(student_weight), cast(teacher_hidden), cast(teacher_weight), target,
+                student_bias=cast(student_bias), teacher_bias=cast(teacher_bias), beta=beta, temperature=temperature,
+                ignore_index=ignore_index, reduction=reduction, weight_hard_loss=weight_hard_loss,
+                weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                num_valid_tokens=num_valid_tokens)
+    validate_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+                               teacher_bias, num_valid_tokens, beta=beta, temperature=temperature,
+                               ignore_index=ignore_index, reduction=reduction, weight_hard_loss=weight_hard_loss,
+                               weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum,
+                               chunk_tokens=chunk_tokens)
+    lead_shape = student_hidden.shape[:-1]
+    xs = student_hidden.reshape(-1, student_hidden.shape[-1])
+    xt = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+    xs, xt = (x if x.stride(-1) == 1 else x.contiguous() for x in (xs, xt))
+    wt, bt = teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach()
+    y = None if target is None else target.reshape(-1).contiguous()
+    opts = DistillOptions(float(beta), float(temperature), ignore_index, float(weight_hard_loss),
+                          float(weight_soft_loss))
+    args = (student_weight, student_bias, opts, reduction, weight_grad_accum, chunk_tokens)
+    if isinstance(num_valid_tokens, int) and 0 < num_valid_tokens < y.shape[0]:
+        rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
+        loss = _loss(xs.index_select(0, rows), args[0], args[1], xt.index_select(0, rows), wt, bt,
+                     y.index_select(0, rows), *args[2:], checks=(y, None, num_valid_tokens))
+        if reduction == "none":
+            loss = loss.new_zeros(y.shape[0]).index_copy(0, rows, loss)
+    else:
+        count = num_valid_tokens if isinstance(num_valid_tokens, torch.Tensor) else None
+        count_int = num_valid_tokens if isinstance(num_valid_tokens, int) else -1
+        loss = _loss(xs, args[0], args[1], xt, wt, bt, y, *args[2:], checks=(None, count, count_int))
+    return loss.reshape(lead_shape) if reduction == "none" else loss
+
+
+class LinearDistillationLoss(nn.Module):
+    """`nn.Module` form of `linear_distillation_loss`: options at construction, tensors at call.
+
+    Example:
+        >>> loss_fn = LinearDistillationLoss(beta=0.5, temperature=2.0)
+        >>> loss = loss_fn(student_h, student.lm_head.weight, teacher_h, teacher.lm_head.weight, labels)
+    """
+
+    def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                 reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
+                 weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+        super().__init__()
+        validate_distillation_options(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                                      reduction=reduction, weight_hard_loss=weight_hard_loss,
+                                      weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum,
+                                      chunk_tokens=chunk_tokens)
+        self.beta, self.temperature, self.ignore_index, self.reduction = beta, temperature, ignore_index, reduction
+        self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
+        self.weight_grad_accum, self.chunk_tokens = weight_grad_accum, chunk_tokens
+
+    def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, student_bias=None,
+                teacher_bias=None, num_valid_tokens: int | torch.Tensor | None = None):
+        return linear_distillation_loss(
+            student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias=student_bias,
+            teacher_bias=teacher_bias, beta=self.beta, temperature=self.temperature, ignore_index=self.ignore_index,
+            reduction=self.reduction, weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss,
+            weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens,
+            num_valid_tokens=num_valid_tokens)
+
+    def extra_repr(self) -> str:
+        return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}, weight_hard_loss={self.weight_hard_loss}, "
+                f"weight_soft_loss={self.weight_soft_loss}")
