@@ -2,11 +2,13 @@
 the [tokens, vocab] logits.
 
 Public API: `linear_cross_entropy` / `LinearCrossEntropyLoss`, `linear_logprobs`,
-`linear_simpo_loss` / `LinearSimPOLoss`. References and baselines: `fusedkern.reference`.
+`linear_simpo_loss` / `LinearSimPOLoss`,
+`linear_distillation_loss` / `LinearDistillationLoss`. References and baselines: `fusedkern.reference`.
 Benchmarks: `python -m fusedkern.bench --help`.
 """
 
 from fusedkern import _runtime  # noqa: F401  (first: picks GPU or Triton's interpreter before kernels import)
+from fusedkern.distillation import LinearDistillationLoss, linear_distillation_loss
 from fusedkern.grpo import linear_grpo_loss
 from fusedkern.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
 from fusedkern.linear_preference import linear_preference_loss
@@ -21,5 +23,7 @@ __all__ = [
     "linear_preference_loss",
     "linear_simpo_loss",
     "LinearSimPOLoss",
+    "linear_distillation_loss",
+    "LinearDistillationLoss",
 ]
 __version__ = "0.1.0"
