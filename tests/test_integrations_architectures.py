@@ -1,0 +1,258 @@
+"""fusedkern.integrations.transformers.patch on one tiny random model (1 layer, hidden 32, vocab 64, batch 2 ×
+seq 8, fp32, no download) of each of 27 causal-LM architectures: the patched loss and every parameter's gradient
+equal the unpatched model's (Transformers' own forward on materialized logits), with ignored labels and
+`num_items_in_batch`. The patch has no list of classes: these cases are what its detection was tested on —
+tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's `logit_scale`, Granite's
+`logits_scaling`, MoE routers' auxiliary loss (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) — and each such
+transform is checked to change the loss, so that a patch ignoring it would fail. Then what is refused, and
+when: a forward that computes its loss without `self.loss_function` (at patch time), one that does something
+else to the logits (at its first labelled call)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+
+from fusedkern.integrations import transformers as fk_hf  # noqa: E402
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
+GPT_STYLE = dict(n_embd=32, n_layer=1, n_head=4, n_positions=64)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+# large enough weights that a cap of 1 bites (logits of size ~2)
+CAPPED = dict(head_dim=8, final_logit_softcapping=1.0, initializer_range=0.3)
+
+# name → (model class, config class, config overrides, what the head does beyond a plain matmul)
+CASES = {
+    "Llama": ("LlamaForCausalLM", "LlamaConfig", {}, ()),
+    "Mistral": ("MistralForCausalLM", "MistralConfig", {}, ()),
+    "Qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}, ()),
+    "Qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=8), ()),
+    "Qwen2Moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                 dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **MOE), ("moe",)),
+    "Qwen3Moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                 dict(head_dim=8, num_experts=4, moe_intermediate_size=16, **MOE), ("moe",)),
+    "Mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **MOE), ("moe",)),
+    "Olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **MOE), ("moe",)),
+    "Gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8), ("tied",)),
+    "Gemma2": ("Gemma2ForCausalLM", "Gemma2Config", CAPPED, ("tied", "softcap")),
+    "Gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", CAPPED, ("tied", "softcap")),
+    "Phi3": ("Phi3ForCausalLM", "Phi3Config", TOKEN_IDS, ()),
+    "Phi": ("PhiForCausalLM", "PhiConfig", {}, ("bias",)),
+    "Olmo2": ("Olmo2ForCausalLM", "Olmo2Config", TOKEN_IDS, ()),
+    "Cohere": ("CohereForCausalLM", "CohereConfig", dict(logit_scale=0.5, **TOKEN_IDS), ("tied", "scale")),
+    "Cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(logit_scale=0.5, **TOKEN_IDS), ("tied", "scale")),
+    "Granite": ("GraniteForCausalLM", "GraniteConfig", dict(logits_scaling=4.0), ("scale",)),
+    "GraniteMoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(logits_scaling=4.0, num_local_experts=4, **MOE),
+                   ("scale", "moe")),
+    "GPTNeoX": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}, ()),
+    "StableLm": ("StableLmForCausalLM", "StableLmConfig", {}, ()),
+    "Starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {}, ("tied",)),
+    "GPT2": ("GPT2LMHeadModel", "GPT2Config", GPT_STYLE, ("tied",)),
+    "GPTBigCode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", GPT_STYLE, ("tied",)),
+    "GPTJ": ("GPTJForCausalLM", "GPTJConfig", dict(GPT_STYLE, rotary_dim=4), ("bias",)),
+    "Falcon": ("FalconForCausalLM", "FalconConfig", {}, ("tied",)),
+    "Bloom": ("BloomForCausalLM", "BloomConfig", dict(n_layer=1, n_head=4), ("tied",)),
+}
+# how to switch each transform off (for the check that it changes the loss)
+NEUTRAL = {
+    "softcap": lambda m: setattr(m.config, "final_logit_softcapping", None),
+    "scale": lambda m: (setattr(m, "logit_scale", 1.0) if hasattr(m, "logit_scale")
+                        else setattr(m.config, "logits_scaling", 1.0)),
+}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_model(name: str, seed: int = 0) -> nn.Module:
+    cls, config_cls, overrides, _ = CASES[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, cls)(config).train()
+
+
+def make_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, COMMON["vocab_size"], (2, 8), generator=g)
+    labels = input_ids.clone()
+    labels[0, :3] = -100   # a prompt
+    labels[1, -2:] = -100  # padding
+    return input_ids, labels
+
+
+def run(model: nn.Module, input_ids, labels, **kwargs):
+    """(output, loss, {parameter name: gradient}) of one forward + backward; the same dropout masks on each
+    call (GPT-2 style configs train with dropout on)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(input_ids=input_ids, labels=labels, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out, out.loss.detach(), grads
+
+
+def assert_same(got, want):
+    loss, grads = got
+    ref_loss, ref_grads = want
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"d {name}: {m}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_patched_equals_unpatched(name):
+    model = make_model(name)
+    features = CASES[name][3]
+    head = model.get_output_embeddings()
+    assert ("tied" in features) == (head.weight is model.get_input_embeddings().weight)
+    assert ("bias" in features) == (head.bias is not None)
+    input_ids, labels = make_batch()
+    num_items = torch.tensor(7)  # not the 10 valid targets: the sum must be divided by this number
+    ref_out, ref_loss, ref_grads = run(model, input_ids, labels, num_items_in_batch=num_items)
+    assert ref_out.logits is not None and len(ref_grads) == len(list(model.parameters()))
+    fk_hf.patch(model)
+    out, loss, grads = run(model, input_ids, labels, num_items_in_batch=num_items)
+    assert out.logits is None and loss.dtype == torch.float32
+    assert_same((loss, grads), (ref_loss, ref_grads))
+    if "moe" in features:  # the router's auxiliary loss is returned and added, as unpatched
+        torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL)
+    fk_hf.unpatch(model)
+    for feature in set(features) & set(NEUTRAL):  # the transform matters: a patch ignoring it would fail above
+        NEUTRAL[feature](model)
+        with torch.no_grad():
+            plain = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
+        assert (plain - ref_loss).abs() > 1e-2, feature
+
+
+@pytest.mark.parametrize("name", ["Mixtral", "GraniteMoe"])
+def test_router_aux_loss_is_the_models_own(name):
+    """The auxiliary loss reaches the loss with the model's coefficient (and not without router logits)."""
+    model = fk_hf.patch(make_model(name))
+    input_ids, labels = make_batch()
+    with torch.no_grad():
+        with_aux = model(input_ids=input_ids, labels=labels)
+        without = model(input_ids=input_ids, labels=labels, output_router_logits=False)
+    assert without.aux_loss is None and with_aux.aux_loss > 0
+    torch.testing.assert_close(with_aux.loss - without.loss, 0.1 * with_aux.aux_loss, **TOL)
+
+
+def test_trainable_logit_scale_gets_its_gradient():
+    """A one-element tensor scale (here a Parameter in place of Cohere's float) is folded into the hidden
+    states differentiably: its own gradient equals the unpatched model's."""
+    model = make_model("Cohere")
+    model.logit_scale = nn.Parameter(torch.tensor(0.7))
+    input_ids, labels = make_batch()
+    _, ref_loss, ref_grads = run(model, input_ids, labels)
+    assert "logit_scale" in ref_grads
+    fk_hf.patch(model)
+    _, loss, grads = run(model, input_ids, labels)
+    assert_same((loss, grads), (ref_loss, ref_grads))
+
+
+def test_mean_and_logits_path_of_a_capped_model():
+    """Without num_items_in_batch (the mean); without labels the logits are the original forward's."""
+    model = make_model("Gemma3")
+    input_ids, labels = make_batch()
+    _, ref_loss, ref_grads = run(model, input_ids, labels)
+    with torch.no_grad():
+        ref_logits = model(input_ids=input_ids).logits
+    fk_hf.patch(model)
+    _, loss, grads = run(model, input_ids, labels)
+    assert_same((loss, grads), (ref_loss, ref_grads))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=input_ids).logits, ref_logits, rtol=0, atol=0)
+
+
+class _OwnForward(transformers.LlamaForCausalLM):
+    """A user's subclass with its own forward: `op` is applied to the head's logits."""
+
+    op = staticmethod(lambda logits: logits)
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.op(self.lm_head(self.model(input_ids=input_ids).last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _own_forward_model(op) -> nn.Module:
+    config = transformers.LlamaConfig(**COMMON)
+    torch.manual_seed(0)
+    model = _OwnForward(config).train()
+    model.op = op
+    return model
+
+
+@pytest.mark.parametrize("op", [lambda z: torch.tanh(z / 3.0) * 2.0, lambda z: 0.5 * z.float()],
+                         ids=["cap-2-of-z/3", "half"])
+def test_subclass_with_its_own_forward(op):
+    """The operations are read from what the forward does, not from the class: a cap b·tanh(a·z) with
+    a·b ≠ 1 folds as fusedkern's softcap b on (a·b)·z."""
+    model = _own_forward_model(op)
+    input_ids, labels = make_batch()
+    _, ref_loss, ref_grads = run(model, input_ids, labels)
+    fk_hf.patch(model)
+    out, loss, grads = run(model, input_ids, labels)
+    assert out.logits is None
+    assert_same((loss, grads), (ref_loss, ref_grads))
+
+
+@pytest.mark.parametrize("op, what", [
+    (lambda z: z + 1.0, "addition"),
+    (lambda z: z[..., :32], "indexing"),
+    (lambda z: z.logsumexp(-1), "logits.logsumexp"),
+    (lambda z: torch.softmax(z, -1), "softmax"),
+    (lambda z: z * torch.ones(64), "tensor of shape"),
+    (lambda z: torch.tanh(torch.tanh(z)), "second tanh"),
+    (lambda z: torch.tanh(z) * -2.0, "must be positive"),
+    (lambda z: z.to(torch.bfloat16), "logits.to"),
+])
+def test_unreproducible_logit_ops_raise_at_the_first_labelled_call(op, what):
+    model = fk_hf.patch(_own_forward_model(op))
+    input_ids, labels = make_batch()
+    with pytest.raises(TypeError, match=what) as err:
+        model(input_ids=input_ids, labels=labels)
+    assert "_OwnForward.forward" in str(err.value)
+    assert fk_hf.is_patched(model) and "lm_head" not in model.__dict__  # the stand-ins are gone
+
+
+def test_forward_that_skips_loss_function_raises():
+    class NoLoss(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+            if labels is not None and kwargs.get("use_the_models_loss"):  # never given here
+                return self.loss_function(logits, labels, self.config.vocab_size)
+            return CausalLMOutputWithPast(logits=logits)
+
+    config = transformers.LlamaConfig(**COMMON)
+    model = fk_hf.patch(NoLoss(config))
+    input_ids, labels = make_batch()
+    with pytest.raises(TypeError, match="never called self.loss_function"):
+        model(input_ids=input_ids, labels=labels)
+
+
+@pytest.mark.parametrize("cls, what", [
+    (transformers.BartForCausalLM, "computes its loss without self.loss_function"),
+    (transformers.LlamaModel, "takes no labels"),
+    (nn.Linear, "not a Transformers PreTrainedModel"),
+])
+def test_refused_at_patch_time(cls, what):
+    with pytest.raises(TypeError, match=what):
+        fk_hf.patch(cls)
+
+
+def test_custom_loss_function_is_refused():
+    """A loss set on the model (or a config.loss_type other than causal-LM) is not Transformers'
+    ForCausalLMLoss, which is what fusedkern computes: refused rather than silently replaced."""
+    model = fk_hf.patch(make_model("Qwen2"))
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()
+    input_ids, labels = make_batch()
+    with pytest.raises(TypeError, match="ForCausalLMLoss"):
+        model(input_ids=input_ids, labels=labels)
