@@ -4,7 +4,8 @@ equal the unpatched model's (Transformers' own forward on materialized logits), 
 `num_items_in_batch`. The patch has no list of classes: these cases are what its detection was tested on —
 tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's `logit_scale`, Granite's
 `logits_scaling`, MoE routers' auxiliary loss (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) — and each such
-transform is checked to change the loss, so that a patch ignoring it would fail. Then what is refused, and
+transform is checked to change the loss, so that a patch ignoring it would fail; no [B, S, V] tensor in a
+patched step. Then what is refused, and
 when: a forward that computes its loss without `self.loss_function` (at patch time), one that does something
 else to the logits (at its first labelled call)."""
 
@@ -16,6 +17,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from fusedkern.integrations import transformers as fk_hf  # noqa: E402
@@ -128,6 +130,44 @@ def test_patched_equals_unpatched(name):
         with torch.no_grad():
             plain = model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items).loss
         assert (plain - ref_loss).abs() > 1e-2, feature
+
+
+class VocabWatch(TorchDispatchMode):
+    """The shapes of the tensors ops return whose last dimension is `vocab`."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.shapes = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[-1] == self.vocab:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("name", ["Gemma3", "Cohere", "Phi", "GraniteMoe"])
+def test_no_logits_tensor_in_a_patched_step(name):
+    """No tensor of a training step (forward and backward) has the vocabulary as last dimension and as many
+    rows as the batch has positions: the [B, S, V] logits, their upcast and their gradient never exist.
+    The unpatched step has them (the check can fail)."""
+    vocab = 61  # prime: no other dimension of the model is 61 (the weight is [61, 32])
+    input_ids, labels = make_batch()
+    input_ids, labels = input_ids % vocab, labels.where(labels < 0, labels % vocab)
+    cls, config_cls, overrides, _ = CASES[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, "vocab_size": vocab})
+    model = getattr(transformers, cls)(config).train()
+    positions = input_ids.numel()
+    rows = {}
+    for patched in (False, True):
+        if patched:
+            fk_hf.patch(model)
+        watch = VocabWatch(vocab)
+        with watch:
+            model(input_ids=input_ids, labels=labels).loss.backward()
+        rows[patched] = max((torch.Size(s[:-1]).numel() for s in watch.shapes), default=0)
+    assert rows[False] >= positions > rows[True], rows
 
 
 @pytest.mark.parametrize("name", ["Mixtral", "GraniteMoe"])
