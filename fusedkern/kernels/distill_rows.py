@@ -41,11 +41,12 @@ def _online(m, d, x, mask):
 
 
 @triton.jit
-def _lse(m, d):
-    """log Σ exp over the lanes' (m, d)."""
+def _max_logsum(m, d):
+    """(max, log Σ exp(x − max)) over the lanes' (m, d), kept apart: log p = (x − max) − logsum keeps fp32's
+    precision where max + logsum would round to an ulp of the max (6e-5 at |x| ~ 10³)."""
     mx = tl.max(m, axis=0)
     total = tl.sum(tl.where(m == -float("inf"), 0.0, d * tl.exp(m - mx)), axis=0)
-    return mx + tl.log(total)
+    return mx, tl.log(total)
 
 
 @triton.jit
@@ -114,11 +115,11 @@ def _distill_rows_kernel(
         m_t, d_t = _online(m_t, d_t, u, mask)
         if HAS_HARD:
             m_z, d_z = _online(m_z, d_z, z, mask)
-    lse_s = _lse(m_s, d_s)
-    lse_t = _lse(m_t, d_t)
+    max_s, logsum_s = _max_logsum(m_s, d_s)
+    max_t, logsum_t = _max_logsum(m_t, d_t)
     if HAS_HARD:
         z_y = tl.load(zs_row + y).to(tl.float32)  # before pass 2 may overwrite the row (forward KL)
-        lse_z = _lse(m_z, d_z)
+        max_z, logsum_z = _max_logsum(m_z, d_z)
     # 2. the divergence from exact log-probabilities, and R = Σ p (log p − log m) for the JSD's gradient
     div = tl.zeros((BLOCK_V,), tl.float32)
     r_lane = tl.zeros((BLOCK_V,), tl.float32)
@@ -128,8 +129,8 @@ def _distill_rows_kernel(
         cols = start + offs
         mask = cols < V
         z = tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32)
-        lp = z * inv_temperature - lse_s
-        lq = tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - lse_t
+        lp = (z * inv_temperature - max_s) - logsum_s
+        lq = (tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - max_t) - logsum_t
         p = tl.exp(lp)
         q = tl.exp(lq)
         if MODE == 0:  # KL(q‖p)
@@ -137,7 +138,7 @@ def _distill_rows_kernel(
             if WRITE_GRAD:
                 g = soft_scale * (p - q)
                 if HAS_HARD:
-                    g += g_row * weight_hard * (tl.exp(z - lse_z) - tl.where(cols == y, 1.0, 0.0))
+                    g += g_row * weight_hard * (tl.exp((z - max_z) - logsum_z) - tl.where(cols == y, 1.0, 0.0))
                 tl.store(zs_row + cols, g.to(zs_ptr.dtype.element_ty), mask=mask)
         elif MODE == 1:  # KL(p‖q)
             div += tl.where(mask, _xlogy_diff(p, lp, lq), 0.0)
@@ -150,7 +151,7 @@ def _distill_rows_kernel(
     r_row = tl.sum(r_lane, axis=0)
     loss = weight_soft * div_row
     if HAS_HARD:
-        loss += weight_hard * (lse_z - z_y)
+        loss += weight_hard * ((max_z - z_y) + logsum_z)
     tl.store(loss_ptr + row, loss)
     # 3. ∂D/∂s_v = p_v (c_v − Σ p c) with c = log p − log q (reverse KL) or (1 − β)(log p − log m) (JSD);
     # pass 2 has read every column of the row, so overwriting it now is safe
@@ -159,16 +160,18 @@ def _distill_rows_kernel(
             cols = start + offs
             mask = cols < V
             z = tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32)
-            lp = z * inv_temperature - lse_s
-            lq = tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - lse_t
+            lp = (z * inv_temperature - max_s) - logsum_s
+            lq = (tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - max_t) - logsum_t
             p = tl.exp(lp)
+            # p·((log p − log x) − Σ): the difference of two O(1) logs first, then one product
             if MODE == 1:
-                gs = _xlogy_diff(p, lp, lq) - p * div_row
+                gs = tl.where(p == 0.0, 0.0, p * ((lp - lq) - div_row))
             else:
-                gs = one_m_beta * (_xlogy_diff(p, lp, _log_mixture(lp, lq, log_1m_beta, log_beta)) - p * r_row)
+                lm = _log_mixture(lp, lq, log_1m_beta, log_beta)
+                gs = one_m_beta * tl.where(p == 0.0, 0.0, p * ((lp - lm) - r_row))
             g = soft_scale * gs
             if HAS_HARD:
-                g += g_row * weight_hard * (tl.exp(z - lse_z) - tl.where(cols == y, 1.0, 0.0))
+                g += g_row * weight_hard * (tl.exp((z - max_z) - logsum_z) - tl.where(cols == y, 1.0, 0.0))
             tl.store(zs_row + cols, g.to(zs_ptr.dtype.element_ty), mask=mask)
 
 

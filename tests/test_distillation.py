@@ -1,0 +1,252 @@
+"""linear_distillation_loss against the fp64 materialized reference (`reference.linear_distillation_loss_fp64`):
+loss and the student's dX/dW/db under the 2× rule of tests/_accuracy.py (yardstick: PyTorch's materialized
+computation on logits in the inputs' dtype upcast to fp32, TRL's `generalized_jsd_loss` formula) for every β
+convention, temperature, reduction, the hard-label mix, bias, no target, and each dtype; extreme logits,
+ignored and all-ignored rows, the count forms, poisoned allocations, no teacher gradient, bad inputs.
+CPU: Triton's interpreter at tiny odd shapes (V = 67 is two 32-column blocks and a tail)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedkern
+from fusedkern import reference
+from tests._accuracy import assert_close_to_ref
+from tests.conftest import DEVICE
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+T, HS, HT, V = 9, 16, 12, 67
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
+
+
+def make_batch(dtype, *, seed=0, bias=True, logit_scale=1.0, ignored=(2, 5)):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(T, HS, generator=g) * logit_scale
+    ws = torch.randn(V, HS, generator=g) / math.sqrt(HS) * 2
+    xt = torch.randn(T, HT, generator=g) * logit_scale
+    wt = torch.randn(V, HT, generator=g) / math.sqrt(HT) * 2
+    bs = torch.randn(V, generator=g) * 0.5 if bias else None
+    bt = torch.randn(V, generator=g) * 0.5 if bias else None
+    y = torch.randint(0, V, (T,), generator=g)
+    y[list(ignored)] = -100
+    cast = lambda t: None if t is None else t.to(dtype).to(DEVICE)  # noqa: E731
+    return cast(xs), cast(ws), cast(bs), cast(xt), cast(wt), cast(bt), y.to(DEVICE)
+
+
+def leaves(*ts, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).clone().requires_grad_() for t in ts]
+
+
+def check_against_fp64(dtype, *, seed=0, bias=True, with_target=True, logit_scale=1.0, ignored=(2, 5),
+                       chunk_tokens=4, **options):
+    xs, ws, bs, xt, wt, bt, y = make_batch(dtype, seed=seed, bias=bias, logit_scale=logit_scale, ignored=ignored)
+    y = y if with_target else None
+    reduction = options.get("reduction", "mean")
+    upstream = torch.randn(T, generator=torch.Generator().manual_seed(seed + 7)) if reduction == "none" \
+        else torch.tensor(1.7)
+    ours = leaves(xs, ws, bs)
+    loss = fusedkern.linear_distillation_loss(ours[0], ours[1], xt, wt, y, student_bias=ours[2], teacher_bias=bt,
+                                              chunk_tokens=chunk_tokens, **options)
+    assert loss.dtype == torch.float32
+    f64 = leaves(xs, ws, bs, dtype=torch.float64)
+    loss64 = reference.linear_distillation_loss_fp64(f64[0], f64[1], xt, wt, y, student_bias=f64[2], teacher_bias=bt,
+                                                     **options)
+    same = leaves(xs, ws, bs)
+    loss_torch = reference.upcast_linear_distillation_loss(same[0], same[1], xt, wt, y, student_bias=same[2],
+                                                           teacher_bias=bt, **options)
+    atol = ATOL[dtype]
+    assert_close_to_ref("loss", loss, loss64, loss_torch, atol=atol)
+    grads = [torch.autograd.grad(out, [t for t in ts if t is not None], upstream.to(out.dtype).to(DEVICE)
+                                 if reduction == "none" else upstream.to(out.dtype))
+             for out, ts in ((loss, ours), (loss64, f64), (loss_torch, same))]
+    names = ["dX", "dW", "db"][:len(grads[0])]
+    for name, g, g64, gt in zip(names, *grads):
+        assert g.dtype == xs.dtype
+        assert_close_to_ref(name, g, g64, gt, atol=atol)
+    return loss, grads[0]
+
+
+F32_CASES = [
+    dict(beta=0.0), dict(beta=1.0), dict(beta=0.5), dict(beta=0.2, temperature=2.0), dict(beta=0.0, temperature=0.5),
+    dict(beta=1.0, temperature=3.0), dict(beta=0.5, reduction="sum"), dict(beta=0.0, reduction="none"),
+    dict(beta=1.0, reduction="none"), dict(beta=0.7, reduction="none", temperature=1.5),
+    dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5), dict(beta=0.0, weight_hard_loss=1.0, temperature=2.0),
+    dict(beta=1.0, weight_hard_loss=0.3, reduction="sum"), dict(beta=0.5, weight_hard_loss=0.4, reduction="none"),
+    dict(beta=0.5, weight_soft_loss=0.0, weight_hard_loss=1.0),
+]
+
+
+@pytest.mark.parametrize("options", F32_CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in F32_CASES])
+def test_fp32_matches_fp64(options):
+    check_against_fp64(torch.float32, seed=len(str(options)), **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=1.0, temperature=2.0),
+                                     dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5, reduction="none")],
+                         ids=["fkl", "rkl-tau2", "jsd-hard-none"])
+def test_half_precision_matches_fp64(dtype, options):
+    check_against_fp64(dtype, seed=3, **options)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_no_target_every_row_counts_and_no_bias(beta):
+    check_against_fp64(torch.float32, seed=11, bias=False, with_target=False, beta=beta, temperature=1.3)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 1, 64])
+def test_chunk_sizes_agree(chunk_tokens):
+    """One chunk, one token per chunk (every row its own GEMM) and the default plan give the 2×-rule answer."""
+    check_against_fp64(torch.float32, seed=5, beta=0.5, chunk_tokens=chunk_tokens)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_huge_logit_offsets_stay_accurate(beta):
+    """Biases of ±3·10³ on top of O(1) logits: exp overflows fp32 without the max subtraction, and log p must
+    be formed as (s − max) − log Σ (max + log Σ rounds to an ulp of 10³)."""
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=13)
+    ours, f64, same = leaves(xs, ws), leaves(xs, ws, dtype=torch.float64), leaves(xs, ws)
+    kw = dict(beta=beta, temperature=0.8, weight_hard_loss=0.3)
+    out = fusedkern.linear_distillation_loss(*ours, xt, wt, y, student_bias=bs + 3e3, teacher_bias=bt - 3e3, **kw)
+    ref = reference.linear_distillation_loss_fp64(*f64, xt, wt, y, student_bias=bs + 3e3, teacher_bias=bt - 3e3, **kw)
+    tch = reference.upcast_linear_distillation_loss(*same, xt, wt, y, student_bias=bs + 3e3, teacher_bias=bt - 3e3,
+                                                    **kw)
+    assert_close_to_ref("loss", out, ref, tch)
+    for name, g, g64, gt in zip(("dX", "dW"), *(torch.autograd.grad(v, ts) for v, ts in ((out, ours), (ref, f64),
+                                                                                         (tch, same)))):
+        assert_close_to_ref(name, g, g64, gt)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_saturated_logits_stay_finite(beta, seed=13):
+    """Logits ~10³ apart: p and q one-hot on different classes (JSD → log 2, the KLs ~10³ nats). Loss and the
+    forward KL's gradient p − q obey the 2× rule. The reverse KL's and the JSD's gradients p·(c − Σ p c) are
+    differences of O(D) numbers there, which fp32 keeps to a few ulp of D (torch's fp32 computation as well:
+    4e-5 against ours 2.2e-4 in one row of D = 1385), so their largest error may pass twice torch's by that
+    much: 4·ulp(D)/τ/N times |W| (dX) or |X| (dW)."""
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=seed, logit_scale=150.0)
+    ours, f64, same = leaves(xs, ws), leaves(xs, ws, dtype=torch.float64), leaves(xs, ws)
+    kw = dict(beta=beta, temperature=0.8)
+    out = fusedkern.linear_distillation_loss(*ours, xt, wt, y, **kw)
+    ref = reference.linear_distillation_loss_fp64(*f64, xt, wt, y, **kw)
+    tch = reference.upcast_linear_distillation_loss(*same, xt, wt, y, **kw)
+    assert_close_to_ref("loss", out, ref, tch)
+    grads = [torch.autograd.grad(v, ts) for v, ts in ((out, ours), (ref, f64), (tch, same))]
+    n_valid = (y != -100).sum()
+    d_max = reference.linear_distillation_loss_fp64(xs, ws, xt, wt, y, reduction="none", **kw).max()
+    ulp_d = torch.finfo(torch.float32).eps * d_max / kw["temperature"] / n_valid
+    for name, g, g64, gt, scale in zip(("dX", "dW"), *grads, (ws.abs().max(), xs.abs().max())):
+        assert torch.isfinite(g).all()
+        if beta == 0.0:
+            assert_close_to_ref(name, g, g64, gt)
+        else:
+            err, err_torch = ((t.double() - g64).abs().max() for t in (g, gt))
+            assert err <= 2 * err_torch + 4 * ulp_d * scale, (name, err.item(), err_torch.item())
+
+
+def test_identical_student_and_teacher_give_zero_divergence():
+    xs, ws, bs, _, _, _, y = make_batch(torch.float32, seed=2)
+    for beta in (0.0, 0.4, 1.0):
+        x, w = leaves(xs, ws)
+        loss = fusedkern.linear_distillation_loss(x, w, xs, ws, y, student_bias=bs, teacher_bias=bs, beta=beta)
+        loss.backward()
+        assert abs(loss.item()) < 1e-6 and x.grad.abs().max() < 1e-6 and w.grad.abs().max() < 1e-6
+
+
+def test_all_ignored_gives_zero_loss_and_zero_grads():
+    """TRL clamps the mean's divisor at 1: every target ignored gives 0 (not NaN), and no gradient."""
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=4, ignored=range(T))
+    for reduction in ("mean", "sum", "none"):
+        x, w, b = leaves(xs, ws, bs)
+        loss = fusedkern.linear_distillation_loss(x, w, xt, wt, y, student_bias=b, teacher_bias=bt,
+                                                  weight_hard_loss=0.5, reduction=reduction)
+        loss.sum().backward()
+        assert torch.equal(loss, torch.zeros_like(loss))
+        assert not x.grad.any() and not w.grad.any() and not b.grad.any()
+
+
+def test_poisoned_allocations_are_all_written(poison_allocations):
+    poison_allocations()
+    for reduction in ("mean", "none"):
+        check_against_fp64(torch.float32, seed=6, beta=0.5, weight_hard_loss=0.2, reduction=reduction)
+
+
+def test_teacher_gets_no_gradient():
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=8)
+    x, w, xt_leaf, wt_leaf, bt_leaf = leaves(xs, ws, xt, wt, bt)
+    for reduction in ("mean", "none"):
+        loss = fusedkern.linear_distillation_loss(x, w, xt_leaf, wt_leaf, y, teacher_bias=bt_leaf, reduction=reduction)
+        loss.sum().backward()
+    assert xt_leaf.grad is None and wt_leaf.grad is None and bt_leaf.grad is None
+    assert x.grad is not None and w.grad is not None
+
+
+def test_count_forms_give_the_same_loss_and_grads():
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=9)
+    n = int((y != -100).sum())
+    results = []
+    for count in (None, n, torch.tensor(n, device=DEVICE)):
+        for reduction in ("mean", "none"):
+            x, w = leaves(xs, ws)
+            loss = fusedkern.linear_distillation_loss(x, w, xt, wt, y, beta=0.3, weight_hard_loss=0.2,
+                                                      reduction=reduction, num_valid_tokens=count)
+            loss.sum().backward()
+            results.append((reduction, loss.detach(), x.grad, w.grad))
+    base = {r[0]: r for r in results[:2]}
+    for reduction, loss, dx, dw in results[2:]:
+        _, loss0, dx0, dw0 = base[reduction]
+        torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx, dx0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dw, dw0, rtol=1e-5, atol=1e-6)
+        assert not dx[y == -100].any()
+    for wrong in (n - 1, torch.tensor(n + 1, device=DEVICE)):
+        with pytest.raises(ValueError, match="num_valid_tokens"):
+            fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, num_valid_tokens=wrong)
+
+
+def test_module_and_leading_shape():
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=10)
+    module = fusedkern.LinearDistillationLoss(beta=0.3, temperature=2.0, reduction="none")
+    assert "beta=0.3" in repr(module)
+    out = module(xs.reshape(3, 3, HS), ws, xt.reshape(3, 3, HT), wt, y.reshape(3, 3), student_bias=bs)
+    flat = fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, student_bias=bs, beta=0.3, temperature=2.0,
+                                              reduction="none")
+    assert out.shape == (3, 3)
+    torch.testing.assert_close(out.reshape(-1), flat)
+
+
+def test_autocast_computes_in_the_autocast_dtype():
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=12)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        inside = fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, beta=0.5)
+    cast = [t.to(torch.bfloat16) for t in (xs, ws, xt, wt)]
+    torch.testing.assert_close(inside, fusedkern.linear_distillation_loss(*cast, y, beta=0.5))
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=1)
+    call = lambda **kw: fusedkern.linear_distillation_loss(  # noqa: E731
+        kw.pop("xs", xs), kw.pop("ws", ws), kw.pop("xt", xt), kw.pop("wt", wt), kw.pop("y", y), **kw)
+    cases = [
+        (dict(beta=1.5), ValueError, "beta"), (dict(beta=-0.1), ValueError, "beta"),
+        (dict(temperature=0.0), ValueError, "temperature"), (dict(temperature=float("inf")), ValueError, "temperature"),
+        (dict(reduction="batchmean"), ValueError, "reduction"),
+        (dict(weight_hard_loss=-1.0), ValueError, "weight_hard_loss"),
+        (dict(wt=wt[:-1]), ValueError, "vocabulary"), (dict(xt=xt[:-1]), ValueError, "teacher_hidden"),
+        (dict(xs=xs[:, :-1]), ValueError, "student_hidden"), (dict(ws=ws.double()), TypeError, "student_weight"),
+        (dict(xt=xt.half()), TypeError, "teacher_weight"), (dict(y=y[:-1]), ValueError, "target"),
+        (dict(y=y.float()), TypeError, "target"), (dict(y=None, weight_hard_loss=0.5), ValueError, "target"),
+        (dict(y=None, num_valid_tokens=3), ValueError, "num_valid_tokens"),
+        (dict(num_valid_tokens=T + 1), ValueError, "num_valid_tokens"),
+        (dict(student_bias=bs[:-1]), ValueError, "student_bias"), (dict(xs=xs.tolist()), TypeError, "student_hidden"),
+        (dict(y=torch.where(y == -100, y, V)), ValueError, "target"),
+    ]
+    for kwargs, error, name in cases:
+        with pytest.raises(error, match=name):
+            call(**kwargs)
+    with pytest.raises(ValueError, match="temperature"):
+        fusedkern.LinearDistillationLoss(temperature=-1.0)
