@@ -52,6 +52,7 @@ def linear_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: to
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, num_valid_tokens=num_valid_tokens)
     validate_logprobs_options(temperature, return_entropy, impl)
+    num_valid_tokens = V_.normalize_count(num_valid_tokens, target)  # a numpy or tensor count as the kernels take it
     return logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                               softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
                               weight_grad_accum=weight_grad_accum, num_valid_tokens=num_valid_tokens,
@@ -119,3 +120,46 @@ def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, we
                               y, None, count_int)
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy
+
+
+@follows_autocast
+def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
+                               linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
+                               softcap: float | None = None, temperature: float = 1.0, return_entropy: bool = False,
+                               weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+    """`linear_logprobs` (chunked strategy) that also returns each row's statistics from the same pass:
+    (logps, entropy or None, row_max, row_lse), each float32 shaped like target. row_max = max_v s_v and row_lse
+    = log Σ_v exp(s_v) of the tempered logits s = softcap(z)/τ, without gradient (meaningless where ignored).
+
+    The target is its row's most likely token when logps ≥ row_max − row_lse up to the rounding of the two
+    (`is_top1`: a few fp32 ulps of |row_lse|, measured ≤ 1 ulp); a trainer's top-1 accuracy comes from these
+    without a [tokens, vocab] tensor."""
+    linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
+    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap,
+                  impl="chunked", weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    validate_logprobs_options(temperature, return_entropy, "chunked")
+    x2d = input.reshape(-1, input.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    y = target.reshape(-1).contiguous()
+    softcap = None if softcap is None else float(softcap)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, linear_weight,
+                                                                                              linear_bias))
+    forward_chunk = None if wants_grad else chunk_tokens
+    nll, stats, entropy = call_op(logprobs_entropy, x2d, linear_weight, linear_bias, y, ignore_index, softcap,
+                                  1.0 / float(temperature), return_entropy, weight_grad_accum, chunk_tokens,
+                                  forward_chunk, None, None, -1)
+    lead = input.shape[:-1]
+    stats = stats.detach()
+    return (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),
+            (stats[0] + stats[1]).reshape(lead))
+
+
+def is_top1(logps: torch.Tensor, row_max: torch.Tensor, row_lse: torch.Tensor) -> torch.Tensor:
+    """Whether each target is its row's most likely token, from `linear_logprobs_with_stats`' outputs: its
+    log-prob within 4 fp32 ulps (of |row_max| + |row_lse| + 1) of the row's largest (log p of the maximum,
+    row_max − row_lse, and the kernel's log-prob of the same token differ by rounding, ≤ 1 ulp measured). A
+    logit within that tolerance of the maximum counts as top-1, and a tie counts for the target (argmax
+    would pick the first index)."""
+    tol = 4 * torch.finfo(torch.float32).eps * (row_max.abs() + row_lse.abs() + 1)
+    return logps >= (row_max - row_lse) - tol

@@ -1,0 +1,286 @@
+"""TRL's trainers on fusedkern's fused LM head: `patch()` once, before the trainer is built.
+
+TRL ≥ 1.14 routes every loss of SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer through one
+hook: the trainer calls `trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`
+in its `__init__` (on the policy, and on the reference model when there is one), and its loss code then calls
+`model(..., labels=labels, fused_lm_head=True)` and reads per-token fields (`log_probs`, `entropy`,
+`mean_logits`, `is_top1`) of a `FusedCausalLMOutput`. Every loss type, weighting, clipping and metric is
+TRL's own code over those fields. So `patch()` replaces that one function, in TRL's module and in every TRL
+module that imported it, by `add_fused_lm_head` below: the same signature and output, computed with
+`fusedkern.logprobs.linear_logprobs_with_stats` (no [B, S, V] logits for the policy or the reference model;
+the reference runs under TRL's `no_grad`, so fusedkern's loss-only path). Because the trainers' own loss
+code runs unchanged, every loss type TRL has for them (DPO's lists of weighted types, GRPO's cispo, sapo,
+luspo, vespo, sequence-level importance sampling, `delta`, the bias-corrected KL, …) is covered with TRL's
+semantics and metric names, and a TRL release that keeps this documented hook keeps working.
+
+TRL's own head is not raced: while patched, TRL's chunked log-prob function (`trl.trainer.utils`'
+`_ChunkedLogProbFunction`, looked up by TRL's head at each call) is replaced by a guard that raises, so a
+model that still carries TRL's head (built before `patch()`, or by code holding TRL's function) fails loudly
+instead of training silently without fusedkern.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+
+import torch
+
+from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
+
+TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# the trainer modules whose __init__ installs the head (imported by `patch` so that their references are replaced)
+TRAINER_MODULES = ("trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.kto_trainer",
+                   "trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
+HEAD_MARK = "fusedkern_trl_head"
+
+_patch_state: dict = {}
+
+
+def _trl_utils():
+    try:
+        return importlib.import_module("trl.trainer.utils")
+    except ImportError as e:
+        raise ImportError("fusedkern.integrations.trl needs TRL (pip install 'fusedkern[trl]')") from e
+
+
+class TRLHeadGuard(torch.autograd.Function):
+    """Stands in for TRL's chunked log-prob function while fusedkern's patch is on: TRL's own head never runs."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        raise RuntimeError("TRL's own fused LM head ran while fusedkern.integrations.trl is patched: this model got "
+                           "TRL's head (`add_fused_lm_head`) before `patch()` or from code holding TRL's function. "
+                           "Call fusedkern.integrations.trl.patch() before building the trainer.")
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        return cls.forward(None, *args)
+
+
+def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -> None:
+    """Make TRL's trainers built from now on compute their per-token log-probs with fusedkern (see the module
+    docstring). Idempotent; a second call with other options replaces them. `unpatch()` restores TRL's head.
+
+    weight_grad_accum, chunk_tokens: fusedkern's options (docs/usage.md)."""
+    utils = _trl_utils()
+    for name in TRAINER_MODULES:
+        importlib.import_module(name)
+    original = _patch_state.get("original", utils.add_fused_lm_head)
+    if getattr(original, HEAD_MARK, False):
+        raise RuntimeError("trl.trainer.utils.add_fused_lm_head is already fusedkern's without a record of TRL's")
+
+    @functools.wraps(original)
+    def head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
+        return add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+                                 outputs=outputs, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+
+    setattr(head, HEAD_MARK, True)
+    if "original" in _patch_state:
+        unpatch()
+    replaced = []
+    for mod_name, mod in list(sys.modules.items()):
+        if (mod_name == "trl" or mod_name.startswith("trl.")) and isinstance(mod, types.ModuleType) \
+                and mod.__dict__.get("add_fused_lm_head") is original:
+            setattr(mod, "add_fused_lm_head", head)
+            replaced.append(mod)
+    guard_name = "_ChunkedLogProbFunction"  # TRL's head looks it up in its module at each call
+    guarded = guard_name in utils.__dict__
+    _patch_state.update(original=original, head=head, modules=replaced,
+                        guarded=utils.__dict__.get(guard_name) if guarded else None)
+    if guarded:
+        setattr(utils, guard_name, TRLHeadGuard)
+
+
+def unpatch() -> None:
+    """Undo `patch()`: TRL's own `add_fused_lm_head` again (for trainers built afterwards)."""
+    if "original" not in _patch_state:
+        return
+    for mod in _patch_state["modules"]:
+        if mod.__dict__.get("add_fused_lm_head") is _patch_state["head"]:
+            setattr(mod, "add_fused_lm_head", _patch_state["original"])
+    if _patch_state["guarded"] is not None:
+        setattr(_trl_utils(), "_ChunkedLogProbFunction", _patch_state["guarded"])
+    _patch_state.clear()
+
+
+def is_patched() -> bool:
+    return "original" in _patch_state
+
+
+@contextlib.contextmanager
+def patched(**options):
+    """`patch(**options)` for the duration of a `with` block (trainers built inside keep fusedkern's head; the
+    guard against TRL's own head is lifted on exit)."""
+    was = is_patched()
+    patch(**options)
+    try:
+        yield
+    finally:
+        if not was:
+            unpatch()
+
+
+def has_fused_head(model) -> bool:
+    """Whether `model` (or the model under a PEFT wrapper) carries fusedkern's TRL head."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    seen = 0
+    forward = model.forward
+    while forward is not None and seen < 16:  # through accelerate's wrappers (autocast, fp32 outputs)
+        func = getattr(forward, "__func__", forward)
+        if getattr(func, HEAD_MARK, False):
+            return True
+        forward = getattr(func, "__wrapped__", None) or getattr(func, "model_forward", None)
+        seen += 1
+    return False
+
+
+def check_trainer(trainer) -> None:
+    """Raise RuntimeError unless the trainer's model (and reference model, if any) carries fusedkern's head —
+    e.g. after code that re-installs TRL's head on an existing trainer."""
+    for role in ("model", "ref_model"):
+        model = getattr(trainer, role, None)
+        if model is not None and not has_fused_head(model):
+            raise RuntimeError(f"trainer.{role} does not carry fusedkern's fused LM head: call "
+                               "fusedkern.integrations.trl.patch() before building the trainer")
+
+
+def logit_scale_of(text_config) -> float:
+    """The model's multiplier of the logits before any softcap, as TRL reads it (Cohere's logit_scale,
+    output_multiplier, Falcon-H1's lm_head_multiplier, Granite's 1/logits_scaling, HyperCLOVA X's
+    logits_scaling); 1.0 when none."""
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else float(scale)
+
+
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                      outputs: tuple[str, ...] = ("log_probs",), *, weight_grad_accum: str = "fp32",
+                      chunk_tokens: int | None = None) -> None:
+    """fusedkern's `trl.trainer.utils.add_fused_lm_head`: `model(..., labels=labels, fused_lm_head=True)` returns
+    TRL's `FusedCausalLMOutput` (log_probs, entropy, mean_logits, is_top1, label_mask, loss, aux_loss), computed
+    by fusedkern over the positions whose label is not −100; without `fused_lm_head` the original forward runs.
+
+    Raises ValueError for what it cannot reproduce: `log_sum_sq_probs` (DPOConfig(use_weighting=True), WPO),
+    `mean_logits` under a final logit softcap, a logit scale together with a softcap. At each call, TypeError for
+    an `lm_head` that is not a plain nn.Linear (a LoRA adapter or modules_to_save wrapper on the head, whose
+    weight TRL's own head would read without the adapter) and for DeepSpeed ZeRO-3 parameters."""
+    transformers = importlib.import_module("transformers")
+    from packaging.version import Version
+    outputs = tuple(outputs)
+    unknown = [o for o in outputs if o not in TRL_OUTPUTS]
+    if unknown:
+        raise ValueError(f"outputs must be among {TRL_OUTPUTS}, got {unknown}")
+    if "log_sum_sq_probs" in outputs:
+        raise ValueError("outputs 'log_sum_sq_probs' (DPOConfig(use_weighting=True), WPO's weights) has no fused "
+                         "form in fusedkern; train without use_weighting or unpatch")
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    text_config = model.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    logit_scale = logit_scale_of(text_config)
+    if softcap is not None and logit_scale != 1.0:
+        raise ValueError(f"a logit scale ({logit_scale}) before a final logit softcap ({softcap}) has no fused form "
+                         "in fusedkern")
+    if not logit_scale > 0:
+        raise ValueError(f"the model's logit scale must be > 0 for fusedkern, got {logit_scale}")
+    if softcap is not None and "mean_logits" in outputs:
+        raise ValueError("outputs 'mean_logits' (the trainer's logits/* metrics) under a final logit softcap "
+                         f"({softcap}) has no fused form in fusedkern: the mean of softcapped logits needs them all")
+    # no softcap: s = scale·z/τ is a temperature of τ/scale; with a softcap, scale is 1
+    effective_temperature = float(temperature) / logit_scale
+    want_entropy = "entropy" in outputs
+    want_stats = "is_top1" in outputs
+    want_mean = "mean_logits" in outputs
+    original_forward = model.forward
+    backbone_attr = "base_model"
+    if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
+        backbone_attr = "model"
+
+    # keeps the original signature: `generate` validates its model kwargs against it
+    @functools.wraps(type(model).forward)
+    def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                      **kwargs):
+        if not fused_lm_head:
+            for key, value in (("labels", labels), ("shift_labels", shift_labels),
+                               ("num_items_in_batch", num_items_in_batch)):
+                if value is not None:
+                    kwargs[key] = value
+            return original_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone_outputs.last_hidden_state, shift_labels
+        lm_head = self.get_output_embeddings()  # looked up at each call: FSDP and PEFT replace modules
+        if type(lm_head) is not torch.nn.Linear:
+            raise TypeError(f"fusedkern's TRL head needs the model's lm_head to be a plain nn.Linear, got "
+                            f"{type(lm_head).__name__} (a LoRA adapter or modules_to_save on lm_head is not "
+                            "reproduced: leave lm_head out of the PEFT config)")
+        weight, bias = lm_head.weight, lm_head.bias
+        if hasattr(weight, "ds_id"):
+            raise TypeError("fusedkern's TRL head does not support DeepSpeed ZeRO-3 parameters (its backward "
+                            "recomputes the logits from lm_head.weight)")
+        hidden = hidden.to(weight.device)
+        labels = labels.to(weight.device)
+        mask = labels != -100
+        autocast_ctx = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
+        # only the scored positions reach the GEMMs (a host sync, as TRL's own head on a Triton device)
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        x = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+        y = labels.reshape(-1).index_select(0, rows)
+        with autocast_ctx:
+            if rows.numel() > 0:
+                logps, entropy, row_max, row_lse = linear_logprobs_with_stats(
+                    x, weight, y, linear_bias=bias, softcap=softcap, temperature=effective_temperature,
+                    return_entropy=want_entropy, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+            else:  # an all-masked micro-batch still gives a differentiable zero connected to the model
+                logps = x.float().sum(-1)
+                entropy, row_max, row_lse = (logps if want_entropy else None), logps.detach(), logps.detach()
+            mean_logits = None
+            if want_mean:
+                with torch.no_grad():
+                    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
+                        else x.dtype
+                    w_mean = weight.to(dtype).float().mean(0)
+                    mean_logits = x.to(dtype).float() @ w_mean
+                    if bias is not None:
+                        mean_logits = mean_logits + bias.to(dtype).float().mean()
+                    mean_logits = mean_logits / effective_temperature
+
+        def scatter(t):
+            return None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t)
+
+        log_probs = scatter(logps)
+        top1 = scatter(is_top1(logps.detach(), row_max, row_lse)) if want_stats else None
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+            num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts")
+            aux_loss = load_balancing_loss_func(backbone_outputs.router_logits, num_experts,
+                                                text_config.num_experts_per_tok, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        output_cls = _trl_utils().FusedCausalLMOutput
+        return output_cls(loss=loss, log_probs=log_probs, entropy=scatter(entropy) if want_entropy else None,
+                          log_sum_sq_probs=None, mean_logits=scatter(mean_logits), is_top1=top1, label_mask=mask,
+                          aux_loss=aux_loss)
+
+    setattr(fused_forward, HEAD_MARK, True)
+    model.forward = types.MethodType(fused_forward, model)

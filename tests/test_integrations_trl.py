@@ -1,0 +1,369 @@
+"""fusedkern.integrations.trl: TRL 1.16's trainers run a few SGD steps on a tiny random Llama (vocab 80,
+hidden 32, 2 layers, fp32, CPU through Triton's interpreter) with TRL's own fused head and with fusedkern's,
+side by side from the same weights and data: every logged loss and metric and every updated parameter agree
+within fp32 tolerance; fusedkern's head actually ran (its calls counted) and allocated no tensor shaped like
+the logits; what it cannot reproduce raises."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedkern.logprobs
+from fusedkern._runtime import interpreting
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (pip install 'fusedkern[trl]')"),
+    pytest.mark.skipif(not interpreting(), reason="CPU tensors need Triton's interpreter (on when no GPU is visible)"),
+    pytest.mark.usefixtures("one_cpu_thread"),
+]
+
+V = 80  # no other dimension of the model or the batches is 80: a tensor with a last dim of 80 holds logits
+METRIC_ATOL = 2e-5  # per-token log-probs of ~−20 agree to ~1e-6; TRL's metrics are differences of such sums
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(V - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    g = torch.Generator().manual_seed(0)
+
+    def text(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, V - 3, (n,), generator=g))
+
+    n = 8
+    prompts = [text(4 + i % 3) for i in range(n)]
+    data = {
+        "pref": Dataset.from_dict({"prompt": prompts, "chosen": [" " + text(2 + i % 2) for i in range(n)],
+                                   "rejected": [" " + text(3) for i in range(n)]}),
+        "kto": Dataset.from_dict({"prompt": prompts, "completion": [" " + text(2 + i % 3) for i in range(n)],
+                                  "label": [i % 2 == 0 for i in range(n)]}),
+        "sft": Dataset.from_dict({"prompt": prompts, "completion": [" " + text(3 + i % 2) for i in range(n)]}),
+        "prompt": Dataset.from_dict({"prompt": prompts}),
+    }
+    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return dict(tokenizer=tokenizer, data=data, path=str(path), out=str(tmp_path_factory.mktemp("trl_out")))
+
+
+def reward_len(completions, **kwargs):
+    """A reward with spread within each group (GRPO's advantages are zero without it)."""
+    return [float(len(c)) / 8.0 + (0.5 if "w1" in c else 0.0) for c in completions]
+
+
+def build(kind, tiny, fused, **config):
+    """(trainer class, trainer) for `kind`, TRL's head or fusedkern's, from the saved tiny model."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    import fusedkern.integrations.trl as fk_trl
+
+    common = dict(output_dir=tiny["out"], per_device_train_batch_size=2, max_steps=2, learning_rate=0.5,
+                  optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True,
+                  save_strategy="no", seed=0, disable_tqdm=True, bf16=False)
+    common.update(config)
+    peft_config = common.pop("peft_config", None)
+    model = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    kw = dict(model=model, processing_class=tiny["tokenizer"], peft_config=peft_config)
+    if kind == "dpo":
+        cls, args, data = trl.DPOTrainer, trl.DPOConfig(**common), tiny["data"]["pref"]
+        if peft_config is None:
+            kw["ref_model"] = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    elif kind == "kto":
+        cls, args, data = trl.KTOTrainer, trl.KTOConfig(**common), tiny["data"]["kto"]
+        kw["ref_model"] = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    elif kind == "sft":
+        cls, args, data = trl.SFTTrainer, trl.SFTConfig(**common), tiny["data"]["sft"]
+    elif kind in ("grpo", "rloo"):
+        common.setdefault("num_generations", 2)
+        common.setdefault("max_completion_length", 4)
+        cls = trl.GRPOTrainer if kind == "grpo" else trl.RLOOTrainer
+        args = (trl.GRPOConfig if kind == "grpo" else trl.RLOOConfig)(**common)
+        data = tiny["data"]["prompt"]
+        kw["model"] = tiny["path"]
+        kw["reward_funcs"] = reward_len
+    else:
+        raise AssertionError(kind)
+    kw = {k: v for k, v in kw.items() if v is not None or k != "peft_config"}
+    with fk_trl.patched() if fused else contextlib.nullcontext():
+        trainer = cls(train_dataset=data, args=args, **kw)
+    return trainer
+
+
+def count_calls(monkeypatch):
+    import fusedkern.integrations.trl as fk_trl
+
+    calls = []
+    real = fk_trl.linear_logprobs_with_stats
+    monkeypatch.setattr(fk_trl, "linear_logprobs_with_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def train(trainer, fused):
+    import fusedkern.integrations.trl as fk_trl
+
+    if fused:
+        fk_trl.check_trainer(trainer)
+        with fk_trl.patched():  # the guard against TRL's own head is on while training
+            trainer.train()
+    else:
+        trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    return steps, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_same_run(plain, fused, keys_at_least=()):
+    (logs_p, params_p), (logs_f, params_f) = plain, fused
+    assert len(logs_p) == len(logs_f) >= 1
+    for a, b in zip(logs_p, logs_f):
+        assert set(a) == set(b)  # the same metric names
+        for key in keys_at_least:
+            assert key in a, f"TRL did not log {key}"
+        for key, value in a.items():
+            if key in ("step_time", "train_runtime") or not isinstance(value, float):
+                continue
+            if key.endswith("accuracies") and abs(a.get("rewards/margins", 1.0)) < 1e-4:
+                continue  # chosen > rejected between two rewards equal up to rounding (policy = reference): a coin
+            assert math.isfinite(b[key])
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=METRIC_ATOL), key
+    moved = 0
+    for name, p in params_p.items():
+        torch.testing.assert_close(params_f[name], p, rtol=1e-4, atol=2e-5, msg=name)
+        moved += 1
+    assert moved > 0
+
+
+def run_pair(kind, tiny, monkeypatch, **config):
+    plain = train(build(kind, tiny, False, **config), False)
+    calls = count_calls(monkeypatch)
+    fused = train(build(kind, tiny, True, **config), True)
+    assert calls, "fusedkern's head never ran"
+    return plain, fused, calls
+
+
+@pytest.mark.parametrize("loss_type", [["sigmoid"], ["ipo", "hinge", "robust"]])
+def test_dpo_matches_trl(tiny, monkeypatch, loss_type):
+    weights = None if len(loss_type) == 1 else [0.5, 0.3, 0.2]
+    plain, fused, calls = run_pair("dpo", tiny, monkeypatch, loss_type=loss_type, loss_weights=weights,
+                                   label_smoothing=0.1 if "robust" in loss_type else 0.0)
+    assert_same_run(plain, fused, ("rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected",
+                                   "logits/chosen", "entropy", "mean_token_accuracy"))
+    assert len(calls) == 2 * 2  # policy and reference, per step
+    assert plain[0][-1]["loss"] != plain[0][0]["loss"]
+
+
+def test_dpo_precomputed_reference_and_grad_accumulation(tiny, monkeypatch):
+    """TRL 1.16's DPOConfig has no reference_free flag; precompute_ref_log_probs runs the reference through the
+    head once, under no_grad, before training."""
+    plain, fused, calls = run_pair("dpo", tiny, monkeypatch, precompute_ref_log_probs=True,
+                                   gradient_accumulation_steps=2, per_device_train_batch_size=1, max_steps=1)
+    assert_same_run(plain, fused, ("rewards/margins",))
+    assert len(calls) > 2  # the precomputation pass, then the policy's two micro-batches
+
+
+def test_dpo_bf16_autocast_within_bf16_tolerance(tiny, monkeypatch):
+    """TRL's default bf16=True: on CPU the step runs under bf16 autocast, and fusedkern's head runs inside it
+    (the operands cast as nn.Linear would) — a step equal to TRL's own within bf16 rounding."""
+    plain = train(build("dpo", tiny, False, bf16=True, max_steps=1), False)
+    fused = train(build("dpo", tiny, True, bf16=True, max_steps=1), True)
+    for key in ("loss", "logps/chosen", "logps/rejected", "entropy"):
+        assert fused[0][0][key] == pytest.approx(plain[0][0][key], rel=2e-2, abs=1e-3), key
+    for name, p in plain[1].items():
+        torch.testing.assert_close(fused[1][name], p, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_dpo_peft_lora_reference_through_disabled_adapter(tiny, monkeypatch):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    plain, fused, calls = run_pair("dpo", tiny, monkeypatch, peft_config=lora, max_steps=1)
+    assert_same_run(plain, fused, ("rewards/chosen",))
+    assert len(calls) == 2  # the reference is the same model with its adapter off, through fusedkern too
+    assert any("lora" in n for n in fused[1])
+
+
+def test_sft_matches_trl_completion_only(tiny, monkeypatch):
+    plain, fused, _ = run_pair("sft", tiny, monkeypatch, gradient_accumulation_steps=2)  # num_items_in_batch
+    assert_same_run(plain, fused, ("entropy", "mean_token_accuracy", "num_tokens"))
+
+
+def test_sft_packing_padding_free(tiny, monkeypatch):
+    plain, fused, _ = run_pair("sft", tiny, monkeypatch, packing=True, max_length=16, max_steps=1)
+    assert_same_run(plain, fused, ("mean_token_accuracy",))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_grpo_matches_trl(tiny, monkeypatch, loss_type):
+    config = dict(loss_type=loss_type, temperature=0.7, max_steps=1, beta=0.04)
+    plain, fused, _ = run_pair("grpo", tiny, monkeypatch, **config)
+    assert_same_run(plain, fused, ("kl", "entropy"))
+
+
+def test_kto_matches_trl(tiny, monkeypatch):
+    plain, fused, _ = run_pair("kto", tiny, monkeypatch, max_steps=1, per_device_train_batch_size=4)
+    assert_same_run(plain, fused, ("logps/chosen",))
+
+
+def test_rloo_matches_trl(tiny, monkeypatch):
+    plain, fused, _ = run_pair("rloo", tiny, monkeypatch, max_steps=1, beta=0.04)
+    assert_same_run(plain, fused, ("entropy",))
+
+
+class LogitsWatch(TorchDispatchMode):
+    """Records every tensor an op returns whose last dimension is the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[-1] == V:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["dpo", "sft"])
+def test_no_logits_tensor_in_a_training_step(tiny, kind):
+    """Every [rows, V] tensor of fusedkern's training step has fewer rows than the batch has label positions
+    (only valid targets, chunked); TRL's own head on CPU holds [all positions, V] — the check can fail."""
+    import fusedkern.integrations.trl as fk_trl
+
+    rows = []
+    for fused in (False, True):
+        trainer = build(kind, tiny, fused, max_steps=1)
+        decoder = trainer.model.model
+        positions = []
+        hook = decoder.register_forward_pre_hook(
+            lambda m, a, k: positions.append(k["input_ids"].shape[0] * (k["input_ids"].shape[1] - 1)),
+            with_kwargs=True)
+        watch = LogitsWatch()
+        with fk_trl.patched() if fused else contextlib.nullcontext(), watch:
+            trainer.train()
+        hook.remove()
+        assert positions
+        rows.append(max((math.prod(s[:-1]) for s in watch.shapes), default=0) >= min(positions))
+    assert rows == [True, False]
+
+
+def test_patch_replaces_every_reference_and_unpatch_restores():
+    import trl.trainer.dpo_trainer as dpo_module
+    import trl.trainer.utils as utils
+
+    import fusedkern.integrations.trl as fk_trl
+
+    original = utils.add_fused_lm_head
+    fk_trl.patch()
+    try:
+        assert fk_trl.is_patched()
+        assert dpo_module.add_fused_lm_head is utils.add_fused_lm_head is not original
+        assert utils._ChunkedLogProbFunction is fk_trl.TRLHeadGuard
+        fk_trl.patch(chunk_tokens=64)  # again, other options: still one layer over TRL's
+        assert fk_trl.is_patched()
+    finally:
+        fk_trl.unpatch()
+    assert dpo_module.add_fused_lm_head is original and utils.add_fused_lm_head is original
+    assert utils._ChunkedLogProbFunction is not fk_trl.TRLHeadGuard and not fk_trl.is_patched()
+
+
+def test_trl_head_installed_before_patch_raises_when_run(tiny):
+    """A trainer built before patch() carries TRL's head: check_trainer says so, and running it while the patch
+    is on raises instead of silently training without fusedkern."""
+    import fusedkern.integrations.trl as fk_trl
+
+    trainer = build("sft", tiny, False, max_steps=1)
+    with pytest.raises(RuntimeError, match="does not carry fusedkern"):
+        fk_trl.check_trainer(trainer)
+    with fk_trl.patched(), pytest.raises(RuntimeError, match="TRL's own fused LM head ran"):
+        trainer.train()
+
+
+def test_refusals(tiny):
+    import fusedkern.integrations.trl as fk_trl
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="use_weighting"):
+        build("dpo", tiny, True, use_weighting=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    for bad in (dict(outputs=("logits",)), dict(temperature=0.0)):
+        with pytest.raises(ValueError):
+            fk_trl.add_fused_lm_head(copy.deepcopy(model), **bad)
+    softcapped = copy.deepcopy(model)
+    softcapped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="mean_logits"):
+        fk_trl.add_fused_lm_head(softcapped, outputs=("log_probs", "mean_logits"))
+    softcapped.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match="logit scale"):
+        fk_trl.add_fused_lm_head(softcapped)
+    # TRL itself refuses a PEFT adapter on lm_head; a head that is not a plain nn.Linear reaching the head anyway
+    # (a subclass with its own forward) raises rather than being read through its weight
+    wrapped = copy.deepcopy(model)
+    wrapped.lm_head = type("ScaledHead", (torch.nn.Linear,), {})(32, V, bias=False)
+    fk_trl.add_fused_lm_head(wrapped)
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        wrapped(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]]), fused_lm_head=True)
+
+
+def test_head_softcap_scale_temperature_and_empty_rows(tiny):
+    """fusedkern's head against TRL's on one model: Gemma-2's softcap, Granite's logits_scaling, a temperature,
+    and a batch whose labels are all ignored (a differentiable zero)."""
+    import trl.trainer.utils as utils
+    from transformers import AutoModelForCausalLM
+
+    import fusedkern.integrations.trl as fk_trl
+
+    base = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (3, 9), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    for extra, outputs in ((dict(final_logit_softcapping=0.05), ("log_probs", "entropy", "is_top1")),
+                           (dict(logits_scaling=0.25), ("log_probs", "entropy", "mean_logits", "is_top1"))):
+        theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
+        for m in (theirs, ours):
+            for k, v in extra.items():
+                setattr(m.config, k, v)
+        utils.add_fused_lm_head(theirs, temperature=0.6, outputs=outputs)
+        fk_trl.add_fused_lm_head(ours, temperature=0.6, outputs=outputs)
+        a = theirs(input_ids=ids, labels=labels, fused_lm_head=True)
+        b = ours(input_ids=ids, labels=labels, fused_lm_head=True)
+        for field in outputs + ("loss",):
+            torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=2e-6, msg=field)
+        (a.loss + a.entropy.sum()).backward()
+        (b.loss + b.entropy.sum()).backward()
+        for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    out = ours(input_ids=ids, labels=torch.full_like(labels, -100), fused_lm_head=True)
+    assert out.loss.item() == 0.0 and out.log_probs.abs().sum().item() == 0.0
+    out.loss.backward()  # connected to the model
+
+
+def test_is_top1_against_argmax():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(40, 16, generator=g), torch.randn(V, 16, generator=g)
+    logits = x @ w.T / 0.9
+    target = torch.randint(0, V, (40,), generator=g)
+    target[:20] = logits[:20].argmax(-1)
+    logps, _, row_max, row_lse = fusedkern.logprobs.linear_logprobs_with_stats(x, w, target, temperature=0.9)
+    assert torch.equal(fusedkern.logprobs.is_top1(logps, row_max, row_lse), logits.argmax(-1) == target)
+    torch.testing.assert_close(logps, torch.log_softmax(logits.double(), -1).gather(1, target[:, None])[:, 0].float(),
+                               rtol=0, atol=2e-6)
