@@ -1,5 +1,5 @@
 """fusedkern.integrations.transformers.patch on one tiny random model (1 layer, hidden 32, vocab 64, batch 2 ×
-seq 8, fp32, no download) of each of 27 causal-LM architectures: the patched loss and every parameter's gradient
+seq 8, fp32, no download) of each of 26 causal-LM architectures: the patched loss and every parameter's gradient
 equal the unpatched model's (Transformers' own forward on materialized logits), with ignored labels and
 `num_items_in_batch`. The patch has no list of classes: these cases are what its detection was tested on —
 tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's `logit_scale`, Granite's
@@ -7,7 +7,7 @@ tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's 
 transform is checked to change the loss, so that a patch ignoring it would fail; no [B, S, V] tensor in a
 patched step. Then what is refused, and
 when: a forward that computes its loss without `self.loss_function` (at patch time), one that does something
-else to the logits (at its first labelled call)."""
+else to the logits (at its first labelled call). PEFT LoRA on the body."""
 
 from __future__ import annotations
 
@@ -246,6 +246,7 @@ def test_subclass_with_its_own_forward(op):
 
 @pytest.mark.parametrize("op, what", [
     (lambda z: z + 1.0, "addition"),
+    (lambda z: 1.0 / z, "other than scaling"),
     (lambda z: z[..., :32], "indexing"),
     (lambda z: z.logsumexp(-1), "logits.logsumexp"),
     (lambda z: torch.softmax(z, -1), "softmax"),
@@ -278,9 +279,15 @@ def test_forward_that_skips_loss_function_raises():
         model(input_ids=input_ids, labels=labels)
 
 
+class _NoLabels(transformers.LlamaForCausalLM):
+    def forward(self, input_ids):
+        return super().forward(input_ids=input_ids)
+
+
 @pytest.mark.parametrize("cls, what", [
-    (transformers.BartForCausalLM, "computes its loss without self.loss_function"),
-    (transformers.LlamaModel, "takes no labels"),
+    (_NoLabels, "its forward takes no labels"),
+    (transformers.BartForCausalLM, "BartForCausalLM.forward computes no loss with self.loss_function"),
+    (transformers.LlamaModel, "LlamaModel.forward computes no loss with self.loss_function"),  # no head
     (nn.Linear, "not a Transformers PreTrainedModel"),
 ])
 def test_refused_at_patch_time(cls, what):
@@ -296,3 +303,18 @@ def test_custom_loss_function_is_refused():
     input_ids, labels = make_batch()
     with pytest.raises(TypeError, match="ForCausalLMLoss"):
         model(input_ids=input_ids, labels=labels)
+
+
+def test_lora_on_the_body():
+    """PEFT LoRA adapters on the attention: the patched base model's loss and the adapters' gradients equal
+    the unpatched model's (the head stays a plain nn.Linear)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model("Qwen3"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                      init_lora_weights=False))
+    input_ids, labels = make_batch()
+    _, ref_loss, ref_grads = run(model, input_ids, labels)
+    assert ref_grads and all("lora_" in name for name in ref_grads)
+    fk_hf.patch(model.get_base_model())
+    out, loss, grads = run(model, input_ids, labels)
+    assert out.logits is None
+    assert_same((loss, grads), (ref_loss, ref_grads))

@@ -263,9 +263,9 @@ class DeferredLogits:
         raise self._refuse(f"indexing of the logits ([{index!r}])")
 
     def __add__(self, other):
-        raise self._refuse("addition to the logits")
+        raise self._refuse("an arithmetic operation other than scaling (addition, subtraction, ...)")
 
-    __radd__ = __sub__ = __rsub__ = __add__
+    __radd__ = __sub__ = __rsub__ = __rtruediv__ = __pow__ = __add__
 
     def __neg__(self):
         raise self._refuse("negation of the logits")
