@@ -219,3 +219,37 @@ def test_bad_inputs_raise():
         fusedkern.linear_logprobs(x, w, y, return_entropy=1)
     with pytest.raises(ValueError, match="return_entropy"):
         fusedkern.linear_logprobs(x, w, y, return_entropy=True, impl="fused")
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_with_stats_matches_linear_logprobs_and_fp64(softcap):
+    """linear_logprobs_with_stats: the same log-probs, entropy and gradients as linear_logprobs (the same
+    operator), plus the row max and log-sum-exp of the tempered logits against fp64; is_top1 equals the
+    argmax test, targets set to the argmax on half the rows."""
+    x, w, y, b = make_inputs(torch.float32, bias=True, seed=4)
+    logits = F.linear(x.double(), w.double(), b.double())
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    s = logits / 0.7
+    y[: T // 2] = s[: T // 2].argmax(-1)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent, row_max, row_lse = fusedkern.logprobs.linear_logprobs_with_stats(
+        xs, ws, y, linear_bias=b, softcap=softcap, temperature=0.7, return_entropy=True)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp_ref, ent_ref = fusedkern.linear_logprobs(xr, wr, y, linear_bias=b, softcap=softcap, temperature=0.7,
+                                                return_entropy=True)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ent, ent_ref, rtol=0, atol=0)
+    valid = y != -100
+    torch.testing.assert_close(row_max[valid], s.max(-1).values[valid].float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(row_lse[valid], torch.logsumexp(s, -1)[valid].float(), rtol=1e-6, atol=1e-6)
+    assert not row_max.requires_grad and not row_lse.requires_grad
+    top1 = fusedkern.logprobs.is_top1(lp.detach(), row_max, row_lse)
+    assert torch.equal(top1[valid], (s.argmax(-1) == y)[valid]) and top1[: T // 2][valid[: T // 2]].all()
+    g = torch.randn(T, generator=torch.Generator().manual_seed(5))
+    ((lp * g).sum() + ent.sum()).backward()
+    ((lp_ref * g).sum() + ent_ref.sum()).backward()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=0)
+    torch.testing.assert_close(ws.grad, wr.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="temperature"):
+        fusedkern.logprobs.linear_logprobs_with_stats(x, w, y, temperature=0.0)
