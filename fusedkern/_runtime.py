@@ -18,6 +18,40 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def interpret_triton_helpers_imported_earlier() -> int:
+    """Turn the `@triton.jit` functions that Triton's own modules defined before the interpreter was switched on
+    into interpreted ones; returns how many were replaced.
+
+    Why: Triton chooses compiled or interpreted when a function is decorated. When `triton.language` was imported
+    before fusedkern (by Transformers, TRL, `import triton.language`), its helpers (`tl.sum`'s combine function,
+    `tl.max`, `tl.cdiv`, ...) are compiled-kernel objects, and every interpreted kernel that calls one raised
+    "Cannot call @triton.jit'd outside of the scope of a kernel". Swapping them in Triton's modules and in
+    `tl.tensor`'s methods makes the import order irrelevant; fusedkern's own kernels are decorated after the switch."""
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped: dict[int, object] = {}
+
+    def replace_in(namespace: dict, owner) -> None:
+        for name, value in list(namespace.items()):
+            if type(value) is JITFunction:
+                if id(value) not in swapped:
+                    swapped[id(value)] = InterpretedFunction(value.fn, version=value.version, debug=value.debug,
+                                                             noinline=value.noinline,
+                                                             do_not_specialize=value.do_not_specialize)
+                setattr(owner, name, swapped[id(value)])
+
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.split(".")[0] == "triton":
+            replace_in(vars(module), module)
+    if "triton.language" in sys.modules:
+        tensor_class = sys.modules["triton.language"].core.tensor
+        replace_in(dict(vars(tensor_class)), tensor_class)
+    return len(swapped)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -53,6 +87,7 @@ def round_bf16_like_the_gpu() -> None:
 
 
 if interpreting():
+    interpret_triton_helpers_imported_earlier()
     round_bf16_like_the_gpu()
 
 

@@ -8,8 +8,10 @@ fails in Python rather than as a silent wrong answer or a crash inside a kernel.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from fusedkern._runtime import expected_device_type, interpreting
@@ -163,9 +165,31 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
 
 
 def check_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Any integer (Python, numpy, anything with `__index__`) as a Python int; bools and floats are refused."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def normalize_count(num_valid_tokens, target: torch.Tensor):
+    """`num_valid_tokens` as the kernels take it: None, a Python int (from any integer type, or from a one-element
+    integer tensor on the CPU when the targets live elsewhere: reading it costs no sync), or a one-element int64 /
+    int32 tensor on the targets' device. Anything else raises, naming the argument."""
+    if not isinstance(num_valid_tokens, torch.Tensor):
+        return None if num_valid_tokens is None else check_int("num_valid_tokens", num_valid_tokens)
+    if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype.is_floating_point or num_valid_tokens.is_complex() \
+            or num_valid_tokens.dtype == torch.bool:
+        raise TypeError("num_valid_tokens as a tensor must hold one integer count, got "
+                        f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
+    if num_valid_tokens.device != target.device and num_valid_tokens.device.type == "cpu":
+        return int(num_valid_tokens.item())
+    check_same_device("target", target, num_valid_tokens=num_valid_tokens)
+    if num_valid_tokens.dtype not in INDEX_DTYPES:
+        num_valid_tokens = num_valid_tokens.to(torch.int64)
+    return num_valid_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +233,9 @@ def validate_call(input, linear_weight, target, linear_bias, *, weight=None, red
     """Every argument check that needs only shapes, dtypes and Python values (torch.compile traces them
     into guards). The checks that read the device — targets in range, the count — run inside the
     operators (`start_checks`)."""
-    check_tensor("input", input, min_ndim=1, dtypes=FLOAT_DTYPES)
+    # a batch of no token is allowed (torch returns 0 for a sum, NaN for a mean); an empty hidden size is not
+    check_tensor("input", input, min_ndim=1, dtypes=FLOAT_DTYPES,
+                 allow_empty=isinstance(input, torch.Tensor) and input.shape[-1:] != (0,))
     check_tensor("linear_weight", linear_weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_kernel_device("input", input)
     check_same_device("input", input, linear_weight=linear_weight, target=target, linear_bias=linear_bias, weight=weight)
@@ -227,12 +253,8 @@ def validate_call(input, linear_weight, target, linear_bias, *, weight=None, red
         check_shape("weight", weight, (vocab,), "one class weight per vocabulary entry")
     check_target_type(target, input.shape[:-1])
     validate_strategy(impl, weight_grad_accum, chunk_tokens)
-    if isinstance(num_valid_tokens, torch.Tensor):
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in INDEX_DTYPES:
-            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
-                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
-        check_same_device("target", target, num_valid_tokens=num_valid_tokens)
-    elif num_valid_tokens is not None and not 0 <= check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+    num_valid_tokens = normalize_count(num_valid_tokens, target)
+    if isinstance(num_valid_tokens, int) and not 0 <= num_valid_tokens <= target.numel():
         raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
                          f"tensor holding it, or None; got {num_valid_tokens}")
 

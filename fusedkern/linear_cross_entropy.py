@@ -26,6 +26,7 @@ from torch import nn
 
 from fusedkern._validation import (
     finish_checks,
+    normalize_count,
     start_checks,
     validate_call,
     validate_loss_options,
@@ -401,6 +402,19 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     return loss_tok.sum() / mean_denominator(y, class_weight, opts.ignore_index), lse
 
 
+def empty_batch_loss(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, need_lse: bool):
+    """(loss, lse [0] or None) of a batch with no token, as torch gives them: 0 for "sum", NaN for "mean", an
+    empty tensor for "none"; gradients of zeros (and of the right shapes) through the [0, V] logits, which cost
+    nothing to form. The kernels are not launched: a grid of zero rows is not a launch Triton accepts."""
+    z = torch.nn.functional.linear(x2d, w, b).float()
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    lse = torch.logsumexp(z, dim=-1)  # [0]; its z-loss term, like every per-token term, sums to nothing
+    loss = torch.nn.functional.cross_entropy(z, y.long(), weight=class_weight, ignore_index=opts.ignore_index,
+                                             reduction=reduction, label_smoothing=opts.label_smoothing)
+    return loss, (lse.detach() if need_lse else None)
+
+
 def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
                      chunk_tokens, num_valid_tokens: int | torch.Tensor | None, need_lse: bool):
     """(loss, lse [T] or None) for flat, validated inputs; the operators check the targets (and the count).
@@ -410,6 +424,9 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
     them first and lets the row-count kernels skip the rest (`compacted.py`; chunked mean/sum with
     gradients, else the dense computation). The mean's denominator is the same over the valid rows, and
     "none" puts them back among zeros."""
+    if y.numel() == 0:
+        return empty_batch_loss(x2d, w, b, y, class_weight, opts, reduction, need_lse)
+
     def dense(count=None, count_int=-1):
         return _loss_and_lse(x2d, w, b, y, class_weight, opts, reduction, impl, weight_grad_accum, chunk_tokens,
                              (None, count, count_int))
@@ -495,6 +512,7 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
                   ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                   impl=impl, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
                   num_valid_tokens=num_valid_tokens)
+    num_valid_tokens = normalize_count(num_valid_tokens, target)  # a numpy or tensor count as the kernels take it
     lead_shape = input.shape[:-1]
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:

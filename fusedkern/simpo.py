@@ -80,7 +80,9 @@ def _validate_hyperparameters(beta, gamma, alpha, label_smoothing):
 
 
 def _validate_simpo(input, target, beta, gamma, alpha, label_smoothing):
-    V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES)
+    # no pair (or no token) is allowed: the mean over no pair is NaN, as torch's mean of nothing
+    V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES,
+                   allow_empty=isinstance(input, torch.Tensor) and input.shape[-1:] != (0,))
     if input.shape[0] % 2:
         raise ValueError(f"input must be [2B, S, H] with the B chosen rows first and the B rejected rows "
                          f"second; got an odd first dimension {input.shape[0]}")
@@ -189,7 +191,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     # validated once for every path; the operators check the targets' range
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    if (need_dx or need_dw or need_db) and impl != "fused":
+    if (need_dx or need_dw or need_db) and impl != "fused" and target.numel() > 0:
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
         if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum, chunk_tokens) == "chunked" \

@@ -232,3 +232,35 @@ def test_row_strided_bf16_input_with_nan_in_the_gaps(grad):
     torch.testing.assert_close(logp, logp_c, rtol=0, atol=0)
     if grad:
         torch.testing.assert_close(dx, dx_c, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 3.0}],
+                         ids=["plain", "every-option"])
+def test_empty_batch_follows_torch(impl, reduction, options):
+    """No token: NaN for the mean, 0 for the sum, an empty tensor for "none", as F.cross_entropy; gradients of
+    zeros of the right shapes; an lse of no token."""
+    x, w, _, b, cw = make_inputs(3, 8, 11, torch.float32, bias=True, weight=True)
+    x, y = x[:0].clone().requires_grad_(), torch.zeros(0, dtype=torch.long, device=x.device)
+    w, b = w.requires_grad_(), b.requires_grad_()
+    loss, lse = fusedkern.linear_cross_entropy(x, w, y, linear_bias=b, weight=cw, reduction=reduction, impl=impl,
+                                               return_lse=True, **options)
+    want = torch.nn.functional.cross_entropy(x @ w.T + b, y, weight=cw, reduction=reduction)
+    assert loss.shape == want.shape and lse.shape == (0,)
+    assert torch.equal(loss.isnan(), want.isnan()) and (reduction != "sum" or loss.item() == 0.0)
+    grads = torch.autograd.grad(loss.sum(), (x, w, b))
+    assert [g.shape for g in grads] == [x.shape, w.shape, b.shape]
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_empty_batch_logprobs_and_simpo():
+    x, w, y, b, _ = make_inputs(4, 8, 11, torch.float32, bias=True)
+    logp = fusedkern.linear_logprobs(x[:0].reshape(2, 0, 8), w, y[:0].reshape(2, 0), linear_bias=b)
+    assert logp.shape == (2, 0) and logp.dtype == torch.float32
+    x0 = x[:0].reshape(0, 2, 8).requires_grad_()
+    loss, metrics = fusedkern.linear_simpo_loss(x0, w, y[:0].reshape(0, 2), linear_bias=b, alpha=0.0)
+    assert loss.isnan() and metrics["rewards/margins"].isnan()  # the mean over no pair, like torch's
+    assert torch.autograd.grad(loss, x0)[0].shape == x0.shape
+    with pytest.raises(ValueError, match="input"):  # a hidden size of 0 is still refused
+        fusedkern.linear_cross_entropy(x[:, :0], w[:, :0], y)

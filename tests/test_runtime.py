@@ -3,6 +3,12 @@ on the GPU and in the interpreter (where `round_bf16_like_the_gpu` replaces Trit
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -34,3 +40,31 @@ def test_fp32_to_bf16_rounds_to_nearest_even_like_torch():
     for got in (cast, stored):
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     assert torch.equal(scalar.view(torch.int16), (src[:1] * 3.0).to(torch.bfloat16).view(torch.int16))
+
+
+# Triton imported before fusedkern (Transformers, TRL, a user's own `import triton.language`): the kernels still run
+# in the interpreter. A fresh process, because this one imported fusedkern first.
+_TRITON_FIRST = """
+import {first}
+import torch
+import torch.nn.functional as F
+import fusedkern
+from fusedkern._runtime import interpreting
+assert interpreting()
+g = torch.Generator().manual_seed(0)
+x, w, y = torch.randn(6, 8, generator=g), torch.randn(13, 8, generator=g), torch.randint(0, 13, (6,), generator=g)
+want = F.cross_entropy(x @ w.T, y)
+for impl in ("chunked", "fused"):
+    got = fusedkern.linear_cross_entropy(x, w, y, impl=impl)
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item()), (impl, got, want)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is switched on only without a GPU")
+@pytest.mark.parametrize("first", ["triton.language", "triton.language.extra.libdevice"])
+def test_kernels_run_when_triton_was_imported_first(first):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # fusedkern decides, as for a user
+    done = subprocess.run([sys.executable, "-c", _TRITON_FIRST.format(first=first)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

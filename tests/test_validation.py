@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ def call_ce(**overrides):
 CE_CASES = [
     (dict(input=[[1.0] * H]), TypeError, "input must be a torch.Tensor"),
     (dict(input=torch.randn(T, H, dtype=torch.float64)), TypeError, "input must have dtype"),
-    (dict(input=torch.randn(0, H)), ValueError, "input must not be empty"),
+    (dict(input=torch.randn(T, 0)), ValueError, "input must not be empty"),  # a batch of no token is allowed
     (dict(input=torch.randn(T, H + 1)), ValueError, "linear_weight.shape"),
     (dict(linear_weight=torch.randn(V)), ValueError, "linear_weight must have 2"),
     (dict(linear_weight=torch.randn(V, H, dtype=torch.float16)), TypeError, "linear_weight must have the same dtype"),
@@ -179,3 +180,22 @@ def test_gpu_out_of_range_target_raises_through_the_pinned_flag():
 def test_simpo_module_rejects_bad_settings_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         fusedkern.LinearSimPOLoss(**kwargs)
+
+
+@pytest.mark.parametrize("count", [np.int64(4), np.int32(4), np.uint8(4), torch.tensor(4, dtype=torch.int16)],
+                         ids=["numpy-int64", "numpy-int32", "numpy-uint8", "tensor-int16"])
+@pytest.mark.parametrize("entry", ["cross_entropy", "logprobs"])
+def test_num_valid_tokens_takes_any_integer_type(count, entry):
+    """A numpy integer or a one-element integer tensor of any integer dtype counts like the Python int."""
+    args = good()
+    args["target"][1] = -100
+    fn = fusedkern.linear_cross_entropy if entry == "cross_entropy" else fusedkern.linear_logprobs
+    assert torch.equal(fn(**args, num_valid_tokens=count), fn(**args, num_valid_tokens=4))
+
+
+@pytest.mark.parametrize("count, error", [(4.0, TypeError), (True, TypeError), (np.float32(4), TypeError),
+                                          (torch.tensor(4.0), TypeError), (torch.tensor([4, 4]), TypeError),
+                                          (np.int64(T + 1), ValueError), (-1, ValueError)])
+def test_num_valid_tokens_refuses_what_is_not_a_count(count, error):
+    with pytest.raises(error, match="num_valid_tokens"):
+        fusedkern.linear_cross_entropy(**good(), num_valid_tokens=count)
