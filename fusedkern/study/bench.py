@@ -3,6 +3,7 @@
     python -m fusedkern.bench ce --tokens 4096 8192 16384 32768 --workload dense masked_50
     python -m fusedkern.bench simpo --batch 2 4 8 16 --seq 1024 --head gemma2
     python -m fusedkern.bench preference --loss-types sigmoid ipo kto --batch 2 4 8 16 --seq 1024 --modes full
+    python -m fusedkern.bench distill --tokens 4096 8192 16384 --workload dense masked_50
     python -m fusedkern.bench accuracy --tokens 4096 32768
 
 (`python -m fusedkern.study.bench` is the same command; `fusedkern.bench` is its short alias.)
@@ -45,7 +46,7 @@ from typing import Any, Callable
 import torch
 
 from fusedkern.preference import LOSS_TYPES
-from fusedkern.study.providers import FLOORS_NOTE, PREFERENCE_LOSS_ARGS, PROVIDERS
+from fusedkern.study.providers import DISTILL_ARGS, DISTILL_FLOOR_OF_MODE, FLOORS_NOTE, PREFERENCE_LOSS_ARGS, PROVIDERS
 from fusedkern.study.results import (ALL_LOSS_TYPES, FLOOR_OF_MODE, MODES, collect_environment, sidecar_path,
                                      write_results)
 from fusedkern.study.sweeps import run_accuracy, run_sweep, say
@@ -212,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     preference.add_argument("--loss-types", nargs="+", choices=LOSS_TYPES, default=list(LOSS_TYPES),
                             metavar="TYPE", help=f"of {', '.join(LOSS_TYPES)} (default: all)")
     add_workloads(preference, "preference", "tokens per row (default: %(default)s)")
+    distill = sub.add_parser("distill", parents=[common, timing],
+                             help="distillation (generalized JSD, beta 0.5, temperature 1) timing and memory sweep",
+                             epilog=f"providers: {', '.join(PROVIDERS['distill'])}. The teacher has the student's "
+                                    "hidden size and vocabulary; the floors are cublas_2gemm (both logits GEMMs) and "
+                                    "cublas_4gemm (those and the student's dX, dW).")
+    distill.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    add_workloads(distill, "distill", "tokens per sequence for the masked workloads (default: %(default)s)")
     accuracy_providers = ", ".join(p.key for p in PROVIDERS["ce"].values() if p.accuracy)
     accuracy = sub.add_parser("accuracy", parents=[common], help="cross-entropy errors against an fp64 truth",
                               epilog=f"providers: {accuracy_providers}")
@@ -278,8 +286,9 @@ def _format_block(rows: list[dict]) -> str:
         return "\n".join(lines)
     for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
         mode_rows = [r for r in rows if r["mode"] == mode]
-        floor = {r["x"]: r["ms_p50"] for r in mode_rows if r["provider"] == FLOOR_OF_MODE[mode]}
-        lines.append(f"\n{mode}: ms_p50 (× {FLOOR_OF_MODE[mode]}), by {x_name}")
+        floor_of_mode = DISTILL_FLOOR_OF_MODE if rows[0].get("op") == "distill" else FLOOR_OF_MODE
+        floor = {r["x"]: r["ms_p50"] for r in mode_rows if r["provider"] == floor_of_mode[mode]}
+        lines.append(f"\n{mode}: ms_p50 (× {floor_of_mode[mode]}), by {x_name}")
         lines.append(" " * width + "".join(f"{x:>20}" for x in xs))
         for provider in sorted({r["provider"] for r in mode_rows}):
             cells = []
@@ -346,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         timing = dict(modes=args.modes, warmup=args.warmup, reps=args.reps, min_reps=args.min_reps,
                       max_case_s=args.max_case_s, protocol=protocol, checkpoint=save)
         meta.update(warmup=args.warmup, reps=args.reps, min_reps=args.min_reps, max_case_s=args.max_case_s)
-        xs = args.tokens if args.sweep == "ce" else args.batch
+        xs = args.tokens if args.sweep in ("ce", "distill") else args.batch
+        if args.sweep == "distill":
+            meta.update(distill_args=DISTILL_ARGS, floors="cublas_2gemm: both models' logits GEMMs; cublas_4gemm: "
+                        "those and the student's dX = G W, dW = G^T X on an N(0, 1) G, over all T tokens")
         if args.sweep == "preference":
             meta.update(loss_types=list(args.loss_types), loss_args=PREFERENCE_LOSS_ARGS,
                         floors=FLOORS_NOTE + " In the preference sweep they are timed once per batch, in the same "

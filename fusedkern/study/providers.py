@@ -567,6 +567,113 @@ def _preference_liger(ref_model: bool) -> Callable[[Inputs], dict[str, Step]]:
     return build
 
 
+# Distillation providers ------------------------------------------------------------------------
+# On `workloads.make_distill_inputs`: the student's x, W and targets, the teacher's in extras (no gradient).
+# TRL's GKD defaults: β 0.5 (the generalized JSD), τ 1; the loss is the mean over the targets not ignored.
+
+DISTILL_ARGS: dict[str, float] = {"beta": 0.5, "temperature": 1.0}
+# Liger's LigerFusedLinearJSDLoss defaults: half cross-entropy on the hard labels, half divergence
+DISTILL_HARD_MIX = {"weight_hard_loss": 0.5, "weight_soft_loss": 0.5}
+
+
+def _teacher(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return inp.extras["teacher_x"], inp.extras["teacher_w"]
+
+
+def _distill_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_distillation_loss
+
+        _no_softcap(inp, "fusedkern.linear_distillation_loss")
+        xt, wt = _teacher(inp)
+        kwargs = {**DISTILL_ARGS, **options}
+        return loss_steps(lambda: linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
+
+    return build
+
+
+def _distill_torch_fp32(**options) -> Callable[[Inputs], dict[str, Step]]:
+    """The materialized computation: both [T, V] logits in the inputs' dtype, `.float()`, then TRL's GKD
+    `generalized_jsd_loss` formula (`reference.upcast_linear_distillation_loss`); the teacher's under no_grad."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern.reference import upcast_linear_distillation_loss
+
+        _no_softcap(inp, "the materialized distillation loss")
+        xt, wt = _teacher(inp)
+        kwargs = {**DISTILL_ARGS, **options}
+        return loss_steps(lambda: upcast_linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
+
+    return build
+
+
+def _distill_liger(**options) -> Callable[[Inputs], dict[str, Step]]:
+    """Liger-Kernel's `LigerFusedLinearJSDLoss` (chunked_loss; compiled=True, its default, as the seed ran Liger):
+    β as TRL's (0 forward KL, 1 reverse KL), the soft loss divided by the targets not ignored. Pure divergence
+    (weight_hard_loss 0, weight_soft_loss 1) unless `options` say otherwise."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        _require_cuda(inp, "Liger-Kernel")
+        _no_softcap(inp, "LigerFusedLinearJSDLoss")
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        xt, wt = _teacher(inp)
+        loss_module = LigerFusedLinearJSDLoss(**{"weight_hard_loss": 0.0, "weight_soft_loss": 1.0, **DISTILL_ARGS,
+                                                 "ignore_index": IGNORE_INDEX, **options})
+
+        def loss_fn() -> torch.Tensor:
+            out = loss_module(inp.x, inp.w, xt, wt, inp.target, None, None)  # no student / teacher bias
+            return out[0] if isinstance(out, tuple) else out
+
+        return loss_steps(loss_fn)
+
+    return build
+
+
+def _distill_trl_chunked(inp: Inputs) -> dict[str, Step]:
+    """TRL's own fused divergence (`trl.kernels.chunked_divergence.ChunkedDivergenceFunction`, what its
+    DistillationTrainer calls): the valid rows gathered (a host sync, as TRL does on Triton devices), fp32
+    [4096, 32768] tiles of both models' logits, then the mean over the valid rows."""
+    _no_softcap(inp, "TRL's ChunkedDivergenceFunction here")
+    try:
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    except ImportError as error:
+        raise ProviderUnavailable(f"trl has no kernels.chunked_divergence ({error})") from error
+    xt, wt = _teacher(inp)
+
+    def loss_fn() -> torch.Tensor:
+        keep = inp.target.reshape(-1) != IGNORE_INDEX
+        divergence, _entropy = ChunkedDivergenceFunction.apply(inp.x[keep], inp.w, None, xt[keep], wt, None,
+                                                               DISTILL_ARGS["beta"], DISTILL_ARGS["temperature"])
+        return divergence.sum() / keep.sum().clamp(min=1)
+
+    return loss_steps(loss_fn)
+
+
+def _distill_floor(n_logits: int) -> Callable[[Inputs], dict[str, Step]]:
+    """The GEMM floors of distillation: both models' logits GEMMs (n_logits = 2: loss only), and those plus the
+    student's dX = G W and dW = Gᵀ X (four GEMMs: forward + backward; the backward mode times the last two) on a
+    pre-made N(0, 1) G."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        x2d, w = inp.x2d(), inp.w.detach()
+        xt, wt = _teacher(inp)
+
+        def logits(_):
+            with torch.no_grad():
+                x2d @ w.T
+                xt @ wt.T
+
+        if n_logits == 2:
+            return {"loss_only": Step(logits), "forward": Step(logits)}
+        steps = _three_gemm_steps(x2d, w, torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device))
+
+        def full(state):
+            logits(state)
+            steps["backward"].run(state)
+
+        return {"backward": steps["backward"], "full": Step(full)}
+
+    return build
+
+
 def _dist_label_suffix(distribution: str, suffix: str) -> Callable[[], str]:
     base = _dist_label(distribution)
     return lambda: f"{base()} {suffix}"
@@ -642,7 +749,28 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
                      _dist_label_suffix("liger-kernel", "ref-model")),
         )
     },
+    # on `workloads.make_distill_inputs`; β 0.5, τ 1 (DISTILL_ARGS); "_hard_mix": Liger's default half CE, half JSD
+    "distill": {
+        p.key: p
+        for p in (
+            Provider("cublas_2gemm", _distill_floor(2), is_floor=True, accuracy=False),
+            Provider("cublas_4gemm", _distill_floor(4), is_floor=True, accuracy=False),
+            Provider("torch_fp32_upcast", _distill_torch_fp32()),
+            Provider("fusedkern_chunked", _distill_fusedkern()),
+            Provider("fusedkern_chunked_lean", _distill_fusedkern(weight_grad_accum="weight_dtype")),
+            Provider("trl_chunked_divergence", _distill_trl_chunked, _dist_label_suffix("trl", "chunked_divergence")),
+            Provider("liger", _distill_liger(), _dist_label("liger-kernel")),
+            Provider("torch_fp32_upcast_hard_mix", _distill_torch_fp32(**DISTILL_HARD_MIX)),
+            Provider("fusedkern_chunked_hard_mix", _distill_fusedkern(**DISTILL_HARD_MIX)),
+            Provider("liger_hard_mix", _distill_liger(**DISTILL_HARD_MIX),
+                     _dist_label_suffix("liger-kernel", "hard mix")),
+        )
+    },
 }
+
+# The floor each mode of the distill sweep is compared to (the other ops': `results.FLOOR_OF_MODE`).
+DISTILL_FLOOR_OF_MODE = {"loss_only": "cublas_2gemm", "forward": "cublas_2gemm", "backward": "cublas_4gemm",
+                         "full": "cublas_4gemm"}
 
 # Not in a default preference run: it times what a Liger user pays without precomputed reference log-probs.
 PREFERENCE_DEFAULT_EXCLUDED = ("liger_ref_model",)

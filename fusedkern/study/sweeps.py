@@ -193,7 +193,7 @@ def run_sweep(
     chosen = select_providers(op, providers)
     loss_types = check_loss_types(op, loss_types)
     entries = _entries(chosen, loss_types)
-    x_name = "tokens" if op == "ce" else "batch"
+    x_name = "tokens" if op in ("ce", "distill") else "batch"
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     failed: set[tuple[str, str, str]] = set()  # (workload, entry key, mode)

@@ -69,7 +69,7 @@ def head_name(vocab: int, hidden: int, softcap: float | None) -> str:
 class Inputs:
     """One workload, shared by every provider of a sweep point (the gradients are cleared between)."""
 
-    op: str  # "ce", "simpo" or "preference"
+    op: str  # "ce", "simpo", "preference" or "distill"
     x: torch.Tensor  # [T, H] (ce) or [2B, S, H] (simpo, preference), leaf, requires grad
     w: torch.Tensor  # [V, H], leaf, requires grad
     target: torch.Tensor  # [T] or [2B, S] int64, IGNORE_INDEX where masked
@@ -216,6 +216,24 @@ def make_preference_inputs(
     return replace(inputs, op="preference", extras=extras)
 
 
+def make_distill_inputs(tokens: int, hidden: int, vocab: int, *, dtype: torch.dtype, device, seed: int = 0,
+                        workload: str = "dense", seq: int = DEFAULT_SEQ, softcap: float | None = None,
+                        teacher_hidden: int | None = None) -> Inputs:
+    """The student's x [T, H], W [V, H] and targets as `make_ce_inputs` (the masked workloads ignore the same
+    prompt spans), plus in `extras` a teacher of its own: teacher_x [T, H_t] ~ N(0, 1) and teacher_w [V, H_t] ~
+    N(0, LOGIT_STD²/H_t), no gradient (H_t = `teacher_hidden`, default H). Distillation has no softcap: a
+    softcap here raises."""
+    if softcap is not None:
+        raise ValueError("the distill workload has no logit softcap (linear_distillation_loss takes none)")
+    inputs = make_ce_inputs(tokens, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq)
+    device = inputs.x.device
+    gen = _generator(device, seed + 1)  # the student's tensors stay those of the ce op at the same seed
+    hidden_t = teacher_hidden or hidden
+    extras = {"teacher_x": _randn((tokens, hidden_t), 1.0, dtype, device, gen),
+              "teacher_w": _randn((vocab, hidden_t), LOGIT_STD / math.sqrt(hidden_t), dtype, device, gen)}
+    return replace(inputs, op="distill", extras=extras)
+
+
 def for_loss_type(inputs: Inputs, loss_type: str) -> Inputs:
     """A view of preference inputs for one loss type: the same tensors (gradients shared and cleared alike)."""
     return replace(inputs, loss_type=loss_type)
@@ -239,6 +257,9 @@ def make_inputs(op: str, x: int, *, hidden: int, vocab: int, dtype: torch.dtype,
     if op == "ce":
         return make_ce_inputs(x, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq,
                               softcap=softcap)
+    if op == "distill":
+        return make_distill_inputs(x, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq,
+                                   softcap=softcap)
     if op == "preference":
         return make_preference_inputs(x, seq, hidden, vocab, dtype=dtype, device=device, seed=seed,
                                       workload=workload, softcap=softcap)
