@@ -29,6 +29,7 @@ from fusedkern._validation import (
     check_tensor,
     check_target_type,
     finish_checks,
+    normalize_count,
     start_checks,
     validate_strategy,
 )
@@ -261,7 +262,9 @@ def validate_distillation_call(student_hidden, student_weight, teacher_hidden, t
     validate_distillation_options(**options)
     for side, hidden, weight, bias in (("student", student_hidden, student_weight, student_bias),
                                        ("teacher", teacher_hidden, teacher_weight, teacher_bias)):
-        check_tensor(f"{side}_hidden", hidden, min_ndim=1, dtypes=FLOAT_DTYPES)
+        # a batch of no token is allowed (0 for mean and sum, as TRL's clamped mean); an empty hidden size is not
+        check_tensor(f"{side}_hidden", hidden, min_ndim=1, dtypes=FLOAT_DTYPES,
+                     allow_empty=isinstance(hidden, torch.Tensor) and hidden.shape[-1:] != (0,))
         check_tensor(f"{side}_weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
         check_kernel_device(f"{side}_hidden", hidden)
         check_same_device("student_hidden", student_hidden, **{f"{side}_hidden": hidden, f"{side}_weight": weight,
@@ -288,12 +291,8 @@ def validate_distillation_call(student_hidden, student_weight, teacher_hidden, t
         return
     check_same_device("student_hidden", student_hidden, target=target)
     check_target_type(target, student_hidden.shape[:-1])
-    if isinstance(num_valid_tokens, torch.Tensor):
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in (torch.int64, torch.int32):
-            raise TypeError("num_valid_tokens as a tensor must hold one int64/int32 count, got "
-                            f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}")
-        check_same_device("target", target, num_valid_tokens=num_valid_tokens)
-    elif num_valid_tokens is not None and not 0 <= check_int("num_valid_tokens", num_valid_tokens) <= target.numel():
+    count = normalize_count(num_valid_tokens, target)
+    if isinstance(count, int) and not 0 <= count <= target.numel():
         raise ValueError(f"num_valid_tokens must be in [0, {target.numel()}] (the number of targets), a device "
                          f"tensor holding it, or None; got {num_valid_tokens}")
 
@@ -316,6 +315,15 @@ def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_gra
     if reduction == "sum":
         return loss_tok.sum()
     return loss_tok.sum() / mean_denominator(y, xs.shape[0], opts.ignore_index)
+
+
+def empty_batch_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
+                     reduction: str) -> torch.Tensor:
+    """A batch of no token: 0 for mean (TRL's clamped divisor) and sum, an empty tensor for "none", with zero
+    gradients of the right shapes through the [0, V] logits, which cost nothing (the kernels are not launched:
+    Triton takes no grid of zero rows)."""
+    per_token = torch.nn.functional.linear(student_hidden, student_weight, student_bias).float().sum(-1) * 0.0
+    return per_token if reduction == "none" else per_token.sum()
 
 
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -374,7 +382,11 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                                ignore_index=ignore_index, reduction=reduction, weight_hard_loss=weight_hard_loss,
                                weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum,
                                chunk_tokens=chunk_tokens)
+    if target is not None:
+        num_valid_tokens = normalize_count(num_valid_tokens, target)  # numpy / CPU-tensor counts as the kernels take it
     lead_shape = student_hidden.shape[:-1]
+    if lead_shape.numel() == 0:
+        return empty_batch_loss(student_hidden, student_weight, student_bias, reduction)
     xs = student_hidden.reshape(-1, student_hidden.shape[-1])
     xt = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     xs, xt = (x if x.stride(-1) == 1 else x.contiguous() for x in (xs, xt))

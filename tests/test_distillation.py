@@ -208,6 +208,22 @@ def test_count_forms_give_the_same_loss_and_grads():
             fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, num_valid_tokens=wrong)
 
 
+def test_empty_batch_and_integer_count_types():
+    """No token: 0 for mean and sum, an empty "none", zero gradients of the right shapes; a numpy count works."""
+    import numpy as np
+
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=14)
+    for reduction in ("mean", "sum", "none"):
+        x, w = leaves(xs[:0], ws)
+        loss = fusedkern.linear_distillation_loss(x, w, xt[:0], wt, y[:0], reduction=reduction, weight_hard_loss=0.5)
+        loss.sum().backward()
+        assert loss.shape == ((0,) if reduction == "none" else ()) and not loss.any()
+        assert x.grad.shape == (0, HS) and not w.grad.any()
+    n = int((y != -100).sum())
+    torch.testing.assert_close(fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, num_valid_tokens=np.int64(n)),
+                               fusedkern.linear_distillation_loss(xs, ws, xt, wt, y))
+
+
 def test_module_and_leading_shape():
     xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=10)
     module = fusedkern.LinearDistillationLoss(beta=0.3, temperature=2.0, reduction="none")
