@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import importlib.util
 import math
 
@@ -90,6 +91,11 @@ def build(kind, tiny, fused, **config):
     elif kind == "kto":
         cls, args, data = trl.KTOTrainer, trl.KTOConfig(**common), tiny["data"]["kto"]
         kw["ref_model"] = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    elif kind in ("cpo", "orpo"):
+        module = importlib.import_module(f"trl.experimental.{kind}")
+        prefix = kind.upper()
+        cls, args = getattr(module, f"{prefix}Trainer"), getattr(module, f"{prefix}Config")(**common)
+        data = tiny["data"]["pref"]
     elif kind == "sft":
         cls, args, data = trl.SFTTrainer, trl.SFTConfig(**common), tiny["data"]["sft"]
     elif kind in ("grpo", "rloo"):
@@ -225,6 +231,20 @@ def test_kto_matches_trl(tiny, monkeypatch):
 def test_rloo_matches_trl(tiny, monkeypatch):
     plain, fused, _ = run_pair("rloo", tiny, monkeypatch, max_steps=1, beta=0.04)
     assert_same_run(plain, fused, ("entropy",))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo", "ipo", "hinge"])
+def test_cpo_matches_trl(tiny, monkeypatch, loss_type):
+    """TRL's cpo_alpha is the weight of the chosen NLL (fusedkern.linear_preference_loss calls it alpha)."""
+    plain, fused, calls = run_pair("cpo", tiny, monkeypatch, loss_type=loss_type, cpo_alpha=0.5, max_steps=1)
+    assert_same_run(plain, fused, ("rewards/chosen", "logps/chosen", "logits/chosen", "nll_loss"))
+    assert len(calls) == 1
+
+
+def test_orpo_matches_trl(tiny, monkeypatch):
+    plain, fused, calls = run_pair("orpo", tiny, monkeypatch, max_steps=2)
+    assert_same_run(plain, fused, ("log_odds_ratio", "nll_loss", "logits/chosen"))
+    assert len(calls) == 2
 
 
 class LogitsWatch(TorchDispatchMode):

@@ -90,9 +90,23 @@ def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -
     guard_name = "_ChunkedLogProbFunction"  # TRL's head looks it up in its module at each call
     guarded = guard_name in utils.__dict__
     _patch_state.update(original=original, head=head, modules=replaced,
-                        guarded=utils.__dict__.get(guard_name) if guarded else None)
+                        guarded=utils.__dict__.get(guard_name) if guarded else None, classes=[])
     if guarded:
         setattr(utils, guard_name, TRLHeadGuard)
+    # CPO and ORPO (trl.experimental) compute the logits in their own concatenated_forward: replaced, and their
+    # __init__ gives the model fusedkern's head (before accelerate wraps its forward in autocast)
+    for cls in experimental_trainer_classes():
+        original_init = cls.__dict__["__init__"]
+
+        @functools.wraps(original_init)
+        def init(self, *args, _original_init=original_init, **kwargs):
+            _original_init(self, *args, **kwargs)
+            target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            add_fused_lm_head(target, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+
+        _patch_state["classes"].append((cls, original_init, cls.__dict__["concatenated_forward"]))
+        cls.__init__ = init
+        cls.concatenated_forward = fused_concatenated_forward
 
 
 def unpatch() -> None:
@@ -104,6 +118,9 @@ def unpatch() -> None:
             setattr(mod, "add_fused_lm_head", _patch_state["original"])
     if _patch_state["guarded"] is not None:
         setattr(_trl_utils(), "_ChunkedLogProbFunction", _patch_state["guarded"])
+    for cls, original_init, original_forward in _patch_state["classes"]:
+        cls.__init__ = original_init
+        cls.concatenated_forward = original_forward
     _patch_state.clear()
 
 
@@ -209,7 +226,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     # keeps the original signature: `generate` validates its model kwargs against it
     @functools.wraps(type(model).forward)
     def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                      **kwargs):
+                      mean_logits_at_every_position=False, **kwargs):
         if not fused_lm_head:
             for key, value in (("labels", labels), ("shift_labels", shift_labels),
                                ("num_items_in_batch", num_items_in_batch)):
@@ -233,6 +250,10 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         if hasattr(weight, "ds_id"):
             raise TypeError("fusedkern's TRL head does not support DeepSpeed ZeRO-3 parameters (its backward "
                             "recomputes the logits from lm_head.weight)")
+        every_mean = None
+        if mean_logits_at_every_position:  # [B, S] (CPO's and ORPO's logits/* metrics average over all positions)
+            every_mean = mean_logits_of(backbone_outputs.last_hidden_state.to(weight.device), weight, bias,
+                                        effective_temperature)
         hidden = hidden.to(weight.device)
         labels = labels.to(weight.device)
         mask = labels != -100
@@ -253,16 +274,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             else:  # an all-masked micro-batch still gives a differentiable zero connected to the model
                 logps = x.float().sum(-1)
                 entropy, row_max, row_lse = (logps if want_entropy else None), logps.detach(), logps.detach()
-            mean_logits = None
-            if want_mean:
-                with torch.no_grad():
-                    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) \
-                        else x.dtype
-                    w_mean = weight.to(dtype).float().mean(0)
-                    mean_logits = x.to(dtype).float() @ w_mean
-                    if bias is not None:
-                        mean_logits = mean_logits + bias.to(dtype).float().mean()
-                    mean_logits = mean_logits / effective_temperature
+            mean_logits = mean_logits_of(x, weight, bias, effective_temperature) if want_mean else None
 
         def scatter(t):
             return None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t)
@@ -279,8 +291,71 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         output_cls = _trl_utils().FusedCausalLMOutput
         return output_cls(loss=loss, log_probs=log_probs, entropy=scatter(entropy) if want_entropy else None,
-                          log_sum_sq_probs=None, mean_logits=scatter(mean_logits), is_top1=top1, label_mask=mask,
-                          aux_loss=aux_loss)
+                          log_sum_sq_probs=None, mean_logits=every_mean if every_mean is not None else
+                          scatter(mean_logits), is_top1=top1, label_mask=mask, aux_loss=aux_loss)
 
     setattr(fused_forward, HEAD_MARK, True)
     model.forward = types.MethodType(fused_forward, model)
+
+
+def mean_logits_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+    """Mean over the vocabulary of the logits (x Wᵀ + b)/τ at each row of x [..., H], without gradient: x · mean_v W
+    (+ mean b), one GEMV; operands rounded to the autocast dtype first, as the logits GEMM would."""
+    with torch.no_grad():
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        mean = x.to(dtype).float() @ weight.to(dtype).float().mean(0)
+        if bias is not None:
+            mean = mean + bias.to(dtype).float().mean()
+        return mean / temperature
+
+
+def fused_concatenated_forward(self, model, batch):
+    """CPOTrainer's / ORPOTrainer's `concatenated_forward` (trl.experimental) through fusedkern's head: the same
+    (chosen_logps, rejected_logps, chosen_logits, rejected_logits, nll_loss[, aux_loss]) with, in place of the
+    [B, S, V] logits, their mean over the vocabulary at each position — the trainers use those tensors only for
+    the logits/* metrics, as `.mean()`, which is the same number. One backbone pass: ORPO's NLL labels (prompt and
+    response) hold its response labels, so one set of per-token log-probs serves both."""
+    if self.is_encoder_decoder:
+        raise TypeError(f"fusedkern's {type(self).__name__} path covers decoder-only models, not encoder-decoder")
+    if not has_fused_head(model):
+        raise RuntimeError(f"this {type(self).__name__} was built before fusedkern.integrations.trl.patch(): its model "
+                           "has no fused head; build the trainer after patch()")
+    orpo = hasattr(self, "padding_value")
+    concatenated = self.concatenated_inputs(batch, is_encoder_decoder=False,
+                                            padding_value=self.padding_value if orpo else self.pad_token_id,
+                                            device=self.accelerator.device)
+    len_chosen = batch["chosen_labels"].shape[0]
+    input_ids, attention_mask = concatenated["concatenated_input_ids"], concatenated["concatenated_attention_mask"]
+    response_labels = concatenated["concatenated_labels"]
+    labels = torch.where(attention_mask == 1, input_ids, -100) if orpo else response_labels
+    if orpo and not torch.equal(torch.where(response_labels != -100, labels, -100), response_labels):
+        raise ValueError("ORPOTrainer's response labels are not its input ids at the attended positions: fusedkern's "
+                         "single-pass ORPO path cannot reproduce this batch")
+    kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
+    outputs = model(input_ids, attention_mask=attention_mask, use_cache=False, labels=labels, fused_lm_head=True,
+                    mean_logits_at_every_position=True, **kwargs)
+    log_probs = outputs.log_probs  # [2B, S − 1], 0 where the shifted label is ignored
+    response = response_labels[:, 1:] != -100
+    per_seq = (log_probs * response).sum(-1)
+    if orpo or self.loss_type in ("ipo", "simpo"):
+        per_seq = per_seq / response.sum(-1)
+    if orpo:  # nn.CrossEntropyLoss's mean over the chosen rows' non-ignored (prompt and response) targets
+        nll = -log_probs[:len_chosen].sum() / outputs.label_mask[:len_chosen].sum()
+    elif self.cpo_alpha == 0:
+        nll = torch.tensor(0.0).to(self.accelerator.device)
+    else:
+        nll = -(log_probs[:len_chosen] * response[:len_chosen]).sum() / response[:len_chosen].sum()
+    mean_logits = outputs.mean_logits[:, :-1] if orpo else outputs.mean_logits
+    result = (per_seq[:len_chosen], per_seq[len_chosen:], mean_logits[:len_chosen], mean_logits[len_chosen:], nll)
+    return result + (outputs.aux_loss,) if self.aux_loss_enabled else result
+
+
+def experimental_trainer_classes():
+    """CPOTrainer and ORPOTrainer of trl.experimental (empty where this TRL has neither)."""
+    classes = []
+    for module, name in (("trl.experimental.cpo", "CPOTrainer"), ("trl.experimental.orpo", "ORPOTrainer")):
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return classes
