@@ -5,7 +5,8 @@ equal the unpatched model's (Transformers' own forward on materialized logits), 
 tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's `logit_scale`, Granite's
 `logits_scaling`, MoE routers' auxiliary loss (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) — and each such
 transform is checked to change the loss, so that a patch ignoring it would fail; no [B, S, V] tensor in a
-patched step. Then what is refused, and
+patched step; the
+folded transforms under fp16 autocast. Then what is refused, and
 when: a forward that computes its loss without `self.loss_function` (at patch time), one that does something
 else to the logits (at its first labelled call). PEFT LoRA on the body."""
 
