@@ -4,11 +4,10 @@ equal the unpatched model's (Transformers' own forward on materialized logits), 
 `num_items_in_batch`. The patch has no list of classes: these cases are what its detection was tested on —
 tied and untied heads, head biases (Phi, GPT-J), Gemma-2/3's tanh cap, Cohere's `logit_scale`, Granite's
 `logits_scaling`, MoE routers' auxiliary loss (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE) — and each such
-transform is checked to change the loss, so that a patch ignoring it would fail; no [B, S, V] tensor in a
-patched step; the
-folded transforms under fp16 autocast. Then what is refused, and
-when: a forward that computes its loss without `self.loss_function` (at patch time), one that does something
-else to the logits (at its first labelled call). PEFT LoRA on the body."""
+transform is checked to change the loss, so that a patch ignoring it would fail. Also: no [B, S, V] tensor in
+a patched step; the folded transforms under fp16 autocast; PEFT LoRA on the body; what is refused, and when —
+a forward that computes its loss without `self.loss_function` (at patch time), one that does something else
+to the logits (at its first labelled call)."""
 
 from __future__ import annotations
 
