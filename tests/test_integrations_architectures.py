@@ -352,3 +352,16 @@ def test_lora_on_the_body():
     out, loss, grads = run(model, input_ids, labels)
     assert out.logits is None
     assert_same((loss, grads), (ref_loss, ref_grads))
+
+
+def test_torch_compile_of_a_patched_model():
+    """torch.compile over the patched forward (the stand-ins are Python objects dynamo traces or breaks on):
+    same loss and gradients. aot_eager: dynamo and autograd's tracing without a C++ compiler on CI."""
+    model = make_model("Gemma2")
+    input_ids, labels = make_batch()
+    _, ref_loss, ref_grads = run(model, input_ids, labels)
+    compiled = torch.compile(fk_hf.patch(model), backend="aot_eager")
+    out, loss, grads = run(compiled, input_ids, labels)
+    assert out.logits is None
+    grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    assert_same((loss, grads), (ref_loss, ref_grads))
