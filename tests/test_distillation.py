@@ -266,3 +266,38 @@ def test_bad_inputs_raise_naming_the_argument():
             call(**kwargs)
     with pytest.raises(ValueError, match="temperature"):
         fusedkern.LinearDistillationLoss(temperature=-1.0)
+
+
+def test_teacher_in_another_dtype():
+    """Each side is one dtype; the sides may differ (an fp32 teacher for a bf16 student): the 2× rule holds."""
+    xs, ws, bs, _, _, _, y = make_batch(torch.bfloat16, seed=15)
+    _, _, _, xt, wt, bt, _ = make_batch(torch.float32, seed=15)
+    ours, f64, same = leaves(xs, ws), leaves(xs, ws, dtype=torch.float64), leaves(xs, ws)
+    out = fusedkern.linear_distillation_loss(*ours, xt, wt, y, teacher_bias=bt, beta=0.5)
+    ref = reference.linear_distillation_loss_fp64(*f64, xt, wt, y, teacher_bias=bt, beta=0.5)
+    tch = reference.upcast_linear_distillation_loss(*same, xt, wt, y, teacher_bias=bt, beta=0.5)
+    assert_close_to_ref("loss", out, ref, tch, atol=ATOL[torch.bfloat16])
+    for name, g, g64, gt in zip(("dX", "dW"), *(torch.autograd.grad(v, ts) for v, ts in ((out, ours), (ref, f64),
+                                                                                         (tch, same)))):
+        assert_close_to_ref(name, g, g64, gt, atol=ATOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fullgraph_compile_matches_eager(reduction):
+    """The kernels are custom operators with fake implementations: torch.compile traces a step with no graph break."""
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=16)
+    proj = torch.nn.Linear(HS, HS).to(DEVICE)
+
+    def step(x, w):
+        return fusedkern.linear_distillation_loss(torch.tanh(proj(x)), w, xt, wt, y, beta=0.3, temperature=2.0,
+                                                  weight_hard_loss=0.2, reduction=reduction)
+    torch._dynamo.reset()
+    results = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        proj.zero_grad()
+        w = ws.detach().clone().requires_grad_()
+        out = fn(xs, w)
+        out.sum().backward()
+        results.append((out.detach(), w.grad, proj.weight.grad.clone()))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
