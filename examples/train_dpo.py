@@ -1,5 +1,5 @@
 """DPO with TRL's DPOTrainer on a random-init Llama over synthetic preference pairs, its per-token log-probs
-(policy and reference) from fusedkern's fused head, TRL's own fused head, or Liger-Kernel's DPO loss.
+(policy and reference) from fusedkern's fused head or TRL's own (alone, or with Liger-Kernel's layer kernels).
 
     python examples/train_dpo.py --device cpu --steps 2                       # tiny model, Triton interpreter
     python examples/train_dpo.py --device cuda --preset llama3-8b-2l --loss-impl trl --steps 11 \\
@@ -9,7 +9,10 @@
   fusedkern  `fusedkern.integrations.trl.patch()` before the trainer is built (the default): TRL's
              `add_fused_lm_head` becomes fusedkern's, for the policy and the reference model
   trl        TRL 1.16's own chunked fused head (`trl.trainer.utils.add_fused_lm_head`, its default)
-  liger      `DPOConfig(use_liger_kernel=True)`: Liger-Kernel's fused linear DPO loss (pip install liger-kernel)
+  liger      `DPOConfig(use_liger_kernel=True)` (pip install liger-kernel). In TRL 1.16 this applies only
+             Liger's layer kernels (RoPE, RMSNorm, SwiGLU): TRL refuses Liger's fused linear cross-entropy in
+             DPOTrainer, so the log-probs still come from TRL's own fused head. The row measures "TRL with Liger"
+             as a TRL user gets it, not Liger's head.
 
 The model is a LlamaForCausalLM with the preset's shapes (llama3-8b-2l: Llama-3-8B's head and 2 of its
 decoder layers) and a word-level tokenizer built in memory (token i is the word "t{i}"), so nothing is

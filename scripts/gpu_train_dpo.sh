@@ -3,8 +3,8 @@
 # head and 2 of its decoder layers, 2048 tokens a sequence -- 1024 prompt, 1024 completion -- one pair, i.e. a
 # chosen and a rejected row, a micro-batch, 2 micro-batches a step, a frozen reference copy, bf16 autocast on fp32
 # weights, AdamW) with each log-prob implementation -- fusedkern's head (fusedkern.integrations.trl.patch()), TRL
-# 1.16's own chunked fused head, and TRL with Liger-Kernel's fused DPO loss (use_liger_kernel=True) where its wheel
-# is carried -- one process each (so each peak memory is its own), in a shuffled order, each under a timeout:
+# 1.16's own chunked fused head, and TRL with use_liger_kernel=True where Liger's wheel is carried (in TRL 1.16 that
+# adds Liger's RoPE/RMSNorm/SwiGLU kernels; the log-probs stay TRL's head's) -- one process each (so each peak memory is its own), in a shuffled order, each under a timeout:
 #
 #   scripts/gpu_train_dpo.sh OUTDIR      # carry .whl/trl (trl 1.16.0, accelerate, datasets and their pure-Python
 #                                        # dependencies the GPU machine lacks) and .whl/liger085
