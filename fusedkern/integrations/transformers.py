@@ -197,8 +197,9 @@ class DeferredLogits:
         targets = [*args, *kwargs.values()]
         dtypes = [t for t in targets if isinstance(t, torch.dtype)]
         devices = [torch.device(t) for t in targets if isinstance(t, (str, torch.device))]
-        if any(d != torch.float32 for d in dtypes) or any(d != self.device for d in devices) or \
-                len(dtypes) + len(devices) != len(targets):
+        here = self.device
+        if any(d != torch.float32 for d in dtypes) or len(dtypes) + len(devices) != len(targets) or \
+                any(d.type != here.type or d.index not in (None, here.index) for d in devices):
             raise self._refuse(f"logits.to({', '.join(map(repr, targets))})")
         return dataclasses.replace(self, dtype=torch.float32) if dtypes else self
 
