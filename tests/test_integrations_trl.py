@@ -180,7 +180,8 @@ def test_dpo_precomputed_reference_and_grad_accumulation(tiny, monkeypatch):
     """TRL 1.16's DPOConfig has no reference_free flag; precompute_ref_log_probs runs the reference through the
     head once, under no_grad, before training."""
     plain, fused, calls = run_pair("dpo", tiny, monkeypatch, precompute_ref_log_probs=True,
-                                   gradient_accumulation_steps=2, per_device_train_batch_size=1, max_steps=1)
+                                   gradient_accumulation_steps=2, per_device_train_batch_size=1, max_steps=1,
+                                   ld_alpha=0.5, f_divergence_type="js_divergence")
     assert_same_run(plain, fused, ("rewards/margins",))
     assert len(calls) > 2  # the precomputation pass, then the policy's two micro-batches
 
@@ -206,8 +207,10 @@ def test_dpo_peft_lora_reference_through_disabled_adapter(tiny, monkeypatch):
     assert any("lora" in n for n in fused[1])
 
 
-def test_sft_matches_trl_completion_only(tiny, monkeypatch):
-    plain, fused, _ = run_pair("sft", tiny, monkeypatch, gradient_accumulation_steps=2)  # num_items_in_batch
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_matches_trl_completion_only(tiny, monkeypatch, loss_type):
+    plain, fused, _ = run_pair("sft", tiny, monkeypatch, gradient_accumulation_steps=2,  # num_items_in_batch
+                               loss_type=loss_type, max_steps=2 if loss_type == "nll" else 1)
     assert_same_run(plain, fused, ("entropy", "mean_token_accuracy", "num_tokens"))
 
 
@@ -216,10 +219,15 @@ def test_sft_packing_padding_free(tiny, monkeypatch):
     assert_same_run(plain, fused, ("mean_token_accuracy",))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
-def test_grpo_matches_trl(tiny, monkeypatch, loss_type):
-    config = dict(loss_type=loss_type, temperature=0.7, max_steps=1, beta=0.04)
-    plain, fused, _ = run_pair("grpo", tiny, monkeypatch, **config)
+@pytest.mark.parametrize("options", [
+    dict(loss_type="dapo", delta=1.5),  # two-sided clipping; the bias-corrected KL (TRL's default)
+    dict(loss_type="grpo", use_bias_correction_kl=False, entropy_coef=0.05),  # an entropy bonus: entropy's gradient
+    dict(loss_type="cispo"),
+    dict(loss_type="sapo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+])
+def test_grpo_matches_trl(tiny, monkeypatch, options):
+    plain, fused, _ = run_pair("grpo", tiny, monkeypatch, temperature=0.7, max_steps=1, beta=0.04, **options)
     assert_same_run(plain, fused, ("kl", "entropy"))
 
 
