@@ -51,13 +51,18 @@ from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, 
 
 @dataclass(frozen=True)
 class DistillOptions:
-    """ℓ_t = weight_soft_loss·D_β(softmax(z_s/τ) ‖ softmax(z_t/τ)) + weight_hard_loss·CE(z_s, y_t)."""
+    """ℓ_t = weight_soft_loss·D_β(softmax(z_s/τ) ‖ softmax(z_t/τ)) + weight_hard_loss·CE(z_s, y_t); each model's
+    logits z = softcap·tanh(h·logit_scale/softcap) of its head's output h (TRL DistillationTrainer's order)."""
 
     beta: float = 0.5
     temperature: float = 1.0
     ignore_index: int = -100
     weight_hard_loss: float = 0.0
     weight_soft_loss: float = 1.0
+    student_logit_scale: float = 1.0
+    student_softcap: float | None = None
+    teacher_logit_scale: float = 1.0
+    teacher_softcap: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +93,9 @@ def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *,
         distill_rows(zs, zt, None if target is None else target[c0:c1], loss_tok[c0:c1],
                      None if grad is None else (grad[c0:c1] if per_token_grad else grad),
                      beta=opts.beta, temperature=opts.temperature, weight_soft=opts.weight_soft_loss,
-                     weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index, per_token_grad=per_token_grad)
+                     weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index, per_token_grad=per_token_grad,
+                     student_logit_scale=opts.student_logit_scale, student_softcap=opts.student_softcap,
+                     teacher_logit_scale=opts.teacher_logit_scale, teacher_softcap=opts.teacher_softcap)
         if grad is not None:
             chunk_grads(zs, xs[c0:c1], ws, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
 
@@ -107,14 +114,17 @@ def mean_denominator(target: torch.Tensor | None, n_tokens: int, ignore_index: i
 
 def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor, wt: torch.Tensor,
                     bt: torch.Tensor | None, target: torch.Tensor | None, beta: float, temperature: float,
-                    ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, reduction: str,
-                    weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool,
+                    ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, student_logit_scale: float,
+                    student_softcap: float | None, teacher_logit_scale: float, teacher_softcap: float | None,
+                    reduction: str, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool,
+                    need_db: bool,
                     return_dw_out: bool, check_target: torch.Tensor | None, count: torch.Tensor | None,
                     count_int: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mean/sum with gradients: loss and the student's gradients in one pass (four GEMMs). Returns (loss 0-d
     fp32, dx, dw (fp32 accumulator or dW), db fp32, dw_out) as `linear_cross_entropy._chunked_scalar`."""
     checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
-    opts = DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss)
+    opts = DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
+                          student_softcap, teacher_logit_scale, teacher_softcap)
     T = xs.shape[0]
     if reduction == "mean":
         grad_scale = (1.0 / torch.as_tensor(mean_denominator(target, T, ignore_index), device=xs.device,
@@ -137,8 +147,9 @@ distill_scalar = torch.library.custom_op("fusedkern::distill_scalar", _distill_s
 
 
 @distill_scalar.register_fake
-def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, reduction,
-      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int):
+def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
+      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, reduction, weight_grad_accum,
+      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int):
     (T, H), V = xs.shape, ws.shape[0]
     fp32_accumulator = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
     f32 = torch.float32
@@ -150,14 +161,14 @@ def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_ha
 
 def _setup_distill_scalar(ctx, inputs, output):
     xs, ws, bs = inputs[:3]
-    need_dx, need_dw, need_db = inputs[15:18]
+    need_dx, need_dw, need_db = inputs[19:22]
     save_output_grads(ctx, xs, ws, bs, need_dx, need_dw, need_db, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
 
 
 @first_order_only
 def _backward_distill_scalar(ctx, grad_loss, *_):
-    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 19))
+    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 23))
 
 
 register_op(distill_scalar, _distill_scalar, _setup_distill_scalar, _backward_distill_scalar)
@@ -166,7 +177,9 @@ register_op(distill_scalar, _distill_scalar, _setup_distill_scalar, _backward_di
 def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
                        wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None, beta: float,
                        temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float,
-                       weight_grad_accum: str, chunk_tokens: int | None, check_target: torch.Tensor | None,
+                       student_logit_scale: float, student_softcap: float | None, teacher_logit_scale: float,
+                       teacher_softcap: float | None, weight_grad_accum: str, chunk_tokens: int | None,
+                       check_target: torch.Tensor | None,
                        count: torch.Tensor | None, count_int: int) -> torch.Tensor:
     """Per-token loss ℓ_t [T] fp32, no gradient formed: chunks whose two buffers fit the 64 MiB loss-only
     budget each (or `chunk_tokens`). The backward recomputes both logits and accepts any ∂L/∂ℓ_t."""
@@ -175,7 +188,8 @@ def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | No
     C = chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target,
-                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss), C,
+                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
+                               student_softcap, teacher_logit_scale, teacher_softcap), C,
                 loss_tok=loss_tok, grad=None, per_token_grad=False)
     finish_checks(checks)
     return loss_tok
@@ -187,13 +201,14 @@ distill_per_token = torch.library.custom_op("fusedkern::distill_per_token", _dis
 
 @distill_per_token.register_fake
 def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
-      weight_grad_accum, chunk_tokens, check_target, count, count_int):
+      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, weight_grad_accum, chunk_tokens,
+      check_target, count, count_int):
     return xs.new_empty((xs.shape[0],), dtype=torch.float32)
 
 
 def _setup_distill_per_token(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:7])
-    ctx.options = tuple(inputs[7:14])
+    ctx.options = tuple(inputs[7:18])
 
 
 @first_order_only
@@ -203,7 +218,7 @@ def _backward_distill_per_token(ctx, grad_loss_tok):
     need_db = need_db and bs is not None
     dx, dw, db = call_op(distill_per_token_backward, xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
                          *ctx.options, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 14))
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 18))
 
 
 register_op(distill_per_token, _distill_per_token, _setup_distill_per_token, _backward_distill_per_token)
@@ -212,7 +227,9 @@ register_op(distill_per_token, _distill_per_token, _setup_distill_per_token, _ba
 def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
                                 wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None,
                                 grad_tok: torch.Tensor, beta: float, temperature: float, ignore_index: int,
-                                weight_hard_loss: float, weight_soft_loss: float, weight_grad_accum: str,
+                                weight_hard_loss: float, weight_soft_loss: float, student_logit_scale: float,
+                                student_softcap: float | None, teacher_logit_scale: float,
+                                teacher_softcap: float | None, weight_grad_accum: str,
                                 chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t with both logits recomputed: (dx, dw, db) in the student's dtypes."""
@@ -220,7 +237,8 @@ def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Te
     dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
     loss_tok = torch.empty(xs.shape[0], device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target,
-                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss), plan.chunk_tokens,
+                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
+                               student_softcap, teacher_logit_scale, teacher_softcap), plan.chunk_tokens,
                 loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
                 scratch=dw_out if plan.buffer_in_dw_storage else None)
     if dw_out is not None:
@@ -236,7 +254,8 @@ register_op_without_grad(distill_per_token_backward, _distill_per_token_backward
 
 @distill_per_token_backward.register_fake
 def _(xs, ws, bs, xt, wt, bt, target, grad_tok, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
-      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db):
+      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, weight_grad_accum, chunk_tokens,
+      need_dx, need_dw, need_db):
     return (torch.empty_like(xs) if need_dx else absent(xs), torch.empty_like(ws) if need_dw else absent(ws),
             torch.empty_like(bs) if need_db and bs is not None else absent(ws))
 
@@ -246,9 +265,16 @@ def _(xs, ws, bs, xt, wt, bt, target, grad_tok, beta, temperature, ignore_index,
 
 
 def validate_distillation_options(*, beta, temperature, ignore_index, reduction, weight_hard_loss, weight_soft_loss,
-                                  weight_grad_accum, chunk_tokens) -> None:
+                                  student_logit_scale=1.0, student_softcap=None, teacher_logit_scale=1.0,
+                                  teacher_softcap=None, weight_grad_accum="fp32", chunk_tokens=None) -> None:
     """The settings that do not depend on the call's tensors (checked again by `LinearDistillationLoss`)."""
     check_real("beta", beta, low=0.0, high=1.0)
+    for side in ("student", "teacher"):
+        scale, softcap = (student_logit_scale, student_softcap) if side == "student" else (teacher_logit_scale,
+                                                                                            teacher_softcap)
+        check_real(f"{side}_logit_scale", scale, low=0.0, low_inclusive=False)
+        if softcap is not None:
+            check_real(f"{side}_softcap", softcap, low=0.0, low_inclusive=False)
     check_real("temperature", temperature, low=0.0, low_inclusive=False)
     check_int("ignore_index", ignore_index)
     check_choice("reduction", reduction, REDUCTIONS)
@@ -303,7 +329,8 @@ def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_gra
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and xs.requires_grad, grad and ws.requires_grad
     need_db = grad and bs is not None and bs.requires_grad
-    loss_options = (opts.beta, opts.temperature, opts.ignore_index, opts.weight_hard_loss, opts.weight_soft_loss)
+    loss_options = (opts.beta, opts.temperature, opts.ignore_index, opts.weight_hard_loss, opts.weight_soft_loss,
+                    opts.student_logit_scale, opts.student_softcap, opts.teacher_logit_scale, opts.teacher_softcap)
     if reduction != "none" and (need_dx or need_dw or need_db):
         loss, *_ = call_op(distill_scalar, xs, ws, bs, xt, wt, bt, y, *loss_options, reduction, weight_grad_accum,
                            chunk_tokens, need_dx, need_dw, need_db, not torch.compiler.is_compiling(), *checks)
@@ -337,6 +364,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                              student_bias: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
                              beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
                              reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
+                             student_logit_scale: float = 1.0, student_softcap: float | None = None,
+                             teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None,
                              weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
                              num_valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
     """Distillation of a student's LM head from a teacher's without either model's [T, V] logits.
@@ -358,6 +387,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         beta: in [0, 1], see above.  temperature: τ > 0, divides both models' logits in the divergence.
         reduction: "mean" (over the rows not ignored, at least 1: all ignored gives 0, as TRL), "sum" or "none".
         weight_hard_loss / weight_soft_loss: ≥ 0, the weights of the cross-entropy and the divergence (Liger's names).
+        student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each model's own logit
+            transform, as TRL's DistillationTrainer applies them: z = c·tanh(h·scale / c) of the head's output h
+            (scale > 0: Cohere's `logit_scale`; c > 0 or None: Gemma's final softcap), before the temperature.
         weight_grad_accum, chunk_tokens: as `linear_cross_entropy` (the chunk also bounds the teacher's buffer).
         num_valid_tokens: the targets that are not ignore_index, as `linear_cross_entropy`: an int gathers
             those rows and computes only them; a device tensor is checked against the target (no host sync)
@@ -366,6 +398,11 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     Returns:
         the loss in float32: 0-d for mean/sum, the input's leading shape for "none".
     """
+    options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+                   weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
+                   student_logit_scale=student_logit_scale, student_softcap=student_softcap,
+                   teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     autocast = _autocast_dtype(student_hidden) if isinstance(student_hidden, torch.Tensor) else None
     if autocast is not None:  # as F.linear under autocast: every floating operand in the autocast dtype
         def cast(t):
@@ -373,15 +410,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         with torch.autocast(student_hidden.device.type, enabled=False):
             return linear_distillation_loss(
                 cast(student_hidden), cast(student_weight), cast(teacher_hidden), cast(teacher_weight), target,
-                student_bias=cast(student_bias), teacher_bias=cast(teacher_bias), beta=beta, temperature=temperature,
-                ignore_index=ignore_index, reduction=reduction, weight_hard_loss=weight_hard_loss,
-                weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
-                num_valid_tokens=num_valid_tokens)
+                student_bias=cast(student_bias), teacher_bias=cast(teacher_bias), num_valid_tokens=num_valid_tokens,
+                **options)
     validate_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
-                               teacher_bias, num_valid_tokens, beta=beta, temperature=temperature,
-                               ignore_index=ignore_index, reduction=reduction, weight_hard_loss=weight_hard_loss,
-                               weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum,
-                               chunk_tokens=chunk_tokens)
+                               teacher_bias, num_valid_tokens, **options)
     if target is not None:
         num_valid_tokens = normalize_count(num_valid_tokens, target)  # numpy / CPU-tensor counts as the kernels take it
     lead_shape = student_hidden.shape[:-1]
@@ -392,8 +424,12 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     xs, xt = (x if x.stride(-1) == 1 else x.contiguous() for x in (xs, xt))
     wt, bt = teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach()
     y = None if target is None else target.reshape(-1).contiguous()
+
+    def real(v):
+        return None if v is None else float(v)
     opts = DistillOptions(float(beta), float(temperature), ignore_index, float(weight_hard_loss),
-                          float(weight_soft_loss))
+                          float(weight_soft_loss), float(student_logit_scale), real(student_softcap),
+                          float(teacher_logit_scale), real(teacher_softcap))
     args = (student_weight, student_bias, opts, reduction, weight_grad_accum, chunk_tokens)
     if isinstance(num_valid_tokens, int) and 0 < num_valid_tokens < y.shape[0]:
         rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
@@ -418,26 +454,22 @@ class LinearDistillationLoss(nn.Module):
 
     def __init__(self, *, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
                  reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
+                 student_logit_scale: float = 1.0, student_softcap: float | None = None,
+                 teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None,
                  weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
         super().__init__()
-        validate_distillation_options(beta=beta, temperature=temperature, ignore_index=ignore_index,
-                                      reduction=reduction, weight_hard_loss=weight_hard_loss,
-                                      weight_soft_loss=weight_soft_loss, weight_grad_accum=weight_grad_accum,
-                                      chunk_tokens=chunk_tokens)
-        self.beta, self.temperature, self.ignore_index, self.reduction = beta, temperature, ignore_index, reduction
-        self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
-        self.weight_grad_accum, self.chunk_tokens = weight_grad_accum, chunk_tokens
+        self.options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
+                            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
+                            student_logit_scale=student_logit_scale, student_softcap=student_softcap,
+                            teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+                            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        validate_distillation_options(**self.options)
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, student_bias=None,
                 teacher_bias=None, num_valid_tokens: int | torch.Tensor | None = None):
-        return linear_distillation_loss(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias=student_bias,
-            teacher_bias=teacher_bias, beta=self.beta, temperature=self.temperature, ignore_index=self.ignore_index,
-            reduction=self.reduction, weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss,
-            weight_grad_accum=self.weight_grad_accum, chunk_tokens=self.chunk_tokens,
-            num_valid_tokens=num_valid_tokens)
+        return linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
+                                        student_bias=student_bias, teacher_bias=teacher_bias,
+                                        num_valid_tokens=num_valid_tokens, **self.options)
 
     def extra_repr(self) -> str:
-        return (f"beta={self.beta}, temperature={self.temperature}, ignore_index={self.ignore_index}, "
-                f"reduction={self.reduction!r}, weight_hard_loss={self.weight_hard_loss}, "
-                f"weight_soft_loss={self.weight_soft_loss}")
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

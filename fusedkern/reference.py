@@ -730,7 +730,8 @@ def grpo_loss_from_logps(
 # Distillation (a student's LM head against a teacher's): TRL's `generalized_jsd_loss` convention
 # ----------------------------------------------------------------------------------------------
 
-__all__ += ["distillation_from_logits", "linear_distillation_loss_fp64", "upcast_linear_distillation_loss"]
+__all__ += ["distillation_from_logits", "model_logits", "linear_distillation_loss_fp64",
+            "upcast_linear_distillation_loss"]
 
 
 def distillation_from_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -772,27 +773,41 @@ def distillation_from_logits(student_logits: torch.Tensor, teacher_logits: torch
     return loss.sum() / count.clamp(min=1)
 
 
+def model_logits(head_output: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """A model's logits from its head's output, in TRL DistillationTrainer's order: ·logit_scale, then softcap."""
+    z = head_output * logit_scale if logit_scale != 1.0 else head_output
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
 def linear_distillation_loss_fp64(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                                   teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
                                   target: torch.Tensor | None = None, *, student_bias: torch.Tensor | None = None,
-                                  teacher_bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+                                  teacher_bias: torch.Tensor | None = None, student_logit_scale: float = 1.0,
+                                  student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
+                                  teacher_softcap: float | None = None, **options) -> torch.Tensor:
     """Exact reference of `fusedkern.linear_distillation_loss`: both heads' logits and the loss in float64,
     differentiable (autograd gives the fp64 gradients of the student's operands)."""
     def f64(t):
         return None if t is None else t.double()
-    zs = F.linear(f64(student_hidden), f64(student_weight), f64(student_bias))
-    zt = F.linear(f64(teacher_hidden), f64(teacher_weight), f64(teacher_bias))
+    zs = model_logits(F.linear(f64(student_hidden), f64(student_weight), f64(student_bias)), student_logit_scale,
+                      student_softcap)
+    zt = model_logits(F.linear(f64(teacher_hidden), f64(teacher_weight), f64(teacher_bias)), teacher_logit_scale,
+                      teacher_softcap)
     return distillation_from_logits(zs, zt, target, **options)
 
 
 def upcast_linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                                     teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
                                     target: torch.Tensor | None = None, *, student_bias: torch.Tensor | None = None,
-                                    teacher_bias: torch.Tensor | None = None, **options) -> torch.Tensor:
+                                    teacher_bias: torch.Tensor | None = None, student_logit_scale: float = 1.0,
+                                    student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
+                                    teacher_softcap: float | None = None, **options) -> torch.Tensor:
     """The materialized baseline: both [T, V] logits in the inputs' dtype, then `.float()` and the loss in
     fp32 (what a trainer computing TRL's `generalized_jsd_loss` on upcast logits does); the teacher's
-    logits under no_grad."""
-    zs = F.linear(student_hidden, student_weight, student_bias).float()
+    logits under no_grad. Each model's logit scale and softcap are applied in fp32."""
+    zs = model_logits(F.linear(student_hidden, student_weight, student_bias).float(), student_logit_scale,
+                      student_softcap)
     with torch.no_grad():
-        zt = F.linear(teacher_hidden, teacher_weight, teacher_bias).float()
+        zt = model_logits(F.linear(teacher_hidden, teacher_weight, teacher_bias).float(), teacher_logit_scale,
+                          teacher_softcap)
     return distillation_from_logits(zs, zt, target, **options)

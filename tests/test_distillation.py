@@ -77,6 +77,9 @@ F32_CASES = [
     dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5), dict(beta=0.0, weight_hard_loss=1.0, temperature=2.0),
     dict(beta=1.0, weight_hard_loss=0.3, reduction="sum"), dict(beta=0.5, weight_hard_loss=0.4, reduction="none"),
     dict(beta=0.5, weight_soft_loss=0.0, weight_hard_loss=1.0),
+    dict(beta=0.5, student_softcap=3.0, teacher_softcap=2.5, weight_hard_loss=0.3, temperature=1.5),
+    dict(beta=0.0, student_logit_scale=0.7, teacher_logit_scale=1.6, student_softcap=4.0),
+    dict(beta=1.0, teacher_softcap=2.0, student_logit_scale=1.3, reduction="none"),
 ]
 
 
@@ -87,8 +90,9 @@ def test_fp32_matches_fp64(options):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=1.0, temperature=2.0),
-                                     dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5, reduction="none")],
-                         ids=["fkl", "rkl-tau2", "jsd-hard-none"])
+                                     dict(beta=0.5, weight_hard_loss=0.5, weight_soft_loss=0.5, reduction="none"),
+                                     dict(beta=0.5, student_softcap=3.0, teacher_softcap=2.5, teacher_logit_scale=1.2)],
+                         ids=["fkl", "rkl-tau2", "jsd-hard-none", "jsd-softcaps"])
 def test_half_precision_matches_fp64(dtype, options):
     check_against_fp64(dtype, seed=3, **options)
 
@@ -227,7 +231,7 @@ def test_empty_batch_and_integer_count_types():
 def test_module_and_leading_shape():
     xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=10)
     module = fusedkern.LinearDistillationLoss(beta=0.3, temperature=2.0, reduction="none")
-    assert "beta=0.3" in repr(module)
+    assert "beta=0.3" in repr(module) and "teacher_softcap=None" in repr(module)
     out = module(xs.reshape(3, 3, HS), ws, xt.reshape(3, 3, HT), wt, y.reshape(3, 3), student_bias=bs)
     flat = fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, student_bias=bs, beta=0.3, temperature=2.0,
                                               reduction="none")
@@ -260,6 +264,8 @@ def test_bad_inputs_raise_naming_the_argument():
         (dict(num_valid_tokens=T + 1), ValueError, "num_valid_tokens"),
         (dict(student_bias=bs[:-1]), ValueError, "student_bias"), (dict(xs=xs.tolist()), TypeError, "student_hidden"),
         (dict(y=torch.where(y == -100, y, V)), ValueError, "target"),
+        (dict(student_softcap=0.0), ValueError, "student_softcap"),
+        (dict(teacher_logit_scale=-1.0), ValueError, "teacher_logit_scale"),
     ]
     for kwargs, error, name in cases:
         with pytest.raises(error, match=name):

@@ -1,8 +1,9 @@
 """Row kernel of the distillation loss: per token, the divergence between the student's and the teacher's
 softmax(z / τ) over a chunk of both models' logits, and ∂L/∂z_student written over the student's logits.
 
+Each model's logit z is its head's output after its logit scale and final softcap (TRL's order), computed here.
 One program per row walks the vocabulary in BLOCK_V blocks: pass 1 keeps per-lane online (max, Σ exp) of
-s = z_s/τ, u = z_t/τ (and of the raw z_s for the hard-label cross-entropy), pass 2 sums the divergence from
+s = z_s/τ, u = z_t/τ (and of z_s itself for the hard-label cross-entropy), pass 2 sums the divergence from
 exact log-probabilities (and the student's expectation R that its gradient needs), pass 3 overwrites the
 student's row with the gradient. Forward KL needs no R: its gradient p − q is written in pass 2.
 Trade-off: each row is read two or three times (the two GEMMs per chunk cost ~2·H/elt times more per element at
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import interpreting
-from fusedkern.kernels.device_math import log1p
+from fusedkern.kernels.device_math import log1p, tanh
 
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 BLOCK_V = 32 if interpreting() else 2048  # the interpreter: a small block keeps the masked tail exercised
@@ -29,6 +30,26 @@ def divergence_mode(beta: float) -> int:
     """TRL's `generalized_jsd_loss` convention: β = 0 is KL(teacher‖student), β = 1 KL(student‖teacher),
     anything between the generalized JSD with mixture m = (1 − β)·p_student + β·p_teacher."""
     return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else JSD
+
+
+@triton.jit
+def _model_logit(h, scale, softcap, HAS_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """The model's logit from the head's output h, in TRL's order: h·scale (Cohere's logit_scale), then
+    softcap·tanh(·/softcap) (Gemma's final softcap). The temperature divides the result."""
+    u = h * scale
+    if HAS_SOFTCAP:
+        u = softcap * tanh(u / softcap, USE_LIBDEVICE)
+    return u
+
+
+@triton.jit
+def _model_logit_slope(z, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """∂z/∂h at the model's logit z = `_model_logit(h)`: scale·(1 − (z/softcap)²)."""
+    if HAS_SOFTCAP:
+        r = z / softcap
+        return scale * (1.0 - r * r)
+    else:
+        return scale
 
 
 @triton.jit
@@ -77,9 +98,11 @@ def _distill_rows_kernel(
     V, stride_s, stride_t,
     # options
     inv_temperature, beta, log_beta, log_1m_beta, one_m_beta, weight_soft, weight_hard, ignore_index,
+    s_scale, s_softcap, t_scale, t_softcap,  # each model's logit_scale and final softcap (`_model_logit`)
     # meta-parameters
     MODE: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_HARD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    PER_TOKEN_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    PER_TOKEN_GRAD: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     # int64: row · stride reaches 32768 · 128256 > 2^31 for a big chunk
     row = tl.program_id(0).to(tl.int64)
@@ -99,7 +122,7 @@ def _distill_rows_kernel(
             return
         # an out-of-range target reads column 0: the caller's pending range check raises before returning
         y = tl.where((y_raw >= 0) & (y_raw < V), y_raw, 0)
-    # 1. online (max, Σ exp) per lane of s = z_s/τ, u = z_t/τ and (hard label) the raw z_s
+    # 1. online (max, Σ exp) per lane of s = z_s/τ, u = z_t/τ and (hard label) z_s, z the models' logits
     m_s = tl.full((BLOCK_V,), -float("inf"), tl.float32)
     d_s = tl.zeros((BLOCK_V,), tl.float32)
     m_t = tl.full((BLOCK_V,), -float("inf"), tl.float32)
@@ -109,8 +132,10 @@ def _distill_rows_kernel(
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        z = tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature
+        z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap,
+                         S_SOFTCAP, USE_LIBDEVICE)
+        u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap,
+                         T_SOFTCAP, USE_LIBDEVICE) * inv_temperature
         m_s, d_s = _online(m_s, d_s, z * inv_temperature, mask)
         m_t, d_t = _online(m_t, d_t, u, mask)
         if HAS_HARD:
@@ -118,7 +143,8 @@ def _distill_rows_kernel(
     max_s, logsum_s = _max_logsum(m_s, d_s)
     max_t, logsum_t = _max_logsum(m_t, d_t)
     if HAS_HARD:
-        z_y = tl.load(zs_row + y).to(tl.float32)  # before pass 2 may overwrite the row (forward KL)
+        # before pass 2 may overwrite the row (forward KL)
+        z_y = _model_logit(tl.load(zs_row + y).to(tl.float32), s_scale, s_softcap, S_SOFTCAP, USE_LIBDEVICE)
         max_z, logsum_z = _max_logsum(m_z, d_z)
     # 2. the divergence from exact log-probabilities, and R = Σ p (log p − log m) for the JSD's gradient
     div = tl.zeros((BLOCK_V,), tl.float32)
@@ -128,9 +154,12 @@ def _distill_rows_kernel(
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        z = tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap,
+                         S_SOFTCAP, USE_LIBDEVICE)
         lp = (z * inv_temperature - max_s) - logsum_s
-        lq = (tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - max_t) - logsum_t
+        u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap,
+                         T_SOFTCAP, USE_LIBDEVICE)
+        lq = (u * inv_temperature - max_t) - logsum_t
         p = tl.exp(lp)
         q = tl.exp(lq)
         if MODE == 0:  # KL(q‖p)
@@ -139,6 +168,7 @@ def _distill_rows_kernel(
                 g = soft_scale * (p - q)
                 if HAS_HARD:
                     g += g_row * weight_hard * (tl.exp((z - max_z) - logsum_z) - tl.where(cols == y, 1.0, 0.0))
+                g = g * _model_logit_slope(z, s_scale, s_softcap, S_SOFTCAP)  # chain rule: z = f(head output)
                 tl.store(zs_row + cols, g.to(zs_ptr.dtype.element_ty), mask=mask)
         elif MODE == 1:  # KL(p‖q)
             div += tl.where(mask, _xlogy_diff(p, lp, lq), 0.0)
@@ -159,9 +189,12 @@ def _distill_rows_kernel(
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             mask = cols < V
-            z = tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32)
+            z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap,
+                             S_SOFTCAP, USE_LIBDEVICE)
             lp = (z * inv_temperature - max_s) - logsum_s
-            lq = (tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_temperature - max_t) - logsum_t
+            u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap,
+                             T_SOFTCAP, USE_LIBDEVICE)
+            lq = (u * inv_temperature - max_t) - logsum_t
             p = tl.exp(lp)
             # p·((log p − log x) − Σ): the difference of two O(1) logs first, then one product
             if MODE == 1:
@@ -172,17 +205,21 @@ def _distill_rows_kernel(
             g = soft_scale * gs
             if HAS_HARD:
                 g += g_row * weight_hard * (tl.exp((z - max_z) - logsum_z) - tl.where(cols == y, 1.0, 0.0))
+            g = g * _model_logit_slope(z, s_scale, s_softcap, S_SOFTCAP)  # chain rule: z = f(head output)
             tl.store(zs_row + cols, g.to(zs_ptr.dtype.element_ty), mask=mask)
 
 
 def distill_rows(zs: torch.Tensor, zt: torch.Tensor, target: torch.Tensor | None, loss: torch.Tensor,
                  grad: torch.Tensor | None, *, beta: float, temperature: float, weight_soft: float,
-                 weight_hard: float, ignore_index: int, per_token_grad: bool = False) -> None:
+                 weight_hard: float, ignore_index: int, per_token_grad: bool = False, student_logit_scale: float = 1.0,
+                 student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
+                 teacher_softcap: float | None = None) -> None:
     """Per-token loss of a chunk into `loss` [C] fp32 and, when `grad` is given, ∂L/∂z_student over `zs`.
 
     zs [C, V] student logits (overwritten with the gradient when `grad` is given) · zt [C, V] teacher
     logits · target [C] or None (every row counts; no hard-label term then) · grad: [1] fp32 ∂L/∂ℓ_t shared
-    by every row, or [C] per row with `per_token_grad`. ℓ_t = weight_soft·D_β(τ) + weight_hard·CE(z_s, y)."""
+    by every row, or [C] per row with `per_token_grad`. ℓ_t = weight_soft·D_β(τ) + weight_hard·CE(z_s, y), on
+    each model's logits `_model_logit(head output)` (its logit scale, then its softcap)."""
     C, V = zs.shape
     assert zt.shape == (C, V) and zs.stride(1) == 1 and zt.stride(1) == 1
     mode = divergence_mode(beta)
@@ -194,7 +231,9 @@ def distill_rows(zs: torch.Tensor, zt: torch.Tensor, target: torch.Tensor | None
         1.0 / temperature, beta, math.log(beta) if beta > 0 else 0.0, math.log1p(-beta) if beta < 1 else 0.0,
         1.0 - beta,
         weight_soft, weight_hard, ignore_index,
+        student_logit_scale, student_softcap or 1.0, teacher_logit_scale, teacher_softcap or 1.0,
         MODE=mode, HAS_TARGET=target is not None, HAS_HARD=has_hard, WRITE_GRAD=grad is not None,
-        PER_TOKEN_GRAD=per_token_grad, BLOCK_V=BLOCK_V,
+        PER_TOKEN_GRAD=per_token_grad, S_SOFTCAP=student_softcap is not None, T_SOFTCAP=teacher_softcap is not None,
+        USE_LIBDEVICE=not interpreting(), BLOCK_V=BLOCK_V,
         num_warps=1 if interpreting() else 8,
     )
