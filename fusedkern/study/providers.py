@@ -569,7 +569,8 @@ def _preference_liger(ref_model: bool) -> Callable[[Inputs], dict[str, Step]]:
 
 # Distillation providers ------------------------------------------------------------------------
 # On `workloads.make_distill_inputs`: the student's x, W and targets, the teacher's in extras (no gradient).
-# TRL's GKD defaults: β 0.5 (the generalized JSD), τ 1; the loss is the mean over the targets not ignored.
+# TRL's GKD defaults: β 0.5 (the generalized JSD), τ 1; the loss is the mean over the targets not ignored. A
+# head's softcap (`--head gemma2`) applies to both models, as TRL's DistillationTrainer applies each model's own.
 
 DISTILL_ARGS: dict[str, float] = {"beta": 0.5, "temperature": 1.0}
 # Liger's LigerFusedLinearJSDLoss defaults: half cross-entropy on the hard labels, half divergence
@@ -580,13 +581,16 @@ def _teacher(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return inp.extras["teacher_x"], inp.extras["teacher_w"]
 
 
+def _distill_softcaps(inp: Inputs) -> dict[str, float | None]:
+    return {"student_softcap": inp.softcap, "teacher_softcap": inp.softcap}
+
+
 def _distill_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern import linear_distillation_loss
 
-        _no_softcap(inp, "fusedkern.linear_distillation_loss")
         xt, wt = _teacher(inp)
-        kwargs = {**DISTILL_ARGS, **options}
+        kwargs = {**DISTILL_ARGS, **options, **_distill_softcaps(inp)}
         return loss_steps(lambda: linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
 
     return build
@@ -598,9 +602,8 @@ def _distill_torch_fp32(**options) -> Callable[[Inputs], dict[str, Step]]:
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern.reference import upcast_linear_distillation_loss
 
-        _no_softcap(inp, "the materialized distillation loss")
         xt, wt = _teacher(inp)
-        kwargs = {**DISTILL_ARGS, **options}
+        kwargs = {**DISTILL_ARGS, **options, **_distill_softcaps(inp)}
         return loss_steps(lambda: upcast_linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
 
     return build
@@ -632,7 +635,6 @@ def _distill_trl_chunked(inp: Inputs) -> dict[str, Step]:
     """TRL's own fused divergence (`trl.kernels.chunked_divergence.ChunkedDivergenceFunction`, what its
     DistillationTrainer calls): the valid rows gathered (a host sync, as TRL does on Triton devices), fp32
     [4096, 32768] tiles of both models' logits, then the mean over the valid rows."""
-    _no_softcap(inp, "TRL's ChunkedDivergenceFunction here")
     try:
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     except ImportError as error:
@@ -641,8 +643,9 @@ def _distill_trl_chunked(inp: Inputs) -> dict[str, Step]:
 
     def loss_fn() -> torch.Tensor:
         keep = inp.target.reshape(-1) != IGNORE_INDEX
-        divergence, _entropy = ChunkedDivergenceFunction.apply(inp.x[keep], inp.w, None, xt[keep], wt, None,
-                                                               DISTILL_ARGS["beta"], DISTILL_ARGS["temperature"])
+        divergence, _entropy = ChunkedDivergenceFunction.apply(
+            inp.x[keep], inp.w, None, xt[keep], wt, None, DISTILL_ARGS["beta"], DISTILL_ARGS["temperature"],
+            1.0, inp.softcap, 1.0, inp.softcap)  # each model's logit scale and final softcap
         return divergence.sum() / keep.sum().clamp(min=1)
 
     return loss_steps(loss_fn)

@@ -221,11 +221,10 @@ def make_distill_inputs(tokens: int, hidden: int, vocab: int, *, dtype: torch.dt
                         teacher_hidden: int | None = None) -> Inputs:
     """The student's x [T, H], W [V, H] and targets as `make_ce_inputs` (the masked workloads ignore the same
     prompt spans), plus in `extras` a teacher of its own: teacher_x [T, H_t] ~ N(0, 1) and teacher_w [V, H_t] ~
-    N(0, LOGIT_STD²/H_t), no gradient (H_t = `teacher_hidden`, default H). Distillation has no softcap: a
-    softcap here raises."""
-    if softcap is not None:
-        raise ValueError("the distill workload has no logit softcap (linear_distillation_loss takes none)")
-    inputs = make_ce_inputs(tokens, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq)
+    N(0, LOGIT_STD²/H_t), no gradient (H_t = `teacher_hidden`, default H). `softcap`: both models' final softcap
+    (a Gemma-2 head distilled from another)."""
+    inputs = make_ce_inputs(tokens, hidden, vocab, dtype=dtype, device=device, seed=seed, workload=workload, seq=seq,
+                            softcap=softcap)
     device = inputs.x.device
     gen = _generator(device, seed + 1)  # the student's tensors stay those of the ce op at the same seed
     hidden_t = teacher_hidden or hidden
