@@ -53,6 +53,9 @@ def tiny(tmp_path_factory):
                                   "label": [i % 2 == 0 for i in range(n)]}),
         "sft": Dataset.from_dict({"prompt": prompts, "completion": [" " + text(3 + i % 2) for i in range(n)]}),
         "prompt": Dataset.from_dict({"prompt": prompts}),
+        "chat": Dataset.from_dict({"messages": [[{"role": "user", "content": p}, {"role": "assistant",
+                                                                                 "content": text(3)}]
+                                                for p in prompts]}),
     }
     config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
@@ -62,7 +65,13 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return dict(tokenizer=tokenizer, data=data, path=str(path), out=str(tmp_path_factory.mktemp("trl_out")))
+    # a teacher of another width (the heads share the vocabulary only), for the distillation trainer
+    teacher_config = LlamaConfig(**{**config.to_dict(), "hidden_size": 48, "num_hidden_layers": 1})
+    torch.manual_seed(1)
+    teacher_path = tmp_path_factory.mktemp("tiny_teacher")
+    LlamaForCausalLM(teacher_config).save_pretrained(teacher_path)
+    return dict(tokenizer=tokenizer, data=data, path=str(path), teacher=str(teacher_path),
+                out=str(tmp_path_factory.mktemp("trl_out")))
 
 
 def reward_len(completions, **kwargs):
@@ -96,6 +105,18 @@ def build(kind, tiny, fused, **config):
         prefix = kind.upper()
         cls, args = getattr(module, f"{prefix}Trainer"), getattr(module, f"{prefix}Config")(**common)
         data = tiny["data"]["pref"]
+    elif kind == "distill":
+        common.setdefault("max_completion_length", 4)
+        cls, args, data = trl.DistillationTrainer, trl.DistillationConfig(**common), tiny["data"]["sft"]
+        kw.update(model=tiny["path"], teacher_model=tiny["teacher"])
+    elif kind == "gkd":
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        common.setdefault("lmbda", 0.0)  # off-policy: the dataset's completions
+        cls, args, data = GKDTrainer, GKDConfig(max_length=32, **common), tiny["data"]["chat"]
+        tokenizer = copy.deepcopy(tiny["tokenizer"])
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        kw.update(model=tiny["path"], teacher_model=tiny["teacher"], processing_class=tokenizer)
     elif kind == "sft":
         cls, args, data = trl.SFTTrainer, trl.SFTConfig(**common), tiny["data"]["sft"]
     elif kind in ("grpo", "rloo"):
@@ -127,8 +148,8 @@ def train(trainer, fused):
     import fusedkern.integrations.trl as fk_trl
 
     if fused:
-        fk_trl.check_trainer(trainer)
         with fk_trl.patched():  # the guard against TRL's own head is on while training
+            fk_trl.check_trainer(trainer)
             trainer.train()
     else:
         trainer.train()
@@ -255,6 +276,35 @@ def test_orpo_matches_trl(tiny, monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_distillation_trainer_matches_trl(tiny, monkeypatch, beta):
+    """DistillationTrainer (on-policy generation, then the divergence over student and teacher heads) with
+    fusedkern.linear_distillation_loss in place of TRL's chunked divergence: forward KL and the generalized JSD."""
+    import fusedkern.integrations.trl as fk_trl
+
+    plain = train(build("distill", tiny, False, beta=beta, temperature=0.8), False)
+    calls = []
+    real = fk_trl.linear_distillation_loss
+    monkeypatch.setattr(fk_trl, "linear_distillation_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = train(build("distill", tiny, True, beta=beta, temperature=0.8), True)
+    assert len(calls) == 2  # one micro-batch a step
+    assert_same_run(plain, fused, ("entropy",))
+
+
+def test_gkd_matches_trl(tiny, monkeypatch):
+    """GKDTrainer (trl.experimental): its compute_loss materializes both models' logits; patched, the teacher's
+    backbone runs under the accelerator's autocast and the divergence inside the student's forward."""
+    import fusedkern.integrations.trl as fk_trl
+
+    plain = train(build("gkd", tiny, False, beta=0.5), False)
+    calls = []
+    real = fk_trl.linear_distillation_loss
+    monkeypatch.setattr(fk_trl, "linear_distillation_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = train(build("gkd", tiny, True, beta=0.5), True)
+    assert len(calls) == 2
+    assert_same_run(plain, fused)
+
+
 class LogitsWatch(TorchDispatchMode):
     """Records every tensor an op returns whose last dimension is the vocabulary."""
 
@@ -299,18 +349,29 @@ def test_patch_replaces_every_reference_and_unpatch_restores():
 
     import fusedkern.integrations.trl as fk_trl
 
+    import trl.trainer.distillation_trainer as distill_module
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.gkd import GKDTrainer
+
     original = utils.add_fused_lm_head
+    originals = (distill_module._chunked_divergence_loss, GKDTrainer.compute_loss, CPOTrainer.concatenated_forward,
+                 CPOTrainer.__init__)
     fk_trl.patch()
     try:
         assert fk_trl.is_patched()
         assert dpo_module.add_fused_lm_head is utils.add_fused_lm_head is not original
         assert utils._ChunkedLogProbFunction is fk_trl.TRLHeadGuard
+        assert GKDTrainer.compute_loss is fk_trl.fused_gkd_compute_loss
+        assert CPOTrainer.concatenated_forward is fk_trl.fused_concatenated_forward
+        assert distill_module._chunked_divergence_loss is not originals[0]
         fk_trl.patch(chunk_tokens=64)  # again, other options: still one layer over TRL's
         assert fk_trl.is_patched()
     finally:
         fk_trl.unpatch()
     assert dpo_module.add_fused_lm_head is original and utils.add_fused_lm_head is original
     assert utils._ChunkedLogProbFunction is not fk_trl.TRLHeadGuard and not fk_trl.is_patched()
+    assert (distill_module._chunked_divergence_loss, GKDTrainer.compute_loss, CPOTrainer.concatenated_forward,
+            CPOTrainer.__init__) == originals
 
 
 def test_trl_head_installed_before_patch_raises_when_run(tiny):

@@ -29,6 +29,7 @@ import types
 
 import torch
 
+from fusedkern.distillation import linear_distillation_loss
 from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
 
 TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -93,8 +94,24 @@ def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -
                         guarded=utils.__dict__.get(guard_name) if guarded else None, classes=[])
     if guarded:
         setattr(utils, guard_name, TRLHeadGuard)
+    # DistillationTrainer's divergence: a module function of TRL's over both models' hidden states and heads
+    distill = sys.modules.get("trl.trainer.distillation_trainer") or _import_or_none("trl.trainer.distillation_trainer")
+    if distill is not None and "_chunked_divergence_loss" in distill.__dict__:
+        original_divergence = distill.__dict__["_chunked_divergence_loss"]
+
+        @functools.wraps(original_divergence)
+        def divergence(*args, **kwargs):
+            return fused_chunked_divergence_loss(*args, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                                                 **kwargs)
+
+        _patch_state["divergence"] = (distill, original_divergence)
+        distill._chunked_divergence_loss = divergence
     # CPO and ORPO (trl.experimental) compute the logits in their own concatenated_forward: replaced, and their
     # __init__ gives the model fusedkern's head (before accelerate wraps its forward in autocast)
+    gkd = _import_or_none("trl.experimental.gkd")
+    if gkd is not None and hasattr(gkd, "GKDTrainer"):
+        _patch_state["gkd"] = (gkd.GKDTrainer, gkd.GKDTrainer.__dict__["compute_loss"])
+        gkd.GKDTrainer.compute_loss = fused_gkd_compute_loss
     for cls in experimental_trainer_classes():
         original_init = cls.__dict__["__init__"]
 
@@ -118,6 +135,12 @@ def unpatch() -> None:
             setattr(mod, "add_fused_lm_head", _patch_state["original"])
     if _patch_state["guarded"] is not None:
         setattr(_trl_utils(), "_ChunkedLogProbFunction", _patch_state["guarded"])
+    if "gkd" in _patch_state:
+        cls, original_compute_loss = _patch_state["gkd"]
+        cls.compute_loss = original_compute_loss
+    if "divergence" in _patch_state:
+        module, original_divergence = _patch_state["divergence"]
+        module._chunked_divergence_loss = original_divergence
     for cls, original_init, original_forward in _patch_state["classes"]:
         cls.__init__ = original_init
         cls.concatenated_forward = original_forward
@@ -157,7 +180,14 @@ def has_fused_head(model) -> bool:
 
 def check_trainer(trainer) -> None:
     """Raise RuntimeError unless the trainer's model (and reference model, if any) carries fusedkern's head —
-    e.g. after code that re-installs TRL's head on an existing trainer."""
+    e.g. after code that re-installs TRL's head on an existing trainer. A DistillationTrainer has no head: its
+    divergence is fusedkern's while the patch is on (TRL looks the function up at each step)."""
+    distill = sys.modules.get("trl.trainer.distillation_trainer")
+    if distill is not None and isinstance(trainer, distill.DistillationTrainer):
+        if not is_patched():
+            raise RuntimeError("DistillationTrainer computes its divergence with fusedkern only while "
+                               "fusedkern.integrations.trl is patched")
+        return
     for role in ("model", "ref_model"):
         model = getattr(trainer, role, None)
         if model is not None and not has_fused_head(model):
@@ -226,7 +256,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     # keeps the original signature: `generate` validates its model kwargs against it
     @functools.wraps(type(model).forward)
     def fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                      mean_logits_at_every_position=False, **kwargs):
+                      mean_logits_at_every_position=False, distill_from=None, **kwargs):
         if not fused_lm_head:
             for key, value in (("labels", labels), ("shift_labels", shift_labels),
                                ("num_items_in_batch", num_items_in_batch)):
@@ -266,6 +296,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         rows = mask.reshape(-1).nonzero().squeeze(-1)
         x = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         y = labels.reshape(-1).index_select(0, rows)
+        if distill_from is not None:  # GKD: the divergence from a teacher inside the student's (wrapped) forward
+            return distill_output(x, weight, bias, rows, mask, distill_from, softcap, logit_scale, num_items_in_batch,
+                                  weight_grad_accum, chunk_tokens)
         with autocast_ctx:
             if rows.numel() > 0:
                 logps, entropy, row_max, row_lse = linear_logprobs_with_stats(
@@ -350,6 +383,53 @@ def fused_concatenated_forward(self, model, batch):
     return result + (outputs.aux_loss,) if self.aux_loss_enabled else result
 
 
+def distill_output(x, weight, bias, rows, mask, distill_from: dict, softcap, logit_scale, num_items_in_batch,
+                   weight_grad_accum, chunk_tokens):
+    """FusedCausalLMOutput whose loss is GKD's `generalized_jsd_loss` of the student rows x against the teacher's
+    (distill_from: the teacher's shifted last hidden states, head, logit scale and softcap, beta, temperature):
+    the sum over the valid positions divided by num_items_in_batch, else by their count (at least 1)."""
+    teacher_hidden = distill_from["hidden"].to(weight.device)
+    xt = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
+    if rows.numel() == 0:
+        loss = x.float().sum()
+    else:
+        loss = linear_distillation_loss(
+            x, weight, xt, distill_from["weight"], None, student_bias=bias, teacher_bias=distill_from["bias"],
+            beta=float(distill_from["beta"]), temperature=float(distill_from["temperature"]), reduction="sum",
+            student_logit_scale=logit_scale, student_softcap=softcap, teacher_logit_scale=distill_from["logit_scale"],
+            teacher_softcap=distill_from["softcap"], weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    loss = loss / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    return _trl_utils().FusedCausalLMOutput(loss=loss, label_mask=mask)
+
+
+def fused_gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GKDTrainer's `compute_loss` (trl.experimental) without either model's logits: the teacher's backbone under
+    no_grad and the accelerator's autocast (as its prepared forward would run it), then the student's forward with
+    fusedkern's head computing `fusedkern.linear_distillation_loss` — the generalized JSD of TRL's
+    `generalized_jsd_loss` with the trainer's beta at temperature 1 (as GKD's compute_loss calls it), each model's
+    own logit scale and softcap, over the positions whose shifted label is not −100."""
+    if not has_fused_head(model):
+        raise RuntimeError("this GKDTrainer was built before fusedkern.integrations.trl.patch(): its model has no "
+                           "fused head; build the trainer after patch()")
+    self.teacher_model.eval()
+    teacher = self.accelerator.unwrap_model(self.teacher_model)
+    teacher_head = teacher.get_output_embeddings()
+    if type(teacher_head) is not torch.nn.Linear:
+        raise TypeError(f"fusedkern's GKD path needs the teacher's lm_head to be a plain nn.Linear, got "
+                        f"{type(teacher_head).__name__}")
+    teacher_config = teacher.config.get_text_config()
+    with torch.no_grad(), self.accelerator.autocast():
+        teacher_hidden = teacher.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                            use_cache=False).last_hidden_state
+    distill_from = dict(hidden=teacher_hidden[:, :-1], weight=teacher_head.weight, bias=teacher_head.bias,
+                        logit_scale=logit_scale_of(teacher_config),
+                        softcap=getattr(teacher_config, "final_logit_softcapping", None), beta=self.beta,
+                        temperature=1.0)
+    outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"],
+                    fused_lm_head=True, num_items_in_batch=num_items_in_batch, distill_from=distill_from)
+    return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
 def experimental_trainer_classes():
     """CPOTrainer and ORPOTrainer of trl.experimental (empty where this TRL has neither)."""
     classes = []
@@ -359,3 +439,52 @@ def experimental_trainer_classes():
         except (ImportError, AttributeError):
             continue
     return classes
+
+
+def _import_or_none(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def fused_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                  teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
+                                  student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                  teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                  teacher_final_logit_softcapping=None, temperature=1.0, *,
+                                  weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+    """TRL DistillationTrainer's `_chunked_divergence_loss` through `fusedkern.linear_distillation_loss`: the same
+    arguments and (loss, student entropy summed over the valid positions, their count). The divergence (β, τ, each
+    model's logit scale then softcap) is fusedkern's over the valid rows only; the entropy, a metric, comes from a
+    loss-only pass of `linear_logprobs_with_stats` over the student's head (one more logits GEMM, no gradient)."""
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    rows = valid.nonzero().squeeze(-1)  # a host sync, as TRL's own compaction on a Triton device
+    h_s = student_hidden_states.reshape(-1, student_hidden_states.shape[-1]).index_select(0, rows)
+    h_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1]).index_select(0, rows)
+    if rows.numel() == 0:
+        loss, entropy_sum = h_s.float().sum(), h_s.new_zeros((), dtype=torch.float32)
+    else:
+        loss = linear_distillation_loss(
+            h_s, student_lm_head_weight, h_t, teacher_lm_head_weight, None, student_bias=student_lm_head_bias,
+            teacher_bias=teacher_lm_head_bias, beta=float(beta), temperature=float(temperature), reduction="sum",
+            student_logit_scale=float(student_logit_scale), student_softcap=student_final_logit_softcapping,
+            teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_final_logit_softcapping,
+            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        if student_final_logit_softcapping is not None and float(student_logit_scale) != 1.0:
+            raise ValueError("the student's entropy under a logit scale and a softcap has no fused form in fusedkern")
+        with torch.no_grad():
+            _, entropy, _, _ = linear_logprobs_with_stats(
+                h_s, student_lm_head_weight, torch.zeros_like(rows), linear_bias=student_lm_head_bias,
+                softcap=student_final_logit_softcapping,
+                temperature=float(temperature) / float(student_logit_scale), return_entropy=True,
+                chunk_tokens=chunk_tokens)
+        entropy_sum = entropy.sum()
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, entropy_sum, n_valid
