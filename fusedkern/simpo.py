@@ -48,8 +48,14 @@ def simpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, beta: floa
     logps [2B, S] (0 where masked) · mask [2B, S] bool (True = response token). Rows 0..B−1 chosen,
     B..2B−1 rejected. A response with no token has average log-prob 0 (documented choice: the pair
     stays finite and only its other response receives a gradient; public implementations give NaN).
-    Returns (loss 0-d, metrics dict of detached 0-d tensors).
+    Returns (loss 0-d in logps' dtype, metrics dict of detached 0-d tensors in that dtype).
+
+    Computed in float64 (O(B·S)): z = β(A_w − A_l) − γ carries every rounding of the averages into each gradient
+    of the pair, β-fold (fp32 sums of S log-probabilities of size ~5 round by ~ulp(5·S) before the division by
+    S); the per-token upstream gradient that autograd hands the fused backward is rounded to fp32 once.
     """
+    out_dtype = logps.dtype
+    logps = logps.double()
     B = logps.shape[0] // 2
     n_tokens = mask.sum(-1)  # [2B]
     sum_logps = (logps * mask).sum(-1)  # [2B]
@@ -64,12 +70,12 @@ def simpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, beta: floa
         "rewards/chosen": rewards_chosen.mean(),
         "rewards/rejected": rewards_rejected.mean(),
         "rewards/margins": (rewards_chosen - rewards_rejected).mean(),
-        "rewards/accuracies": (rewards_chosen > rewards_rejected).float().mean(),
+        "rewards/accuracies": (rewards_chosen > rewards_rejected).double().mean(),
         "logps/chosen": chosen.detach().mean(),
         "logps/rejected": rejected.detach().mean(),
         "nll_loss": nll.detach(),
     }
-    return loss, metrics
+    return loss.to(out_dtype), {key: value.to(out_dtype) for key, value in metrics.items()}
 
 
 def _validate_hyperparameters(beta, gamma, alpha, label_smoothing):
