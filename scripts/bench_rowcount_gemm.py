@@ -116,18 +116,15 @@ def check(kernel: str, impl: str, n: int, count: torch.Tensor, buf: dict) -> tup
 
 TUNED = {"logits": rg._LOGITS[False], "dx": rg._DX[False], "dw_fp32_acc": rg._DW[(False, True)],
          "dw_bf16": rg._DW[(False, False)]}
-#: the opt-in warp-specialized candidates of each kernel (`rowcount_gemm.warp_specialized_configs`)
-WARP_SPECIALIZED = {"logits": "logits", "dx": "dx", "dw_fp32_acc": "dw_fp32", "dw_bf16": "dw"}
 
 
 def sweep(args, counts: dict, buf: dict) -> None:
-    """Every autotune candidate of each kernel, and its warp-specialized candidates, at each count: p50 of
-    10 synchronized reps."""
+    """Every autotune candidate of each kernel at each count: p50 of 10 synchronized reps."""
     out = Path(args.out)
     path = out.with_name(out.stem + "_sweep.csv")
     rows = []
     for kernel in args.kernels:
-        for config in [*TUNED[kernel].configs, *rg.warp_specialized_configs(WARP_SPECIALIZED[kernel])]:
+        for config in TUNED[kernel].configs:
             for n in args.counts:
                 x, w, g, cnt = buf["x"], buf["w"], buf["g"], counts[n]
                 fn = {
@@ -152,14 +149,13 @@ def sweep(args, counts: dict, buf: dict) -> None:
                     t.append(start.elapsed_time(end))
                 p50 = quantiles(t)[1]
                 tflops = 2.0 * n * V * H / (p50 * 1e-3) / 1e12
-                rows.append(dict(kernel=kernel, count=n, config=str(config),
-                                 warp_specialized=config.kwargs.get("WARP_SPECIALIZE", False), ms_p50=f"{p50:.4f}",
+                rows.append(dict(kernel=kernel, count=n, config=str(config), ms_p50=f"{p50:.4f}",
                                  tflops=f"{tflops:.1f}", protocol="sequential", workload=WORKLOAD))
                 print(f"sweep {kernel:<12} n={n:>5} {p50:8.3f} ms {tflops:6.1f} TFLOP/s  {config}", flush=True)
     buf["dw32"].zero_()
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kernel", "count", "config", "warp_specialized", "ms_p50", "tflops",
-                                               "protocol", "workload"])
+        writer = csv.DictWriter(f, fieldnames=["kernel", "count", "config", "ms_p50", "tflops", "protocol",
+                                               "workload"])
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}", flush=True)
@@ -179,9 +175,8 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", default=KERNELS, choices=KERNELS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", action="store_true",
-                        help="also time every autotune config of each Triton kernel, and its opt-in "
-                             "warp-specialized candidates, at each count (sequential reps, not shuffled) and write "
-                             "them to <out stem>_sweep.csv")
+                        help="also time every autotune config of each Triton kernel at each count (sequential "
+                             "reps, not shuffled) and write them to <out stem>_sweep.csv")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

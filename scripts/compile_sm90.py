@@ -8,16 +8,12 @@ first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptx
 - the fused strategy's forward and backward (`fused_ce`, bf16, the first autotune config: the one the
   H200 picks) in each launch mode, flags off and on;
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
-  wide/narrow pair and dW's three epilogues, and the opt-in warp-specialized candidates
-  (`rowcount_gemm.warp_specialized_configs`);
-- the statistics-epilogue GEMM (`logits_stats`, bf16, TMA) at every autotune candidate, options off and on;
-- the row pass folded into the GEMMs: the epilogue that also writes probabilities, dX and dW scaling
-  them on the fly, and `prob_scales`' per-row kernel.
+  wide/narrow pair and dW's three epilogues;
+- the statistics-epilogue GEMM (`logits_stats`, bf16, TMA) at every autotune candidate, options off and on.
 Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
 constants; pointers, strides and sizes multiples of 16).
 Prints one line per kernel with its registers per thread, stack bytes (spills) and shared memory from
-the cubin, whether Triton warp-specialized it (`ws=`), and
-the PTX's fingerprint: `ptx=` hashes the PTX without line information (equal means the same machine
+the cubin, and the PTX's fingerprint: `ptx=` hashes the PTX without line information (equal means the same machine
 code), `ops=` the sorted instructions with registers and labels renamed (equal means the same
 instructions, possibly reordered). Run it before and after a refactor of a kernel to show the GPU gets
 the same code (`--only NAME` limits it to kernels whose line contains NAME). Exits non-zero on the
@@ -41,7 +37,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows, fused_ce, logits_stats, prob_scales, rowcount_gemm, scale  # noqa: E402
+from fusedkern.kernels import ce_rows, fused_ce, logits_stats, rowcount_gemm, scale  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -112,7 +108,7 @@ def gemm_cases() -> list:
     """(name, kernel, signature, flags, config) of the row-count GEMMs at the H200's config (the first
     autotune candidate of each: 128 × 256 × 64, 8 warps, 3 stages; dW with quarter-slice epilogues)."""
     rg = rowcount_gemm
-    count = {"count_ptr": "*i32", "scale_ptr": "*fp32"}
+    count = {"count_ptr": "*i32"}
     cases = []
     for tma in (True, False):
         common = dict(USE_TMA=tma, DOT_PRECISION="tf32")
@@ -127,29 +123,6 @@ def gemm_cases() -> list:
         for accumulate, out, mode in ((False, "*bf16", 0), (True, "*fp32", 2), (True, "*bf16", 1)):
             cases.append(("gemm_dw", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": out}),
                           dict(common, ACCUMULATE=accumulate, EPI_MODE=mode), rg._configs("dw", False)[0]))
-    # the opt-in warp-specialized candidates (TMA path; dW into fp32 adds through registers, mode 1)
-    ws = dict(USE_TMA=True, DOT_PRECISION="tf32")
-    wide = rg.warp_specialized_configs("dx")[0]
-    cases += [("gemm_logits_ws", rg._logits_kernel, gemm_signature(rg._logits_kernel, count), dict(ws, HAS_BIAS=True),
-               rg.warp_specialized_configs("logits")[0]),
-              ("gemm_dx_ws", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(ws, PICK=1), wide),
-              ("gemm_dx_ws", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(ws, PICK=2),
-               rg._narrow_partner(wide)),
-              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, count),
-               dict(ws, ACCUMULATE=False, EPI_MODE=0), rg.warp_specialized_configs("dw")[0]),
-              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, count),
-               dict(ws, ACCUMULATE=True, EPI_MODE=1), rg.warp_specialized_configs("dw")[0]),
-              ("gemm_dw_ws", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": "*fp32"}),
-               dict(ws, ACCUMULATE=True, EPI_MODE=1), rg.warp_specialized_configs("dw_fp32")[0])]
-    # the row pass folded into the GEMMs: dX and dW scale their probabilities operand on the fly (`prob_scales`)
-    scaled = dict(USE_TMA=True, DOT_PRECISION="tf32", SCALED=True, SCALE_TILE=logits_stats.PROB_TILE)
-    for pick in (1, 2):
-        config = rg._configs("dx", False)[0]
-        cases.append(("gemm_dx_scaled", rg._dx_kernel, gemm_signature(rg._dx_kernel, count), dict(scaled, PICK=pick),
-                      config if pick == 1 else rg._narrow_partner(config)))
-    for accumulate, out, mode in ((False, "*bf16", 0), (True, "*fp32", 2), (True, "*bf16", 1)):
-        cases.append(("gemm_dw_scaled", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": out}),
-                      dict(scaled, ACCUMULATE=accumulate, EPI_MODE=mode), rg._configs("dw", False)[0]))
     return cases
 
 
@@ -164,27 +137,7 @@ def stats_cases() -> list:
     return [("stats_gemm", kernel, signature,
              dict(HAS_BIAS=on, HAS_SOFTCAP=on, HAS_SCALE=on, HAS_SMOOTHING=on, HAS_WEIGHT=on, HAS_ENTROPY=on,
                   USE_TMA=True, DOT_PRECISION="tf32"), config)
-            for on in (False, True) for config in logits_stats._CONFIGS] + [
-        ("stats_gemm_probs", kernel, signature,
-         dict(HAS_BIAS=False, HAS_SOFTCAP=False, HAS_SCALE=False, HAS_SMOOTHING=False, HAS_WEIGHT=False,
-              HAS_ENTROPY=False, USE_TMA=tma, DOT_PRECISION="tf32", WRITE_PROBS=True), config)
-        for tma in (True, False) for config in logits_stats._prob_configs(False)]
-
-
-PROB_SCALES_SIGNATURE = {
-    "probs_ptr": "*bf16", "scale_ptr": "*fp32", "part_max_ptr": "*fp32", "stats_ptr": "*fp32", "target_ptr": "*i64",
-    "target_logit_ptr": "*fp32", "grad_scale_ptr": "*fp32", "class_weight_ptr": "*fp32", "count_ptr": "*i32",
-    "C": "i32", "V": "i32", "P": "i32", "stride_pc": "i32", "stride_sc": "i32", "stride_mc": "i32",
-    "stride_stats": "i32", "ignore_index": "i32",
-}
-
-
-def prob_scales_cases() -> list:
-    """The folded row pass's per-row kernel (`prob_scales`) at the H200's tile and partial slots, class
-    weights off and on."""
-    return [("prob_scales", prob_scales._prob_scales_kernel, PROB_SCALES_SIGNATURE,
-             dict(HAS_WEIGHT=on, TILE=logits_stats.PROB_TILE, BLOCK_P=1024), triton.Config({}, num_warps=4))
-            for on in (False, True)]
+            for on in (False, True) for config in logits_stats._CONFIGS]
 
 
 def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config):
@@ -222,10 +175,9 @@ def resources(compiled) -> str:
         cubin.flush()
         report = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True).stdout
     regs, stack = re.search(r"REG:(\d+)", report), re.search(r"STACK:(\d+)", report)
-    # ws: whether Triton split the kernel into warp-specialized partitions; smem: shared memory per program
-    ws = "yes" if "ttg.warp_specialize" in compiled.asm["ttgir"] else "no"
+    # smem: shared memory per program
     return (f"regs={regs.group(1) if regs else '?'} stack={stack.group(1) if stack else '?'} "
-            f"smem={compiled.metadata.shared} ws={ws}")
+            f"smem={compiled.metadata.shared}")
 
 
 def ptxas_info(compiled) -> str:
@@ -273,7 +225,7 @@ def main() -> int:
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""
-    every = runs + fused_cases() + gemm_cases() + stats_cases() + prob_scales_cases()
+    every = runs + fused_cases() + gemm_cases() + stats_cases()
     for name, kernel, signature, flags, config in every:
         blocks = " ".join(f"{k}={v}" for k, v in config.kwargs.items() if k.startswith("BLOCK"))
         line = f"{name} {blocks} warps={config.num_warps} stages={config.num_stages} {flags}"

@@ -109,6 +109,23 @@ def test_ce_sweep_every_cpu_provider_and_mode():
     assert {r["x_name"] for r in rows} == {"tokens"} and {r["op"] for r in rows} == {"ce"}
 
 
+def test_ce_sweep_peers_on_the_valid_rows_and_their_floor():
+    """Masked workloads: every peer also on the valid rows only (+gather, the host sync inside the step) gives
+    the same mean over the valid tokens; Transformers' fp32-upcast loss agrees with the bf16 seed baseline's
+    definition; the valid-row floor runs and computes no loss."""
+    providers = ["cublas_3gemm", "cublas_3gemm_valid", "huggingface_bf16", "transformers_loss",
+                 "huggingface_bf16_gather", "transformers_loss_gather"]
+    rows = sweeps.run_sweep("ce", [16], providers=providers, workloads=["dense", "masked_50"], seq=8,
+                            modes=["full"], **CPU_ONE_REP)
+    assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
+        (p, w) for p in providers for w in ("dense", "masked_50"))
+    for workload in ("dense", "masked_50"):
+        case = [r for r in rows if r["workload"] == workload]
+        losses = [r["loss"] for r in case if not r["provider"].startswith("cublas")]
+        assert losses == pytest.approx([losses[0]] * 4, rel=1e-5)
+        assert all(math.isnan(r["loss"]) for r in case if r["provider"].startswith("cublas"))
+
+
 @needs_fusedkern
 def test_ce_sweep_fusedkern_chunked():
     providers = ["fusedkern_chunked", "fusedkern_chunked_lean"]
@@ -126,20 +143,6 @@ def test_ce_sweep_stats_in_epilogue_times_the_loss_only_mode():
     assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
         (p, w) for p in providers for w in ("dense", "masked_50"))
     for workload in ("dense", "masked_50"):  # the same mean over the valid tokens as torch's
-        losses = [r["loss"] for r in rows if r["workload"] == workload]
-        assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
-
-
-@needs_fusedkern
-def test_ce_sweep_row_pass_in_gemms_matches_the_default():
-    """The opt-in folded row pass, dense and with the device count, times every mode and returns the
-    same mean over the valid tokens as the default."""
-    providers = ["fusedkern_row_pass_in_gemms", "fusedkern_row_pass_in_gemms_device_count", "fusedkern_chunked"]
-    rows = sweeps.run_sweep("ce", [16], providers=providers, workloads=["dense", "masked_50"], seq=8,
-                            modes=["full"], **CPU_ONE_REP)
-    assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
-        (p, w) for p in providers for w in ("dense", "masked_50"))
-    for workload in ("dense", "masked_50"):
         losses = [r["loss"] for r in rows if r["workload"] == workload]
         assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
 

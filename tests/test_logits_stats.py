@@ -14,7 +14,7 @@ import torch
 from fusedkern import reference
 from fusedkern.chunked import LossOptions, chunked_loss, lse_of
 from fusedkern.kernels.ce_rows import merge_row_stats
-from fusedkern.kernels.logits_stats import column_tiles, logits_stats_rows, stats_partials
+from fusedkern.kernels.logits_stats import column_tiles, logits_stats_rows, stats_partials, tile_n
 from tests._accuracy import assert_close_to_ref, rel_err
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import OPTION_SETS, make_inputs
@@ -118,6 +118,32 @@ def test_rows_beyond_the_count_are_not_written():
     assert not torch.isnan(parts[:, :9]).any() and not torch.isnan(target_logit[:9]).any()
     used = column_tiles(70)
     assert (parts[0, :9, :used] > -float("inf")).all() and (parts[0, :9, used:] == -float("inf")).all()
+
+
+def test_trial_runs_on_the_same_buffers_leave_the_loss_exact():
+    """The autotuner runs every candidate on the real `parts` before the winner's run. Candidates of one
+    column tile write the same slots and overwrite them; a candidate of another width would leave slots
+    the merge reads as extra mass (on an H100, 128- and 256-wide candidates put +log 1.5 ≈ 0.41 nat on every
+    row of a chunk that autotuned), so `config=` of another BLOCK_N is refused."""
+    import triton
+
+    x, w, y, b, _ = make_inputs(40, 16, 131, torch.float32, ignore_frac=0.0, bias=True, seed=11)
+    count = torch.tensor(40, device=DEVICE)
+    parts, target_logit = stats_partials(40, 131, x.device, x.dtype)
+    width = tile_n(x.dtype)
+    for bm in (16, 32, 16):  # trial runs of two candidates, then the winner's
+        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": width, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4,
+                               num_stages=1)
+        logits_stats_rows(x, w, b, y, count, parts, target_logit, config=config)
+    loss, stats = torch.empty(40, device=DEVICE), torch.empty(2, 40, device=DEVICE)
+    merge_row_stats(parts, target_logit, y, 131, loss=loss, stats=stats, class_weight=None, class_weight_sum=None,
+                    ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+    ref, ref_lse = _fp64(x, w, y, b, None)
+    assert rel_err(loss, ref) < 1e-6 and rel_err(lse_of(stats), ref_lse) < 1e-6
+    wider = triton.Config({"BLOCK_M": 16, "BLOCK_N": 2 * width, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4,
+                          num_stages=1)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        logits_stats_rows(x, w, b, y, count, parts, target_logit, config=wider)
 
 
 def test_bad_arguments_raise():

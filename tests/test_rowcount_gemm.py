@@ -153,7 +153,7 @@ def test_dx_wide_narrow_pair(impl):
     narrow = rg._narrow_partner(wide)
     assert narrow is not None and narrow.kwargs["BLOCK_N"] * 2 == wide.kwargs["BLOCK_N"]
     sms = rg.sm_count(g.device)
-    args = lambda cnt, out: (g, w, out, cnt, C, v, H, *g.stride(), *w.stride(), *out.stride(), sms, g, 0)  # noqa: E731
+    args = lambda cnt, out: (g, w, out, cnt, C, v, H, *g.stride(), *w.stride(), *out.stride(), sms)  # noqa: E731
     flags = dict(USE_TMA=impl == "tma", DOT_PRECISION="tf32")
     picked = set()
     for n in (1, 20, C):
@@ -243,33 +243,6 @@ def test_empty_chunk():
     assert (out == 0).all()
 
 
-@pytest.mark.parametrize("n", [0, 20, C])
-def test_warp_specialized_configs(n):
-    """The opt-in warp-specialized candidates through the whole host path (dW into fp32 then adds through
-    registers, not a reduce-add): the same values as the plain kernels. The interpreter ignores the
-    warp specialization itself; tests/test_compile_sm90.py checks that sm_90 gets it."""
-    dt = torch.float16
-    x, w = _poison_rows(_rand(C, H, dtype=dt, seed=61), n), _rand(V_TMA, H, dtype=dt, seed=62)
-    g = _poison_rows(_rand(C, V_TMA, dtype=dt, seed=63), n)
-    cnt = _count(n)
-    for kernel, run in (
-        ("logits", lambda cfg: logits_rows(x, w, None, cnt, torch.full((C, V_TMA), NAN, dtype=dt, device=DEVICE),
-                                           impl="tma", config=cfg)),
-        ("dx", lambda cfg: dx_rows(g, w, cnt, torch.full((C, H), NAN, dtype=dt, device=DEVICE), impl="tma",
-                                   config=cfg)),
-        ("dw", lambda cfg: dw_rows(g, x, cnt, torch.full((V_TMA, H), 0.5, dtype=dt, device=DEVICE), True,
-                                   impl="tma", config=cfg)),
-        ("dw_fp32", lambda cfg: dw_rows(g, x, cnt, torch.full((V_TMA, H), 0.5, device=DEVICE), True, impl="tma",
-                                        config=cfg)),
-    ):
-        plain = run(None)
-        for config in rg.warp_specialized_configs(kernel):
-            assert config.kwargs["WARP_SPECIALIZE"] and config.kwargs["EPI_SLICES"] == 1 and config.num_warps == 4
-            torch.testing.assert_close(run(config), plain, rtol=1e-3, atol=1e-3, equal_nan=True, msg=kernel)
-    with pytest.raises(ValueError, match="kernel must be"):
-        rg.warp_specialized_configs("dW")
-
-
 # ----------------------------------------------------------------------------------------------
 # GPU: realistic bf16 shapes, both paths, no host synchronization
 
@@ -315,34 +288,3 @@ def test_gpu_bf16_no_sync(v):
             assert_close_to_ref("dw", acc, ref, same)
         else:
             assert (acc == 0.5).all()
-
-
-@pytest.mark.gpu
-def test_gpu_warp_specialized_configs_match_plain_kernels():
-    """The warp-specialized candidates against the plain TMA kernels of the same tile on the H200's shapes:
-    the consumers split each tile's rows and accumulate over k in the same order, so the results should
-    be bitwise equal (dW into fp32: load-add-store against the plain kernel's reduce-add, one rounding each)."""
-    c, h, v = 4096, 4096, 128256
-    dt = torch.bfloat16
-    x, w = _rand(c, h, dtype=dt, seed=71), _rand(v, h, dtype=dt, seed=72) * 0.02
-    g = _rand(c, v, dtype=dt, seed=73) * 1e-4
-    for n in (c, 2867, 1229):
-        cnt = _count(n)
-        for kernel in ("logits", "dx", "dw", "dw_fp32"):
-            for ws in rg.warp_specialized_configs(kernel):
-                kw = ws.kwargs
-                # the plain kernel of the same tile; a 16-bit dW's load-add-store epilogue at 128 × 256 fits
-                # shared memory only in quarter slices (slicing stores the same values)
-                slices = 4 if kernel == "dw" and kw["BLOCK_N"] == 256 else 1
-                plain = rg._cfg(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], 8, ws.num_stages, slices=slices)
-
-                def run(cfg):
-                    if kernel == "logits":
-                        return logits_rows(x, w, None, cnt, torch.zeros(c, v, dtype=dt, device="cuda"), config=cfg)[:n]
-                    if kernel == "dx":
-                        return dx_rows(g, w, cnt, torch.zeros(c, h, dtype=dt, device="cuda"), config=cfg)[:n]
-                    out = torch.full((v, h), 0.5, device="cuda", dtype=torch.float32 if kernel == "dw_fp32" else dt)
-                    return dw_rows(g, x, cnt, out, True, config=cfg)
-
-                a, b = run(ws), run(plain)
-                assert torch.equal(a, b), (kernel, n, str(ws), (a.float() - b.float()).abs().max().item())

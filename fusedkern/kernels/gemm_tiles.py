@@ -6,8 +6,7 @@ and the persistent launch.
 
 Both load paths compute the same fp32 tile. TMA (sm_90+, 16-bit operands, 16-byte aligned rows): the
 descriptor's extents zero-fill loads and clip stores beyond the matrix, so the K loop has no masks, and
-the output leaves in EPI_SLICES column slices so that one slice of shared memory stages it. Optionally the
-A operand is scaled per (row, column tile) in registers before the product (`kernels.prob_scales`). Pointers
+the output leaves in EPI_SLICES column slices so that one slice of shared memory stages it. Pointers
 (everything else, and Triton's interpreter): masked loads with int64 row offsets (row × stride passes
 2^31 at LM sizes: 32768 × 128256).
 """
@@ -83,33 +82,15 @@ def _operand_mask(mask_outer, mask_k, K_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _scaled(a_blk, scale_ptr, stride_scale, k, off_m, offs_m, mask_m, K, A_SCALE: tl.constexpr,
-            SCALE_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """An A block (as loaded, before any transpose) times its scales, rounded back to its dtype.
-    A_SCALE 1: A is [M, K] and row m's block at k is scaled by scale[m, k // SCALE_TILE]; 2: A is stored
-    [K, M] (blocks (BLOCK_K, BLOCK_M) at off_m) and its row k by scale[k, off_m // SCALE_TILE]. Scales
-    outside the masks (and k ≥ K) load as 0."""
-    if A_SCALE == 1:
-        s = tl.load(scale_ptr + offs_m.to(tl.int64) * stride_scale + k // SCALE_TILE, mask=mask_m, other=0.0)
-    else:
-        offs_k = k + tl.arange(0, BLOCK_K)
-        s = tl.load(scale_ptr + offs_k.to(tl.int64) * stride_scale + off_m // SCALE_TILE, mask=offs_k < K,
-                    other=0.0)
-    return (a_blk.to(tl.float32) * s[:, None]).to(a_blk.dtype)
-
-
-@triton.jit
 def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
               A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, scale_ptr, stride_scale,
-              A_SCALE: tl.constexpr, SCALE_TILE: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The fp32 (BLOCK_M, BLOCK_N) tile of A @ B at (off_m, off_n), summed over k < K.
 
     a, b: `operand`s. X_K_ROWS: the operand is stored with k along its rows (blocks (BLOCK_K, outer)),
     else along its columns (blocks (outer, BLOCK_K)); a block is transposed in registers as the dot
     needs it. Pointer path: rows and columns outside the masks, and k ≥ K, load as 0 — both operands
-    masked, since a token row beyond n may hold NaN and NaN × 0 is NaN. A_SCALE (0: none): each A block
-    is scaled in registers first (`_scaled`; the dot then takes A from registers)."""
+    masked, since a token row beyond n may hold NaN and NaN × 0 is NaN."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         for ki in range(tl.cdiv(K, BLOCK_K)):
@@ -122,9 +103,6 @@ def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, 
                 b_blk = b.load([k, off_n])
             else:
                 b_blk = b.load([off_n, k])
-            if A_SCALE != 0:
-                a_blk = _scaled(a_blk, scale_ptr, stride_scale, k, off_m, offs_m, mask_m, K, A_SCALE, SCALE_TILE,
-                                BLOCK_K)
             # transposed after both loads: the pipeliner then waits on one barrier for the pair
             if A_K_ROWS:
                 a_blk = a_blk.T
@@ -139,9 +117,6 @@ def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, 
             mask_k = offs_k < K - ki * BLOCK_K
             a_blk = tl.load(a_ptrs, mask=_operand_mask(mask_m, mask_k, A_K_ROWS), other=0.0)
             b_blk = tl.load(b_ptrs, mask=_operand_mask(mask_n, mask_k, B_K_ROWS), other=0.0)
-            if A_SCALE != 0:
-                a_blk = _scaled(a_blk, scale_ptr, stride_scale, ki * BLOCK_K, off_m, offs_m, mask_m, K, A_SCALE,
-                                SCALE_TILE, BLOCK_K)
             if A_K_ROWS:
                 a_blk = tl.trans(a_blk)
             if not B_K_ROWS:
@@ -155,16 +130,13 @@ def _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, 
 @triton.jit
 def product_tile(a, b, tile_id, num_pid_m, num_pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                  A_K_ROWS: tl.constexpr, B_K_ROWS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 scale_ptr=None, stride_scale=0, A_SCALE: tl.constexpr = 0, SCALE_TILE: tl.constexpr = 1):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Tile `tile_id` of A @ B (M × N, summed over k < K; a, b: `operand`s laid out as `_mainloop` says):
-    (off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc) with acc the fp32 (BLOCK_M, BLOCK_N) tile.
-    A_SCALE 1 or 2: A's blocks scaled by a [*, P] fp32 table of per-(row, column tile) scales (`_scaled`)."""
+    (off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc) with acc the fp32 (BLOCK_M, BLOCK_N) tile."""
     off_m, off_n, offs_m, offs_n, mask_m, mask_n = _tile(tile_id, num_pid_m, num_pid_n, M, N, BLOCK_M, BLOCK_N,
                                                          GROUP_M)
     acc = _mainloop(a, b, off_m, off_n, offs_m, offs_n, mask_m, mask_n, K, stride_am, stride_ak, stride_bk,
-                    stride_bn, A_K_ROWS, B_K_ROWS, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, scale_ptr,
-                    stride_scale, A_SCALE, SCALE_TILE)
+                    stride_bn, A_K_ROWS, B_K_ROWS, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     return off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc
 
 

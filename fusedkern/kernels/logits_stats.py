@@ -7,10 +7,6 @@
         parts[3, t, j] = Σ_v exp(s_tv − max)·(s_tv − max) (the entropy's), over the tile's columns v, and
         target_logit[t] = s_{t, y_t} from the tile that holds the target;  s = softcap(z)·scale
 
-With `probs=`, the epilogue also writes each tile's exp(s − tile max) in the inputs' dtype, `PROB_TILE`
-columns wide: the gradient's probabilities that `prob_scales` rescales for dX and dW (the row pass folded
-into the GEMMs).
-
 `ce_rows.merge_row_stats` then reduces each row's partials to its lse and loss, exactly as it merges the
 vocabulary-sliced tiles of the loss-only pass. The chunked strategy's loss-only pass writes each [C, Vs]
 logits tile to memory and reads it back for its statistics: 2·T·V·2 bytes (17 GB at T = 32768,
@@ -19,10 +15,18 @@ left beside the GEMM is the epilogue's T·V exponentials (one per logit, as the 
 3·P·4 bytes of partials per row. The statistics see the fp32 accumulator, not logits rounded to the
 inputs' dtype, so the loss is also more exact than the tile pass's.
 
+Every autotune candidate of one operand width has the same BLOCK_N (`TILE_N`): a partial slot is one
+column tile, so a config of another width would fill another set of slots. The autotuner runs every
+candidate on the real `parts` before the winner's run; with mixed widths (as once: 128 and 256), a
+256-wide winner left the slots 501–1001 that a 128-wide candidate had written, and `merge_row_stats` added
+that stale mass to the row — +log 1.5 ≈ 0.41 nat on the rows of every chunk that autotuned (the GPU test's
+failure, softcap or not, when a 256-wide config won). With one width every candidate writes the same
+slots and overwrites them entirely, so tuning on the real buffers is harmless.
+
 Trade-off: the epilogue's exponentials and row reductions run between tiles (the tile loop is not warp
-specialized), so they add to the GEMM's time instead of hiding behind it: ~32 768 exponentials per
-128 × 256 tile at 16 per clock per SM against ~65 000 clocks of its main loop (docs/design.md). Not yet
-timed on a GPU: `chunked.chunked_loss(stats_in_epilogue=True)` is opt-in until it is.
+specialized), so they add to the GEMM's time instead of hiding behind it: ~16 384 exponentials per
+128 × 128 tile at 16 per clock per SM against ~32 000 clocks of its main loop (docs/design.md).
+`chunked.chunked_loss(stats_in_epilogue=True)` is opt-in (docs/design.md: the rule and the measurements).
 
 Inputs: x [C, H] and w [V, H] fp32/fp16/bf16 (same dtype), b [V] or None, target [C] int64 (ignored rows:
 any value outside [0, V)), count one-element int32/int64 on x's device, parts [3, C, P] fp32 with
@@ -42,7 +46,7 @@ from fusedkern.kernels.dot import dot_precision
 from fusedkern.kernels.gemm_tiles import (check_count, launch_persistent, linear_tile, operand,
                                           use_tma, valid_rows)
 
-__all__ = ["logits_stats_rows", "stats_partials", "column_tiles", "PROB_TILE"]
+__all__ = ["logits_stats_rows", "stats_partials", "column_tiles", "tile_n"]
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
@@ -53,9 +57,9 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> 
 # No output tile is staged in shared memory, so the operand pipeline has it all. The epilogue holds a few
 # (BLOCK_M, BLOCK_N) fp32 temporaries beside the accumulator: on sm_90, 128 × 128 with 8 warps keeps them in
 # registers (16 bytes of spill with every option at once, the entropy included); 128 × 256 spills 56–664
-# bytes a thread, and 4 warps more (scripts/compile_sm90.py).
-_CONFIGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(64, 256, 64, 8, 4), _cfg(128, 256, 64, 8, 3)]
-_FP32_CONFIGS = [_cfg(64, 64, 32, 4, 3), _cfg(64, 128, 32, 8, 2)]  # ieee fp32 dots run on the FMA units
+# bytes a thread, and 4 warps more (scripts/compile_sm90.py). One BLOCK_N per list (module docstring).
+_CONFIGS = [_cfg(128, 128, 64, 8, 4), _cfg(128, 128, 64, 8, 5), _cfg(64, 128, 64, 4, 4), _cfg(128, 128, 64, 8, 3)]
+_FP32_CONFIGS = [_cfg(64, 64, 32, 4, 3), _cfg(128, 64, 32, 8, 2)]  # ieee fp32 dots run on the FMA units
 # the interpreter runs one small config: the tiny test shapes span several tiles and masked tails
 _INTERP_CONFIG = _cfg(16, 32, 16, 4, 1, group=2)
 
@@ -64,10 +68,17 @@ def _config_list(fp32: bool) -> list:
     return autotune_configs([_INTERP_CONFIG] if interpreting() else (_FP32_CONFIGS if fp32 else _CONFIGS))
 
 
+def tile_n(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The column tile (BLOCK_N) of every candidate for this operand dtype: one partial slot per tile."""
+    widths = {c.kwargs["BLOCK_N"] for c in _config_list(dtype == torch.float32)}
+    if len(widths) != 1:  # mixed widths leave stale slots behind the autotuner's trial runs
+        raise RuntimeError(f"the statistics epilogue's candidates must share one BLOCK_N, got {sorted(widths)}")
+    return widths.pop()
+
+
 def column_tiles(vocab: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Partial slots a row needs: the column tiles of the narrowest candidate (any config fits them)."""
-    narrowest = min(c.kwargs["BLOCK_N"] for c in _config_list(dtype == torch.float32))
-    return triton.cdiv(vocab, narrowest)
+    """Partial slots a row needs: its column tiles of `tile_n(dtype)` columns."""
+    return triton.cdiv(vocab, tile_n(dtype))
 
 
 def stats_partials(n_tokens: int, vocab: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
@@ -93,14 +104,13 @@ def _logits_stats_kernel(
     part_ptr,  # (3 or 4, C, P) fp32 out: max, rest, Σ w·s (and the entropy's A) of (row, column tile)
     target_logit_ptr,  # (C,) fp32 out: s of the target column
     count_ptr,  # (1,) int32/int64 valid rows
-    probs_ptr,  # (C, V) out: exp(s − tile max), 0 in rows whose target is outside [0, V) (WRITE_PROBS)
     C, V, H,
-    stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_pk, stride_pc, stride_probc,
+    stride_xc, stride_xh, stride_wv, stride_wh, stride_b, stride_pk, stride_pc,
     softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WRITE_PROBS: tl.constexpr = False,
+    GROUP_M: tl.constexpr,
 ):
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
@@ -109,8 +119,6 @@ def _logits_stats_kernel(
     # token extent n: the TMA unit zero-fills rows ≥ n; max(n, 1): a descriptor's extents must be positive
     x = operand(x_ptr, tl.maximum(n, 1), H, stride_xc, BLOCK_M, BLOCK_K, USE_TMA)
     w = operand(w_ptr, V, H, stride_wv, BLOCK_N, BLOCK_K, USE_TMA)
-    if WRITE_PROBS:
-        probs = operand(probs_ptr, tl.maximum(n, 1), V, stride_probc, BLOCK_M, BLOCK_N, USE_TMA)
     cols = tl.arange(0, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=USE_TMA):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, z = linear_tile(
@@ -128,14 +136,6 @@ def _logits_stats_kernel(
         empty = tile_max == -float("inf")
         shifted = s_m - tl.where(empty, 0.0, tile_max)[:, None]  # s − max, −inf on masked columns
         e = tl.exp(shifted)
-        if WRITE_PROBS:  # the gradient's probabilities in the tile's reference (`prob_scales`)
-            y_row = tl.load(target_ptr + offs_m, mask=mask_m, other=-1)
-            p = tl.where(((y_row >= 0) & (y_row < V))[:, None], e, 0.0).to(probs_ptr.dtype.element_ty)
-            if USE_TMA:
-                probs.store([off_m, off_n], p)
-            else:
-                tl.store(probs + offs_m.to(tl.int64)[:, None] * stride_probc + offs_n[None, :], p,
-                         mask=mask_m[:, None] & mask_n[None, :])
         ties = tl.sum(is_max.to(tl.float32), axis=1)
         rest = tl.sum(tl.where(is_max, 0.0, e), axis=1) + tl.where(empty, 0.0, ties - 1.0)
         out = part_ptr + offs_m.to(tl.int64) * stride_pc + off_n // BLOCK_N  # (BLOCK_M,) slot of this tile
@@ -161,34 +161,15 @@ _AUTOTUNE_KEY = ["C", "V", "H", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING", "HAS
 _TUNED = {fp32: triton.autotune(configs=_config_list(fp32), key=_AUTOTUNE_KEY)(_logits_stats_kernel)
           for fp32 in (False, True)}
 
-#: the column tile of the probabilities' epilogue: every candidate has this BLOCK_N, so that the gradient
-#: GEMMs know which scale each column takes (`prob_scales`); 128 × 128 tiles also keep the epilogue in
-#: registers, and the TMA store's staging tile (32 KiB) fits beside 4–5 stages
-PROB_TILE = 32 if interpreting() else 128
-
-
-def _prob_configs(fp32: bool) -> list:
-    if interpreting():
-        return autotune_configs([_INTERP_CONFIG])
-    return autotune_configs([_cfg(64, PROB_TILE, 32, 8, 2)] if fp32 else
-                            [_cfg(128, PROB_TILE, 64, 8, 4), _cfg(128, PROB_TILE, 64, 8, 5)])
-
-
-_TUNED_PROBS = {fp32: triton.autotune(configs=_prob_configs(fp32), key=_AUTOTUNE_KEY)(_logits_stats_kernel)
-                for fp32 in (False, True)}
-
-
 def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                       count: torch.Tensor, parts: torch.Tensor, target_logit: torch.Tensor, *,
                       class_weight: torch.Tensor | None = None, softcap: float | None = None,
                       label_smoothing: float = 0.0, logit_scale: float = 1.0, impl: str = "auto",
-                      config: triton.Config | None = None, probs: torch.Tensor | None = None) -> None:
+                      config: triton.Config | None = None) -> None:
     """Row statistics of Z[:n] = x[:n] wᵀ (+ b) per column tile, into parts and target_logit (module
     docstring). impl: 'auto' (TMA on sm_90+ for aligned 16-bit operands), 'tma' or 'pointer'
-    (`gemm_tiles.use_tma`); config: a `triton.Config` to run instead of autotuning. probs: a [C, V] tensor
-    in x's dtype that receives exp(s − max of its `PROB_TILE`-column tile) in rows < n (0 where the target
-    is outside [0, V)), for `prob_scales`; tiles are then `PROB_TILE` wide. No softcap, scale or smoothing
-    with it."""
+    (`gemm_tiles.use_tma`); config: a `triton.Config` to run instead of autotuning, with BLOCK_N =
+    `tile_n(x.dtype)` (the slots `merge_row_stats` reads are that wide)."""
     for name, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor")
@@ -210,29 +191,20 @@ def logits_stats_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                                      or not class_weight.is_contiguous() or class_weight.device != dev):
         raise ValueError(f"class_weight must be a contiguous fp32 [{V}] tensor on {dev}, got "
                          f"{tuple(class_weight.shape)} {class_weight.dtype}")
-    if probs is not None:
-        if probs.shape != (C, V) or probs.dtype != x.dtype or probs.device != dev or probs.stride(1) != 1:
-            raise ValueError(f"probs must be a [{C}, {V}] tensor in x's dtype on {dev} with unit inner stride")
-        if softcap is not None or logit_scale != 1.0 or label_smoothing > 0.0 or parts.shape[0] == 4:
-            raise ValueError("probs= is for plain cross-entropy: no softcap, logit_scale, label_smoothing or entropy")
-        if config is not None and config.kwargs.get("BLOCK_N") != PROB_TILE:
-            # prob_scales and the gradient GEMMs read one scale per PROB_TILE columns
-            raise ValueError(f"with probs=, config must have BLOCK_N = PROB_TILE = {PROB_TILE}, got "
-                             f"{config.kwargs.get('BLOCK_N')}")
+    if config is not None and config.kwargs.get("BLOCK_N") != tile_n(x.dtype):
+        raise ValueError(f"config must have BLOCK_N = tile_n({x.dtype}) = {tile_n(x.dtype)} (one partial slot per "
+                         f"column tile), got {config.kwargs.get('BLOCK_N')}")
     count = check_count(count, dev)
     if C == 0 or V == 0:
         return
-    tma = use_tma(impl, (x, w), () if probs is None else (probs,))
+    tma = use_tma(impl, (x, w), ())
     smoothing = label_smoothing > 0.0
     cw = class_weight if (class_weight is not None and smoothing) else None
     args = (x, w, b if b is not None else x, target, cw if cw is not None else parts, parts, target_logit,
-            count, probs if probs is not None else x, C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            b.stride(0) if b is not None else 0, parts.stride(0), parts.stride(1),
-            probs.stride(0) if probs is not None else 0, float(softcap or 1.0), float(logit_scale))
+            count, C, V, H, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            b.stride(0) if b is not None else 0, parts.stride(0), parts.stride(1), float(softcap or 1.0),
+            float(logit_scale))
     flags = dict(HAS_BIAS=b is not None, HAS_SOFTCAP=softcap is not None, HAS_SCALE=logit_scale != 1.0,
                  HAS_SMOOTHING=smoothing, HAS_WEIGHT=cw is not None, HAS_ENTROPY=parts.shape[0] == 4,
                  USE_LIBDEVICE=not interpreting(), USE_TMA=tma, DOT_PRECISION=dot_precision(x.dtype))
-    if probs is not None:
-        flags["WRITE_PROBS"] = True
-    tuned = (_TUNED_PROBS if probs is not None else _TUNED)[x.dtype == torch.float32]
-    launch_persistent(tuned, C, V, dev, args, flags, config)
+    launch_persistent(_TUNED[x.dtype == torch.float32], C, V, dev, args, flags, config)

@@ -22,8 +22,8 @@ interpreter). `impl="tma"` / `"pointer"` force a path. dX has few tiles (H / 256
 for this n does the work (`_narrow_wins`).
 
 Trade-off: it skips the ignored rows without a sync, but the tiles' epilogue does not overlap the next
-tile's loads (the opt-in `warp_specialized_configs` are what Triton 3.6 can warp-specialize on sm_90,
-compiled but not yet timed) and fixed tiles leave part of a last wave idle. Measured on the H200
+tile's loads (Triton 3.6's warp-specialized form of these kernels returned NaN for dW on an H100:
+docs/design.md) and fixed tiles leave part of a last wave idle. Measured on the H200
 (scripts/bench_rowcount_gemm.py, C = H = 4096, V = 128256): at n = C within 1 % of cuBLAS on all rows for
 logits, dX and dW into bf16, 4 % slower for dW into fp32; at n = 1229 2.5× faster than cuBLAS on all
 rows per chunk, 23 % slower than cuBLAS on exactly n rows (the table: docs/design.md).
@@ -44,19 +44,15 @@ from fusedkern.kernels.gemm_tiles import (LOAD_ADD_STORE, REDUCE_ADD, STORE, che
                                           launch_persistent, linear_tile, operand, product_tile, tma_eligible,
                                           use_tma, valid_rows)
 
-__all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible", "warp_specialized_configs"]
-
+__all__ = ["logits_rows", "dx_rows", "dw_rows", "tma_eligible"]
 
 
 # ----------------------------------------------------------------------------------------------
 # configs
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, slices: int = 1,
-         warp_specialize: bool = False) -> triton.Config:
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, slices: int = 1) -> triton.Config:
     kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "EPI_SLICES": slices}
-    if warp_specialize:
-        kwargs["WARP_SPECIALIZE"] = True
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -74,25 +70,6 @@ def _configs(kernel: str, fp32: bool) -> list:
                 _cfg(128, 128, 64, 8, 4, slices=2), _cfg(128, 128, 64, 8, 4, group=16, slices=4)]
     return [_cfg(128, 256, 64, 8, 3), _cfg(128, 256, 64, 8, 4, slices=4),
             _cfg(128, 128, 64, 8, 4), _cfg(128, 256, 64, 8, 3, group=16)]
-
-
-def warp_specialized_configs(kernel: str) -> list:
-    """Hopper warp-specialized candidates, to pass as `config=` (kernel: 'logits', 'dx', 'dw' into a 16-bit
-    dW, 'dw_fp32' into the fp32 accumulator). Opt-in: none is among the autotune candidates until a GPU run
-    has timed them and checked them against the plain kernels (scripts/bench_rowcount_gemm.py --sweep,
-    tests/test_rowcount_gemm.py's GPU test).
-
-    Triton 3.6 splits such a kernel into a TMA producer and two consumer warpgroups (4 warps each, M split
-    between them), so the next tile's operands load while the consumers run their epilogue. Compiled for
-    sm_90 (scripts/compile_sm90.py) it takes only 4 warps, a persistent loop that is not flattened, and a
-    one-slice TMA epilogue: sliced epilogues and dW's reduce-add fail in its warp-specialization pass, so
-    'dw_fp32' adds through registers (load, add, store: the same sum, rounded once) with 128 × 128 tiles
-    (a 128 × 256 fp32 staging tile and three stages exceed the 227 KiB of shared memory)."""
-    if kernel in ("logits", "dx", "dw"):
-        return [_cfg(128, 256, 64, 4, 3, warp_specialize=True), _cfg(128, 128, 64, 4, 4, warp_specialize=True)]
-    if kernel == "dw_fp32":
-        return [_cfg(128, 128, 64, 4, 4, warp_specialize=True), _cfg(128, 128, 64, 4, 3, warp_specialize=True)]
-    raise ValueError(f"kernel must be 'logits', 'dx', 'dw' or 'dw_fp32', got {kernel!r}")
 
 
 # The interpreter runs only the first config: a small one, so that the tiny test shapes span several
@@ -121,7 +98,6 @@ def _logits_kernel(
     HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
 ):
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
@@ -134,7 +110,7 @@ def _logits_kernel(
     w = operand(w_ptr, V, H, stride_wv, BLOCK_N, BLOCK_K, USE_TMA)
     z = operand(z_ptr, n_desc, V, stride_zc, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
-                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+                            flatten=USE_TMA):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = linear_tile(
             x, w, b_ptr, tile_id, num_pid_m, num_pid_n, n, V, H, stride_xc, stride_xh, stride_wv, stride_wh, stride_b,
             HAS_BIAS, USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
@@ -177,16 +153,11 @@ def _dx_kernel(
     C, V, H,
     stride_gc, stride_gv, stride_wv, stride_wh, stride_dxc, stride_dxh,
     NUM_SMS,  # the SM count the host sizes both grids of a wide/narrow pair with (PICK > 0)
-    scale_ptr,  # (C, P) fp32: g's scale per (row, column tile of SCALE_TILE) (SCALED)
-    stride_sc,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PICK: tl.constexpr,  # 0: always run; 1: the wide kernel of a pair; 2: its narrow partner
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
-    SCALED: tl.constexpr = False, SCALE_TILE: tl.constexpr = 1,
 ):
-    tl.static_assert(not SCALED or SCALE_TILE % BLOCK_K == 0, "a K block must lie in one scale tile")
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(n, BLOCK_M)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -202,11 +173,10 @@ def _dx_kernel(
     w = operand(w_ptr, V, H, stride_wv, BLOCK_K, BLOCK_N, USE_TMA)
     dx = operand(dx_ptr, n_desc, H, stride_dxc, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
-                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+                            flatten=USE_TMA):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
             g, w, tile_id, num_pid_m, num_pid_n, n, H, V, stride_gc, stride_gv, stride_wv, stride_wh, False, True,
-            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, stride_sc, 1 if SCALED else 0,
-            SCALE_TILE)
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         epilogue(dx, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dxc, stride_dxh, 0, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -223,16 +193,11 @@ def _dw_kernel(
     count_ptr,
     C, V, H,
     stride_gc, stride_gv, stride_xc, stride_xh, stride_dwv, stride_dwh,
-    scale_ptr,  # (C, P) fp32: g's scale per (row, column tile of SCALE_TILE) (SCALED)
-    stride_sc,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EPI_MODE: tl.constexpr,  # 0 store (β = 0), 1 load-add-store, 2 reduce-add (β = 1; TMA path)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPI_SLICES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,  # TMA path, Hopper: `warp_specialized_configs`
-    SCALED: tl.constexpr = False, SCALE_TILE: tl.constexpr = 1,
 ):
-    tl.static_assert(not SCALED or SCALE_TILE % BLOCK_M == 0, "a tile's vocabulary rows must lie in one scale tile")
     # M = V (vocabulary rows of dW), N = H, K = the n valid tokens
     n = valid_rows(count_ptr, C)
     num_pid_m = tl.cdiv(V, BLOCK_M)
@@ -245,11 +210,10 @@ def _dw_kernel(
     x = operand(x_ptr, n_desc, H, stride_xc, BLOCK_K, BLOCK_N, USE_TMA)
     dw = operand(dw_ptr, V, H, stride_dwv, BLOCK_M, BLOCK_N // EPI_SLICES, USE_TMA)
     for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0),
-                            flatten=USE_TMA and not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+                            flatten=USE_TMA):
         off_m, off_n, offs_m, offs_n, mask_m, mask_n, acc = product_tile(
             g, x, tile_id, num_pid_m, num_pid_n, V, H, n, stride_gv, stride_gc, stride_xc, stride_xh, True, True,
-            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, scale_ptr, stride_sc, 2 if SCALED else 0,
-            SCALE_TILE)
+            USE_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         epilogue(dw, acc, off_m, off_n, offs_m, offs_n, mask_m, mask_n, stride_dwv, stride_dwh, EPI_MODE, USE_TMA,
                  BLOCK_M, BLOCK_N, EPI_SLICES)
 
@@ -264,9 +228,9 @@ def _tuned(kernel, name: str, fp32: bool, key: list, restore: list):
 
 _LOGITS = {fp32: _tuned(_logits_kernel, "logits", fp32, ["C", "V", "H", "HAS_BIAS", "USE_TMA"], [])
            for fp32 in (False, True)}
-_DX = {fp32: _tuned(_dx_kernel, "dx", fp32, ["C", "V", "H", "USE_TMA", "SCALED"], []) for fp32 in (False, True)}
+_DX = {fp32: _tuned(_dx_kernel, "dx", fp32, ["C", "V", "H", "USE_TMA"], []) for fp32 in (False, True)}
 # β = 1: the autotuner runs every candidate on the real output, so it restores it after each run
-_DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA", "SCALED"], ["dw_ptr"] if acc else [])
+_DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA"], ["dw_ptr"] if acc else [])
        for fp32 in (False, True) for acc in (False, True)}
 
 
@@ -303,21 +267,6 @@ def _check_gemm(count: torch.Tensor, a_name: str, a: torch.Tensor, a_shape: tupl
     _check_2d(b_name, b, b_shape, dev, (a.dtype,))
     _check_2d("out", out, out_shape, dev, (a.dtype, torch.float32))
     return check_count(count, dev)
-
-
-def _check_scales(scales: torch.Tensor | None, scale_tile: int, rows: int, cols: int, device: torch.device) -> dict:
-    """The kernel flags of a scale table: g's element (t, v) is multiplied by scales[t, v // scale_tile]
-    before the product (`kernels.prob_scales`); None: no scaling."""
-    if scales is None:
-        return dict(SCALED=False, SCALE_TILE=1)
-    if not isinstance(scale_tile, int) or scale_tile < 1 or scale_tile & (scale_tile - 1):
-        raise ValueError(f"scale_tile must be a power of two, got {scale_tile!r}")
-    if (not isinstance(scales, torch.Tensor) or scales.dim() != 2 or scales.shape[0] != rows
-            or scales.shape[1] < triton.cdiv(cols, scale_tile) or scales.dtype != torch.float32
-            or scales.stride(1) != 1 or scales.device != device):
-        raise ValueError(f"scales must be an fp32 [{rows}, ≥ {triton.cdiv(cols, scale_tile)}] tensor with unit inner "
-                         f"stride on {device}")
-    return dict(SCALED=True, SCALE_TILE=scale_tile)
 
 
 def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count: torch.Tensor, out: torch.Tensor,
@@ -359,18 +308,15 @@ def _narrow_partner(config: triton.Config) -> triton.Config | None:
     if kw["BLOCK_N"] // 2 < (16 if interpreting() else 128):
         return None
     return _cfg(kw["BLOCK_M"], kw["BLOCK_N"] // 2, kw["BLOCK_K"], config.num_warps,
-                min(config.num_stages + 1, 4) if not interpreting() else 1, group=kw["GROUP_M"], slices=1,
-                warp_specialize=kw.get("WARP_SPECIALIZE", False))
+                min(config.num_stages + 1, 4) if not interpreting() else 1, group=kw["GROUP_M"], slices=1)
 
 
 def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Tensor, *,
-            impl: str = "auto", config: triton.Config | None = None, scales: torch.Tensor | None = None,
-            scale_tile: int = 0) -> torch.Tensor:
+            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
     """out[:n] = g[:n] @ w with n = clamp(count, 0, C) read on the device; out[n:] is not written.
 
     g: [C, V] fp32/fp16/bf16 · w: [V, H], g's dtype · count: one-element int32/int64 tensor on g's
-    device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows` · scales [C, P] fp32,
-    scale_tile: g[t, v] · scales[t, v // scale_tile] (rounded to g's dtype) takes g's place. Returns out.
+    device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows`. Returns out.
 
     Tile width follows n without a sync: the first call for a problem key autotunes and runs the
     tuned kernel alone; later calls launch the tuned (wide) kernel and its half-width partner, and
@@ -385,17 +331,15 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
         impl = "pointer"
     fp32 = g.dtype == torch.float32
     sms = sm_count(dev)
-    scaling = _check_scales(scales, scale_tile, C, V, dev)
     args = (g, w, out, count, C, V, H,
-            g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms,
-            scales if scales is not None else g, scales.stride(0) if scales is not None else 0)
+            g.stride(0), g.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), sms)
     tma = use_tma(impl, (g, w), (out,))
-    flags = dict(USE_TMA=tma, DOT_PRECISION=dot_precision(g.dtype), **scaling)
+    flags = dict(USE_TMA=tma, DOT_PRECISION=dot_precision(g.dtype))
     tuned = _DX[fp32]
     if config is not None:
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), config)
         return out
-    key = (C, V, H, tma, g.dtype, out.dtype, dev, scaling["SCALED"])
+    key = (C, V, H, tma, g.dtype, out.dtype, dev)
     chosen = _DX_CHOSEN.get(key)
     if chosen is None:  # first call: autotune (at this call's n) and run the tuned kernel alone
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), None)
@@ -411,14 +355,13 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
 
 
 def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Tensor, accumulate: bool, *,
-            impl: str = "auto", config: triton.Config | None = None, scales: torch.Tensor | None = None,
-            scale_tile: int = 0) -> torch.Tensor:
+            impl: str = "auto", config: triton.Config | None = None) -> torch.Tensor:
     """out (+)= g[:n]ᵀ @ x[:n] with n = clamp(count, 0, C) read on the device.
 
     g: [C, V] fp32/fp16/bf16 · x: [C, H], g's dtype · count: one-element int32/int64 tensor on g's
     device · out: [V, H], fp32 or g's dtype · accumulate: False writes every element of out (zeros
     when n = 0); True adds to it (β = 1, the sum formed in fp32 and rounded once to out's dtype;
-    untouched when n = 0) · impl, config, scales, scale_tile: as `dx_rows`. Returns out."""
+    untouched when n = 0) · impl, config: as `dx_rows`. Returns out."""
     _require_2d(g=(g, "[C, V]"), x=(x, "[C, H]"))
     (C, V), H, dev = g.shape, x.shape[1], g.device
     count = _check_gemm(count, "g", g, (C, V), "x", x, (C, H), out, (V, H))
@@ -430,18 +373,15 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
             out.zero_()
         return out
     fp32 = g.dtype == torch.float32
-    scaling = _check_scales(scales, scale_tile, C, V, dev)
     args = (g, x, out, count, C, V, H,
-            g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            scales if scales is not None else g, scales.stride(0) if scales is not None else 0)
-    warp_specialized = config is not None and config.kwargs.get("WARP_SPECIALIZE", False)
+            g.stride(0), g.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1))
     if not accumulate:
         mode = STORE
-    elif out.dtype == torch.float32 and not interpreting() and not warp_specialized:
-        mode = REDUCE_ADD  # the interpreter has no reduce-add; warp specialization fails on it
+    elif out.dtype == torch.float32 and not interpreting():
+        mode = REDUCE_ADD  # the interpreter has no reduce-add
     else:
         mode = LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
     flags = dict(ACCUMULATE=accumulate, USE_TMA=use_tma(impl, (g, x), (out,)), DOT_PRECISION=dot_precision(g.dtype),
-                 EPI_MODE=mode, **scaling)
+                 EPI_MODE=mode)
     launch_persistent(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
     return out

@@ -149,6 +149,22 @@ def _ce_hf_bf16(inp: Inputs) -> dict[str, Step]:
     return loss_steps(softcapped)
 
 
+def _ce_transformers_loss(inp: Inputs) -> dict[str, Step]:
+    """Transformers' causal-LM loss as its models run it: the head's logits in the inputs' dtype (the softcap
+    applied there, as Gemma 2's head does), upcast to fp32, then `fixed_cross_entropy` (mean over the valid
+    tokens; the label shift left out: the workload's targets are already next tokens)."""
+    try:
+        from transformers.loss.loss_utils import fixed_cross_entropy
+    except ImportError as error:
+        raise ProviderUnavailable(f"transformers has no loss_utils.fixed_cross_entropy ({error})") from error
+
+    def loss_fn() -> torch.Tensor:
+        logits = _softcapped(torch.nn.functional.linear(inp.x, inp.w), inp.softcap)
+        return fixed_cross_entropy(logits.float(), inp.target, ignore_index=IGNORE_INDEX)
+
+    return loss_steps(loss_fn)
+
+
 def _ce_upcast(inp: Inputs) -> dict[str, Step]:
     from fusedkern.reference import upcast_linear_cross_entropy
 
@@ -169,55 +185,6 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
             return loss_steps(lambda: linear_cross_entropy(
                 inp.x, inp.w, inp.target, num_valid_tokens=(inp.target != IGNORE_INDEX).sum(), **kwargs))
         return loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
-
-    return build
-
-
-class _RowPassInGemms(torch.autograd.Function):
-    """The mean cross-entropy through `compacted.counted_loss_and_grads(row_pass_in_gemms=True)`, wired as the
-    library's chunked operator is: loss and gradients in the forward, rescaled in the backward
-    (`fusedkern.autograd`). device_count: rows sorted valid-first, the count on the device, dX scattered
-    back; else every row is computed (count = T)."""
-
-    @staticmethod
-    def forward(ctx, x2d, w, y, device_count: bool):
-        from fusedkern.autograd import save_precomputed_grads
-        from fusedkern.chunked import LossOptions
-        from fusedkern.compacted import counted_loss_and_grads
-        from fusedkern.linear_cross_entropy import valid_rows_first
-
-        valid = (y != IGNORE_INDEX).sum()
-        if device_count:
-            rows = valid_rows_first(y, IGNORE_INDEX)
-            xs, ys, count = x2d.index_select(0, rows), y.index_select(0, rows), valid.reshape(1)
-        else:
-            xs, ys = x2d, y
-            count = torch.full((1,), y.shape[0], device=y.device, dtype=torch.int64)
-        grad_scale = (1.0 / valid.float()).reshape(1)
-        loss_tok, dx, dw, dw_out = counted_loss_and_grads(
-            xs, w, None, ys, None, LossOptions(ignore_index=IGNORE_INDEX), grad_scale, count, need_dx=True,
-            need_dw=True, weight_grad_accum="fp32", row_pass_in_gemms=True)
-        if device_count:
-            dx = torch.zeros_like(x2d).index_copy_(0, rows, dx)
-        save_precomputed_grads(ctx, x2d, w, None, dx, dw, None, dw_out)
-        return loss_tok.sum() * grad_scale[0]
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        from fusedkern.autograd import rescaled_grads
-
-        dx, dw, _ = rescaled_grads(ctx, grad_loss, "the row pass in the GEMMs")
-        return dx, dw, None, None
-
-
-def _ce_fusedkern_row_pass_in_gemms(device_count: bool) -> Callable[[Inputs], dict[str, Step]]:
-    """The row kernel's passes folded into Triton GEMMs (`kernels.prob_scales`): plain cross-entropy, mean over
-    valid tokens, dW accumulated in fp32 (as the default); opt-in until timed on a GPU."""
-    def build(inp: Inputs) -> dict[str, Step]:
-        if inp.softcap is not None:
-            raise ValueError("the row pass in the GEMMs computes plain cross-entropy (no softcap)")
-        y = inp.target.reshape(-1)
-        return loss_steps(lambda: _RowPassInGemms.apply(inp.x2d(), inp.w, y, device_count))
 
     return build
 
@@ -265,6 +232,47 @@ def _ce_liger(inp: Inputs) -> dict[str, Step]:
     loss_module = LigerFusedLinearCrossEntropyLoss(
         **_softcap_kwargs(LigerFusedLinearCrossEntropyLoss, inp, "LigerFusedLinearCrossEntropyLoss"))
     return loss_steps(lambda: loss_module(inp.w, inp.x, inp.target))
+
+
+def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
+    """Liger-Kernel's CuTe DSL kernel for Hopper (`liger_kernel.ops.cutedsl`, ≥ 0.8.5): sm_90, bf16, mean,
+    no bias, no softcap; it writes the [T, V] bf16 logits once. Needs `nvidia-cutlass-dsl` (as QuACK)."""
+    _require_cuda(inp, "Liger's CuTe SM90 kernel")
+    _no_softcap(inp, "Liger's CuTe SM90 kernel")
+    if torch.cuda.get_device_capability(inp.x.device) != (9, 0):
+        raise ProviderUnavailable("Liger's CuTe SM90 kernel runs on compute capability 9.0 only")
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+            liger_fused_linear_cross_entropy_sm90)
+    except ImportError as error:
+        if error.name == "liger_kernel":
+            raise  # not installed: skipped, like the other optional providers
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import ({error}): it needs nvidia-cutlass-dsl") \
+            from error
+    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
+    rows = inp.target.numel()
+    if rows % 128 or inp.w.shape[0] % 128 or inp.x.dtype != torch.bfloat16:
+        raise ProviderUnavailable("Liger's CuTe SM90 kernel needs bf16 and tokens and vocab multiples of 128")
+    return loss_steps(lambda: liger_fused_linear_cross_entropy_sm90(inp.x, inp.w, inp.target, IGNORE_INDEX, "mean"))
+
+
+def _gathered(build: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
+    """A peer called on the valid rows only, the two lines a user can write: `keep = target != -100`, then
+    the peer on `x[keep]`, `target[keep]` — inside the timed step, the host sync of the boolean index
+    included (dX reaches x through the index's backward). A peer that refuses the kept shape is unavailable."""
+    def wrapped(inp: Inputs) -> dict[str, Step]:
+        if inp.op != "ce":
+            raise ProviderUnavailable("+gather is timed for cross-entropy only")
+
+        def kept() -> Inputs:
+            keep = inp.target != IGNORE_INDEX
+            return Inputs(op=inp.op, x=inp.x[keep], w=inp.w, target=inp.target[keep], softcap=inp.softcap)
+
+        build(kept())  # untimed: a peer that cannot take this shape raises ProviderUnavailable here
+        return loss_steps(lambda: build(kept())["backward"].setup())
+
+    return wrapped
 
 
 def _ce_cut_cross_entropy(inp: Inputs) -> dict[str, Step]:
@@ -380,6 +388,14 @@ def _cublas_3gemm_real_grad(inp: Inputs) -> dict[str, Step]:
     than the same shapes on the logits (data/measured/h200/profile_ce.csv), so this floor is expected
     to be the stricter one."""
     return _three_gemm_steps(inp.x2d(), inp.w.detach(), mean_ce_logits_grad(inp))
+
+
+def _cublas_3gemm_valid(inp: Inputs) -> dict[str, Step]:
+    """The floor over the valid rows alone: `_cublas_3gemm` on x[target != -100] (gathered untimed), what a
+    path that skips every ignored row without any overhead would cost."""
+    keep = inp.target.reshape(-1) != IGNORE_INDEX
+    x2d, w = inp.x2d()[keep].contiguous(), inp.w.detach()
+    return _three_gemm_steps(x2d, w, torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device))
 
 
 def _cublas_1gemm(inp: Inputs) -> dict[str, Step]:
@@ -687,21 +703,21 @@ def _dist_label_suffix(distribution: str, suffix: str) -> Callable[[], str]:
 _FLOORS = (Provider("cublas_1gemm", _cublas_1gemm, is_floor=True, accuracy=False),
            Provider("cublas_3gemm", _cublas_3gemm, is_floor=True, accuracy=False))
 _REAL_GRAD_FLOOR = Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, is_floor=True, accuracy=False)
+_VALID_FLOOR = Provider("cublas_3gemm_valid", _cublas_3gemm_valid, is_floor=True, accuracy=False)
 
 PROVIDERS: dict[str, dict[str, Provider]] = {
     "ce": {
         p.key: p
         for p in (
-            *_FLOORS, _REAL_GRAD_FLOOR,
+            *_FLOORS, _REAL_GRAD_FLOOR, _VALID_FLOOR,
             Provider("huggingface_bf16", _ce_hf_bf16),
             Provider("torch_fp32_upcast", _ce_upcast),
+            Provider("transformers_loss", _ce_transformers_loss),
             Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked")),
             Provider("fusedkern_chunked_lean", _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
             Provider("fusedkern_stats_in_epilogue", _ce_fusedkern_stats_in_epilogue(False)),  # loss only
             Provider("fusedkern_stats_in_epilogue_device_count", _ce_fusedkern_stats_in_epilogue(True)),
-            Provider("fusedkern_row_pass_in_gemms", _ce_fusedkern_row_pass_in_gemms(False)),
-            Provider("fusedkern_row_pass_in_gemms_device_count", _ce_fusedkern_row_pass_in_gemms(True)),
             Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
             Provider("fusedkern_chunked_lean_counted",
                      _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
@@ -718,6 +734,15 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("liger", _ce_liger, _dist_label("liger-kernel")),
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
             Provider("quack", _ce_quack),
+            Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
+            # the peers on the valid rows only (masked workloads; dense, the same as without the gather)
+            Provider("huggingface_bf16_gather", _gathered(_ce_hf_bf16)),
+            Provider("transformers_loss_gather", _gathered(_ce_transformers_loss)),
+            Provider("liger_gather", _gathered(_ce_liger), _dist_label_suffix("liger-kernel", "+gather")),
+            Provider("liger_cute_sm90_gather", _gathered(_ce_liger_cute_sm90),
+                     _dist_label_suffix("liger-kernel", "CuTe SM90 +gather")),
+            Provider("quack_gather", _gathered(_ce_quack)),
+            Provider("cut_cross_entropy_gather", _gathered(_ce_cut_cross_entropy)),
             # torch ≥ 2.13: with LinearCrossEntropyOptions() (chunked, no [T, V] logits) and without (unfused)
             Provider("torch_linear_cross_entropy", _ce_torch_linear_cross_entropy(chunked=True)),
             Provider("torch_linear_cross_entropy_unfused", _ce_torch_linear_cross_entropy(chunked=False)),
