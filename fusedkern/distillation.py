@@ -81,8 +81,9 @@ def distill_plan(n_tokens: int, ws: torch.Tensor, wt: torch.Tensor, need_dw: boo
 
 
 def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *, loss_tok, grad,
-                per_token_grad: bool, dx=None, dw=None, db=None, scratch=None) -> None:
-    """Per chunk: both logits GEMMs → the row kernel → (with grad) the student's gradient GEMMs."""
+                per_token_grad: bool, dx=None, dw=None, db=None, scratch=None, entropy=None) -> None:
+    """Per chunk: both logits GEMMs → the row kernel → (with grad) the student's gradient GEMMs.
+    entropy: a [T] fp32 buffer for the student's per-token entropy, or None."""
     T, V = xs.shape[0], ws.shape[0]
     buf_s = logits_buffer(min(C, T), V, xs, scratch)
     buf_t = logits_buffer(min(C, T), V, xt)
@@ -95,7 +96,8 @@ def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *,
                      beta=opts.beta, temperature=opts.temperature, weight_soft=opts.weight_soft_loss,
                      weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index, per_token_grad=per_token_grad,
                      student_logit_scale=opts.student_logit_scale, student_softcap=opts.student_softcap,
-                     teacher_logit_scale=opts.teacher_logit_scale, teacher_softcap=opts.teacher_softcap)
+                     teacher_logit_scale=opts.teacher_logit_scale, teacher_softcap=opts.teacher_softcap,
+                     entropy=None if entropy is None else entropy[c0:c1])
         if grad is not None:
             chunk_grads(zs, xs[c0:c1], ws, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
 
@@ -117,11 +119,12 @@ def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
                     ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, student_logit_scale: float,
                     student_softcap: float | None, teacher_logit_scale: float, teacher_softcap: float | None,
                     reduction: str, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool,
-                    need_db: bool,
-                    return_dw_out: bool, check_target: torch.Tensor | None, count: torch.Tensor | None,
-                    count_int: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    need_db: bool, return_dw_out: bool, check_target: torch.Tensor | None, count: torch.Tensor | None,
+                    count_int: int, with_entropy: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mean/sum with gradients: loss and the student's gradients in one pass (four GEMMs). Returns (loss 0-d
-    fp32, dx, dw (fp32 accumulator or dW), db fp32, dw_out) as `linear_cross_entropy._chunked_scalar`."""
+    fp32, entropy [T] fp32 (with_entropy; else [0]), dx, dw (fp32 accumulator or dW), db fp32, dw_out) as
+    `linear_cross_entropy._chunked_scalar`."""
     checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
     opts = DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
                           student_softcap, teacher_logit_scale, teacher_softcap)
@@ -133,12 +136,14 @@ def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
         grad_scale = torch.ones(1, device=xs.device, dtype=torch.float32)
     plan = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
+    entropy = torch.empty(T if with_entropy else 0, device=xs.device, dtype=torch.float32)
     dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
     _run_chunks(xs, ws, bs, xt, wt, bt, target, opts, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
-                per_token_grad=False, dx=dx, dw=dw, db=db, scratch=dw_out if plan.buffer_in_dw_storage else None)
+                per_token_grad=False, dx=dx, dw=dw, db=db, scratch=dw_out if plan.buffer_in_dw_storage else None,
+                entropy=entropy if with_entropy else None)
     loss = loss_tok.sum() * grad_scale[0] if reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
-    return (loss, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
+    return (loss, entropy, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
             or_absent(dw_out if return_dw_out else None, ws))
 
 
@@ -149,11 +154,12 @@ distill_scalar = torch.library.custom_op("fusedkern::distill_scalar", _distill_s
 @distill_scalar.register_fake
 def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
       student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, reduction, weight_grad_accum,
-      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int):
+      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int, with_entropy):
     (T, H), V = xs.shape, ws.shape[0]
     fp32_accumulator = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
     f32 = torch.float32
-    return (xs.new_empty((), dtype=f32), xs.new_empty((T, H)) if need_dx else absent(xs),
+    return (xs.new_empty((), dtype=f32), xs.new_empty((T if with_entropy else 0,), dtype=f32),
+            xs.new_empty((T, H)) if need_dx else absent(xs),
             ws.new_empty((V, H), dtype=f32 if fp32_accumulator else ws.dtype) if need_dw else absent(ws),
             ws.new_empty((V,), dtype=f32) if need_db else absent(ws, f32),
             ws.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(ws))
@@ -162,13 +168,13 @@ def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_ha
 def _setup_distill_scalar(ctx, inputs, output):
     xs, ws, bs = inputs[:3]
     need_dx, need_dw, need_db = inputs[19:22]
-    save_output_grads(ctx, xs, ws, bs, need_dx, need_dw, need_db, *output[1:])
+    save_output_grads(ctx, xs, ws, bs, need_dx, need_dw, need_db, *output[2:])
     ctx.mark_non_differentiable(*output[1:])
 
 
 @first_order_only
 def _backward_distill_scalar(ctx, grad_loss, *_):
-    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 23))
+    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 24))
 
 
 register_op(distill_scalar, _distill_scalar, _setup_distill_scalar, _backward_distill_scalar)
@@ -179,20 +185,22 @@ def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | No
                        temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float,
                        student_logit_scale: float, student_softcap: float | None, teacher_logit_scale: float,
                        teacher_softcap: float | None, weight_grad_accum: str, chunk_tokens: int | None,
-                       check_target: torch.Tensor | None,
-                       count: torch.Tensor | None, count_int: int) -> torch.Tensor:
-    """Per-token loss ℓ_t [T] fp32, no gradient formed: chunks whose two buffers fit the 64 MiB loss-only
-    budget each (or `chunk_tokens`). The backward recomputes both logits and accepts any ∂L/∂ℓ_t."""
+                       check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int,
+                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss ℓ_t [T] fp32, the student's entropy [T] fp32 (with_entropy; else [0])), no gradient
+    formed: chunks whose two buffers fit the 64 MiB loss-only budget each (or `chunk_tokens`). The backward
+    recomputes both logits and accepts any ∂L/∂ℓ_t."""
     checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
     T, V = xs.shape[0], ws.shape[0]
     C = chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
+    entropy = torch.empty(T if with_entropy else 0, device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target,
                 DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
                                student_softcap, teacher_logit_scale, teacher_softcap), C,
-                loss_tok=loss_tok, grad=None, per_token_grad=False)
+                loss_tok=loss_tok, grad=None, per_token_grad=False, entropy=entropy if with_entropy else None)
     finish_checks(checks)
-    return loss_tok
+    return loss_tok, entropy
 
 
 distill_per_token = torch.library.custom_op("fusedkern::distill_per_token", _distill_per_token, mutates_args=(),
@@ -202,23 +210,25 @@ distill_per_token = torch.library.custom_op("fusedkern::distill_per_token", _dis
 @distill_per_token.register_fake
 def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
       student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, weight_grad_accum, chunk_tokens,
-      check_target, count, count_int):
-    return xs.new_empty((xs.shape[0],), dtype=torch.float32)
+      check_target, count, count_int, with_entropy):
+    T = xs.shape[0]
+    return xs.new_empty((T,), dtype=torch.float32), xs.new_empty((T if with_entropy else 0,), dtype=torch.float32)
 
 
 def _setup_distill_per_token(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:7])
     ctx.options = tuple(inputs[7:18])
+    ctx.mark_non_differentiable(output[1])
 
 
 @first_order_only
-def _backward_distill_per_token(ctx, grad_loss_tok):
+def _backward_distill_per_token(ctx, grad_loss_tok, _grad_entropy):
     xs, ws, bs, xt, wt, bt, target = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bs is not None
     dx, dw, db = call_op(distill_per_token_backward, xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
                          *ctx.options, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 18))
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 19))
 
 
 register_op(distill_per_token, _distill_per_token, _setup_distill_per_token, _backward_distill_per_token)
@@ -324,33 +334,36 @@ def validate_distillation_call(student_hidden, student_weight, teacher_hidden, t
 
 
 def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_grad_accum, chunk_tokens,
-          checks=(None, None, -1)):
-    """(loss: 0-d for mean/sum, [T] for "none") for flat, validated inputs: the operator dispatch."""
+          checks=(None, None, -1), with_entropy: bool = False):
+    """(loss: 0-d for mean/sum, [T] for "none"; the student's entropy [T] fp32, detached, or [0]) for flat,
+    validated inputs: the operator dispatch."""
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and xs.requires_grad, grad and ws.requires_grad
     need_db = grad and bs is not None and bs.requires_grad
     loss_options = (opts.beta, opts.temperature, opts.ignore_index, opts.weight_hard_loss, opts.weight_soft_loss,
                     opts.student_logit_scale, opts.student_softcap, opts.teacher_logit_scale, opts.teacher_softcap)
     if reduction != "none" and (need_dx or need_dw or need_db):
-        loss, *_ = call_op(distill_scalar, xs, ws, bs, xt, wt, bt, y, *loss_options, reduction, weight_grad_accum,
-                           chunk_tokens, need_dx, need_dw, need_db, not torch.compiler.is_compiling(), *checks)
-        return loss
-    loss_tok = call_op(distill_per_token, xs, ws, bs, xt, wt, bt, y, *loss_options, weight_grad_accum, chunk_tokens,
-                       *checks)
+        loss, entropy, *_ = call_op(distill_scalar, xs, ws, bs, xt, wt, bt, y, *loss_options, reduction,
+                                    weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+                                    not torch.compiler.is_compiling(), *checks, with_entropy)
+        return loss, entropy
+    loss_tok, entropy = call_op(distill_per_token, xs, ws, bs, xt, wt, bt, y, *loss_options, weight_grad_accum,
+                                chunk_tokens, *checks, with_entropy)
     if reduction == "none":
-        return loss_tok
+        return loss_tok, entropy
     if reduction == "sum":
-        return loss_tok.sum()
-    return loss_tok.sum() / mean_denominator(y, xs.shape[0], opts.ignore_index)
+        return loss_tok.sum(), entropy
+    return loss_tok.sum() / mean_denominator(y, xs.shape[0], opts.ignore_index), entropy
 
 
 def empty_batch_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
-                     reduction: str) -> torch.Tensor:
+                     reduction: str, return_entropy: bool):
     """A batch of no token: 0 for mean (TRL's clamped divisor) and sum, an empty tensor for "none", with zero
     gradients of the right shapes through the [0, V] logits, which cost nothing (the kernels are not launched:
     Triton takes no grid of zero rows)."""
     per_token = torch.nn.functional.linear(student_hidden, student_weight, student_bias).float().sum(-1) * 0.0
-    return per_token if reduction == "none" else per_token.sum()
+    loss = per_token if reduction == "none" else per_token.sum()
+    return (loss, per_token.detach()) if return_entropy else loss
 
 
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -366,8 +379,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                              reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
                              student_logit_scale: float = 1.0, student_softcap: float | None = None,
                              teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None,
-                             weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
-                             num_valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+                             return_entropy: bool = False, weight_grad_accum: str = "fp32",
+                             chunk_tokens: int | None = None, num_valid_tokens: int | torch.Tensor | None = None):
     """Distillation of a student's LM head from a teacher's without either model's [T, V] logits.
 
     Computes, per token t, ℓ_t = weight_soft_loss·D_β(p_t, q_t) + weight_hard_loss·CE(z_s, y_t) with
@@ -390,13 +403,16 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each model's own logit
             transform, as TRL's DistillationTrainer applies them: z = c·tanh(h·scale / c) of the head's output h
             (scale > 0: Cohere's `logit_scale`; c > 0 or None: Gemma's final softcap), before the temperature.
+        return_entropy: also return the student's per-token entropy −Σ p log p at τ (input's leading shape,
+            float32, detached, 0 where ignored): the metric TRL's DistillationTrainer logs, from the same pass.
         weight_grad_accum, chunk_tokens: as `linear_cross_entropy` (the chunk also bounds the teacher's buffer).
         num_valid_tokens: the targets that are not ignore_index, as `linear_cross_entropy`: an int gathers
             those rows and computes only them; a device tensor is checked against the target (no host sync)
             and the rows are computed densely. Either wrong count raises ValueError.
 
     Returns:
-        the loss in float32: 0-d for mean/sum, the input's leading shape for "none".
+        the loss in float32: 0-d for mean/sum, the input's leading shape for "none"; with `return_entropy`,
+        (loss, entropy).
     """
     options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                    weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
@@ -411,14 +427,14 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             return linear_distillation_loss(
                 cast(student_hidden), cast(student_weight), cast(teacher_hidden), cast(teacher_weight), target,
                 student_bias=cast(student_bias), teacher_bias=cast(teacher_bias), num_valid_tokens=num_valid_tokens,
-                **options)
+                return_entropy=return_entropy, **options)
     validate_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                                teacher_bias, num_valid_tokens, **options)
     if target is not None:
         num_valid_tokens = normalize_count(num_valid_tokens, target)  # numpy / CPU-tensor counts as the kernels take it
     lead_shape = student_hidden.shape[:-1]
     if lead_shape.numel() == 0:
-        return empty_batch_loss(student_hidden, student_weight, student_bias, reduction)
+        return empty_batch_loss(student_hidden, student_weight, student_bias, reduction, return_entropy)
     xs = student_hidden.reshape(-1, student_hidden.shape[-1])
     xt = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     xs, xt = (x if x.stride(-1) == 1 else x.contiguous() for x in (xs, xt))
@@ -433,15 +449,21 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     args = (student_weight, student_bias, opts, reduction, weight_grad_accum, chunk_tokens)
     if isinstance(num_valid_tokens, int) and 0 < num_valid_tokens < y.shape[0]:
         rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
-        loss = _loss(xs.index_select(0, rows), args[0], args[1], xt.index_select(0, rows), wt, bt,
-                     y.index_select(0, rows), *args[2:], checks=(y, None, num_valid_tokens))
+        loss, entropy = _loss(xs.index_select(0, rows), args[0], args[1], xt.index_select(0, rows), wt, bt,
+                              y.index_select(0, rows), *args[2:], checks=(y, None, num_valid_tokens),
+                              with_entropy=return_entropy)
         if reduction == "none":
             loss = loss.new_zeros(y.shape[0]).index_copy(0, rows, loss)
+        if return_entropy:
+            entropy = entropy.new_zeros(y.shape[0]).index_copy(0, rows, entropy)
     else:
         count = num_valid_tokens if isinstance(num_valid_tokens, torch.Tensor) else None
         count_int = num_valid_tokens if isinstance(num_valid_tokens, int) else -1
-        loss = _loss(xs, args[0], args[1], xt, wt, bt, y, *args[2:], checks=(None, count, count_int))
-    return loss.reshape(lead_shape) if reduction == "none" else loss
+        loss, entropy = _loss(xs, args[0], args[1], xt, wt, bt, y, *args[2:], checks=(None, count, count_int),
+                              with_entropy=return_entropy)
+    if reduction == "none":
+        loss = loss.reshape(lead_shape)
+    return (loss, entropy.reshape(lead_shape)) if return_entropy else loss
 
 
 class LinearDistillationLoss(nn.Module):
@@ -456,7 +478,7 @@ class LinearDistillationLoss(nn.Module):
                  reduction: str = "mean", weight_hard_loss: float = 0.0, weight_soft_loss: float = 1.0,
                  student_logit_scale: float = 1.0, student_softcap: float | None = None,
                  teacher_logit_scale: float = 1.0, teacher_softcap: float | None = None,
-                 weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+                 return_entropy: bool = False, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
         super().__init__()
         self.options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
@@ -464,12 +486,14 @@ class LinearDistillationLoss(nn.Module):
                             teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
                             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
         validate_distillation_options(**self.options)
+        self.return_entropy = return_entropy
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, student_bias=None,
                 teacher_bias=None, num_valid_tokens: int | torch.Tensor | None = None):
         return linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, target,
                                         student_bias=student_bias, teacher_bias=teacher_bias,
-                                        num_valid_tokens=num_valid_tokens, **self.options)
+                                        num_valid_tokens=num_valid_tokens, return_entropy=self.return_entropy,
+                                        **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -290,13 +290,16 @@ def test_teacher_in_another_dtype():
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_fullgraph_compile_matches_eager(reduction):
-    """The kernels are custom operators with fake implementations: torch.compile traces a step with no graph break."""
+    """The kernels are custom operators with fake implementations: torch.compile traces a step with no graph break
+    (the entropy output included)."""
     xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=16)
     proj = torch.nn.Linear(HS, HS).to(DEVICE)
 
     def step(x, w):
-        return fusedkern.linear_distillation_loss(torch.tanh(proj(x)), w, xt, wt, y, beta=0.3, temperature=2.0,
-                                                  weight_hard_loss=0.2, reduction=reduction)
+        loss, entropy = fusedkern.linear_distillation_loss(torch.tanh(proj(x)), w, xt, wt, y, beta=0.3,
+                                                           temperature=2.0, weight_hard_loss=0.2, reduction=reduction,
+                                                           return_entropy=True)
+        return loss + 0.01 * entropy  # the entropy is detached: its output's fake shape is what this checks
     torch._dynamo.reset()
     results = []
     for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
@@ -307,3 +310,35 @@ def test_fullgraph_compile_matches_eager(reduction):
         results.append((out.detach(), w.grad, proj.weight.grad.clone()))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def _entropy_of(student_logits, temperature, valid):
+    log_p = torch.log_softmax(student_logits / temperature, dim=-1)
+    return torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+
+
+ENTROPY_CASES = [(torch.float32, c) for c in ("mean-grad", "none-grad", "no-grad", "counted", "softcap")] + [
+    (torch.bfloat16, "mean-grad"), (torch.bfloat16, "softcap")]
+
+
+@pytest.mark.parametrize("dtype,case", ENTROPY_CASES, ids=[f"{c}-{str(d)[6:]}" for d, c in ENTROPY_CASES])
+def test_entropy_matches_fp64(dtype, case):
+    """`return_entropy`: the student's entropy at τ (after its softcap), 0 where ignored, under the 2× rule; the
+    loss is the one without it."""
+    xs, ws, bs, xt, wt, bt, y = make_batch(dtype, seed=17)
+    kw = dict(beta=0.4, temperature=1.7, reduction="none" if case == "none-grad" else "mean",
+              student_softcap=3.0 if case == "softcap" else None)
+    if case == "counted":
+        kw["num_valid_tokens"] = int((y != -100).sum())
+    x, w = leaves(xs, ws)
+    with torch.set_grad_enabled(case != "no-grad"):
+        loss, entropy = fusedkern.linear_distillation_loss(x, w, xt, wt, y, student_bias=bs, return_entropy=True, **kw)
+    assert entropy.dtype == torch.float32 and entropy.shape == y.shape and not entropy.requires_grad
+    torch.testing.assert_close(loss, fusedkern.linear_distillation_loss(xs, ws, xt, wt, y, student_bias=bs, **kw))
+    z = reference.model_logits(torch.nn.functional.linear(xs.double(), ws.double(), bs.double()), 1.0,
+                               kw["student_softcap"])
+    z_same = reference.model_logits(torch.nn.functional.linear(xs, ws, bs).float(), 1.0, kw["student_softcap"])
+    valid = y != -100
+    assert_close_to_ref("entropy", entropy, _entropy_of(z, 1.7, valid), _entropy_of(z_same, 1.7, valid),
+                        atol=ATOL[dtype])
+    assert not entropy[~valid].any()

@@ -93,6 +93,7 @@ def _distill_rows_kernel(
     zt_ptr,  # (C, V) teacher dtype, read only
     target_ptr,  # (C,) class indices (HAS_TARGET)
     loss_ptr,  # (C,) fp32 out: w_soft·D + w_hard·CE per token, 0 where ignored
+    entropy_ptr,  # (C,) fp32 out (HAS_ENTROPY): the student's entropy −Σ p log p at τ, 0 where ignored
     grad_ptr,  # (1,) or (C,) fp32: ∂L/∂ℓ_t shared by every row, or per row (PER_TOKEN_GRAD)
     # shapes and strides
     V, stride_s, stride_t,
@@ -101,8 +102,8 @@ def _distill_rows_kernel(
     s_scale, s_softcap, t_scale, t_softcap,  # each model's logit_scale and final softcap (`_model_logit`)
     # meta-parameters
     MODE: tl.constexpr, HAS_TARGET: tl.constexpr, HAS_HARD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    PER_TOKEN_GRAD: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    PER_TOKEN_GRAD: tl.constexpr, HAS_ENTROPY: tl.constexpr, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # int64: row · stride reaches 32768 · 128256 > 2^31 for a big chunk
     row = tl.program_id(0).to(tl.int64)
@@ -114,6 +115,8 @@ def _distill_rows_kernel(
         y_raw = tl.load(target_ptr + row).to(tl.int64)
         if y_raw == ignore_index:  # an ignored row: no loss, no gradient
             tl.store(loss_ptr + row, 0.0)
+            if HAS_ENTROPY:
+                tl.store(entropy_ptr + row, 0.0)
             if WRITE_GRAD:
                 for start in range(0, V, BLOCK_V):
                     cols = start + offs
@@ -149,6 +152,7 @@ def _distill_rows_kernel(
     # 2. the divergence from exact log-probabilities, and R = Σ p (log p − log m) for the JSD's gradient
     div = tl.zeros((BLOCK_V,), tl.float32)
     r_lane = tl.zeros((BLOCK_V,), tl.float32)
+    ent_lane = tl.zeros((BLOCK_V,), tl.float32)
     g_row = tl.load(grad_ptr + row) if PER_TOKEN_GRAD else tl.load(grad_ptr)
     soft_scale = g_row * weight_soft * inv_temperature  # ∂L/∂s → ∂L/∂z_s: the 1/τ of s = z_s/τ
     for start in range(0, V, BLOCK_V):
@@ -162,6 +166,8 @@ def _distill_rows_kernel(
         lq = (u * inv_temperature - max_t) - logsum_t
         p = tl.exp(lp)
         q = tl.exp(lq)
+        if HAS_ENTROPY:
+            ent_lane += tl.where(mask & (p != 0.0), -p * lp, 0.0)
         if MODE == 0:  # KL(q‖p)
             div += tl.where(mask, _xlogy_diff(q, lq, lp), 0.0)
             if WRITE_GRAD:
@@ -183,6 +189,8 @@ def _distill_rows_kernel(
     if HAS_HARD:
         loss += weight_hard * ((max_z - z_y) + logsum_z)
     tl.store(loss_ptr + row, loss)
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + row, tl.sum(ent_lane, axis=0))
     # 3. ∂D/∂s_v = p_v (c_v − Σ p c) with c = log p − log q (reverse KL) or (1 − β)(log p − log m) (JSD);
     # pass 2 has read every column of the row, so overwriting it now is safe
     if WRITE_GRAD and MODE != 0:
@@ -213,27 +221,29 @@ def distill_rows(zs: torch.Tensor, zt: torch.Tensor, target: torch.Tensor | None
                  grad: torch.Tensor | None, *, beta: float, temperature: float, weight_soft: float,
                  weight_hard: float, ignore_index: int, per_token_grad: bool = False, student_logit_scale: float = 1.0,
                  student_softcap: float | None = None, teacher_logit_scale: float = 1.0,
-                 teacher_softcap: float | None = None) -> None:
+                 teacher_softcap: float | None = None, entropy: torch.Tensor | None = None) -> None:
     """Per-token loss of a chunk into `loss` [C] fp32 and, when `grad` is given, ∂L/∂z_student over `zs`.
 
     zs [C, V] student logits (overwritten with the gradient when `grad` is given) · zt [C, V] teacher
     logits · target [C] or None (every row counts; no hard-label term then) · grad: [1] fp32 ∂L/∂ℓ_t shared
     by every row, or [C] per row with `per_token_grad`. ℓ_t = weight_soft·D_β(τ) + weight_hard·CE(z_s, y), on
-    each model's logits `_model_logit(head output)` (its logit scale, then its softcap)."""
+    each model's logits `_model_logit(head output)` (its logit scale, then its softcap). entropy: a [C] fp32
+    buffer for the student's entropy at τ (TRL's DistillationTrainer logs it), or None (compiled out)."""
     C, V = zs.shape
     assert zt.shape == (C, V) and zs.stride(1) == 1 and zt.stride(1) == 1
     mode = divergence_mode(beta)
     has_hard = weight_hard != 0.0
     assert target is not None or not has_hard
     _distill_rows_kernel[(C,)](
-        zs, zt, loss if target is None else target, loss, loss if grad is None else grad,
+        zs, zt, loss if target is None else target, loss, loss if entropy is None else entropy,
+        loss if grad is None else grad,
         V, zs.stride(0), zt.stride(0),
         1.0 / temperature, beta, math.log(beta) if beta > 0 else 0.0, math.log1p(-beta) if beta < 1 else 0.0,
         1.0 - beta,
         weight_soft, weight_hard, ignore_index,
         student_logit_scale, student_softcap or 1.0, teacher_logit_scale, teacher_softcap or 1.0,
         MODE=mode, HAS_TARGET=target is not None, HAS_HARD=has_hard, WRITE_GRAD=grad is not None,
-        PER_TOKEN_GRAD=per_token_grad, S_SOFTCAP=student_softcap is not None, T_SOFTCAP=teacher_softcap is not None,
-        USE_LIBDEVICE=not interpreting(), BLOCK_V=BLOCK_V,
+        PER_TOKEN_GRAD=per_token_grad, HAS_ENTROPY=entropy is not None, S_SOFTCAP=student_softcap is not None,
+        T_SOFTCAP=teacher_softcap is not None, USE_LIBDEVICE=not interpreting(), BLOCK_V=BLOCK_V,
         num_warps=1 if interpreting() else 8,
     )
