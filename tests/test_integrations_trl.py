@@ -456,3 +456,32 @@ def test_is_top1_against_argmax():
     assert torch.equal(fusedkern.logprobs.is_top1(logps, row_max, row_lse), logits.argmax(-1) == target)
     torch.testing.assert_close(logps, torch.log_softmax(logits.double(), -1).gather(1, target[:, None])[:, 0].float(),
                                rtol=0, atol=2e-6)
+
+
+def test_head_under_bf16_autocast_within_twice_trls_error(tiny):
+    """Under bf16 autocast (how accelerate runs the wrapped forward with bf16=True) fusedkern's head casts its
+    operands as TRL's head and nn.Linear do: its log-probs' error against fp64 is within 2× that of TRL's own
+    bf16 head (the logits GEMM in bf16 for both)."""
+    import trl.trainer.utils as utils
+    from transformers import AutoModelForCausalLM
+
+    import fusedkern.integrations.trl as fk_trl
+
+    theirs = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    ours = copy.deepcopy(theirs)
+    utils.add_fused_lm_head(theirs, outputs=("log_probs", "entropy"))
+    fk_trl.add_fused_lm_head(ours, outputs=("log_probs", "entropy"))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V, (4, 16), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = theirs(input_ids=ids, labels=labels, fused_lm_head=True)
+        b = ours(input_ids=ids, labels=labels, fused_lm_head=True)
+        hidden = ours.model(input_ids=ids).last_hidden_state[:, :-1]
+    mask = labels[:, 1:] != -100
+    logits = hidden.double() @ ours.lm_head.weight.double().T
+    ref = torch.log_softmax(logits, -1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    err_trl = (a.log_probs.double() - ref)[mask].abs().max().item()
+    err_fk = (b.log_probs.double() - ref)[mask].abs().max().item()
+    assert 0 < err_trl < 0.1 and err_fk <= 2 * err_trl, (err_fk, err_trl)
