@@ -342,3 +342,27 @@ def test_entropy_matches_fp64(dtype, case):
     assert_close_to_ref("entropy", entropy, _entropy_of(z, 1.7, valid), _entropy_of(z_same, 1.7, valid),
                         atol=ATOL[dtype])
     assert not entropy[~valid].any()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_same_conventions_as_trl_chunked_divergence(beta):
+    """TRL 1.16's own fused divergence (`trl.kernels.chunked_divergence.ChunkedDivergenceFunction`, what its
+    DistillationTrainer calls) gives the same per-token divergence, entropy and student gradients for the same
+    β, temperature, logit scales and softcaps (fp32, where both keep fp32 logits): the conventions match."""
+    trl_kernels = pytest.importorskip("trl.kernels.chunked_divergence")
+    xs, ws, bs, xt, wt, bt, y = make_batch(torch.float32, seed=18, ignored=())
+    kw = dict(beta=beta, temperature=1.4)
+    scales = dict(student_logit_scale=0.8, student_softcap=3.0, teacher_logit_scale=1.3, teacher_softcap=2.5)
+    x, w, b = leaves(xs, ws, bs)
+    loss, entropy = fusedkern.linear_distillation_loss(x, w, xt, wt, student_bias=b, teacher_bias=bt, reduction="none",
+                                                       return_entropy=True, **kw, **scales)
+    x2, w2, b2 = leaves(xs, ws, bs)
+    trl_loss, trl_entropy = trl_kernels.ChunkedDivergenceFunction.apply(
+        x2, w2, b2, xt, wt, bt, beta, kw["temperature"], scales["student_logit_scale"], scales["student_softcap"],
+        scales["teacher_logit_scale"], scales["teacher_softcap"])
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy, trl_entropy, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(T, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for ours, theirs in zip(torch.autograd.grad(loss, (x, w, b), upstream),
+                            torch.autograd.grad(trl_loss, (x2, w2, b2), upstream)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
