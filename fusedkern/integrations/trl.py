@@ -1,8 +1,9 @@
 """TRL's trainers on fusedkern's fused LM head: `patch()` once, before the trainer is built.
 
-TRL ≥ 1.14 routes every loss of SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer and RLOOTrainer through one
-hook: the trainer calls `trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`
-in its `__init__` (on the policy, and on the reference model when there is one), and its loss code then calls
+TRL 1.16 (the version tested, pinned by `fusedkern[trl]`) routes every loss of SFTTrainer, DPOTrainer,
+KTOTrainer, GRPOTrainer and RLOOTrainer through one hook: the trainer calls
+`trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)` in its `__init__`
+(on the policy, and on the reference model when there is one), and its loss code then calls
 `model(..., labels=labels, fused_lm_head=True)` and reads per-token fields (`log_probs`, `entropy`,
 `mean_logits`, `is_top1`) of a `FusedCausalLMOutput`. Every loss type, weighting, clipping and metric is
 TRL's own code over those fields. So `patch()` replaces that one function, in TRL's module and in every TRL
@@ -17,6 +18,11 @@ TRL's own head is not raced: while patched, TRL's chunked log-prob function (`tr
 `_ChunkedLogProbFunction`, looked up by TRL's head at each call) is replaced by a guard that raises, so a
 model that still carries TRL's head (built before `patch()`, or by code holding TRL's function) fails loudly
 instead of training silently without fusedkern.
+
+Trainers that compute the logits themselves get their loss function replaced while patched: CPOTrainer and
+ORPOTrainer (`concatenated_forward`, trl.experimental), GKDTrainer (`compute_loss`, trl.experimental), and
+DistillationTrainer's divergence (`_chunked_divergence_loss`, through `fusedkern.linear_distillation_loss`).
+`unpatch()` restores every one of them. docs/integrations.md ("TRL") lists what each trainer covers and raises.
 """
 
 from __future__ import annotations
