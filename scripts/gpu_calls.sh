@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU calls of issues 31 and 32, priority-ordered, each step capped and its results packed as it ends
+# (a call cut short still brings back what finished). A device call returns at most 8 files, so every log,
+# CSV and JUnit report goes into one results_<part>.tgz under OUTDIR, beside the Triton cache.
+#
+#   scripts/gpu_calls.sh OUTDIR cold    # carry .whl/qa .whl/liger085: the GPU suite's quick selection and the
+#                                       # whole suite, each from an empty Triton cache (wall time, passed/failed);
+#                                       # the suite's cache packed into OUTDIR/triton_cache.tar.xz
+#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085 (+ .triton_cache if it fits 64 MiB): the
+#                                       # suite and the quick selection again with the carried cache, then the
+#                                       # honest table (dense, masked 50/30/70; QuACK, Liger CuTe and Triton,
+#                                       # Transformers' loss, the seed baseline, peers +gather, both floors) and
+#                                       # the loss-only pass
+#   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
+#
+# QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
+# in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
+# then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
+# CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
+set -uo pipefail
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|table|warm}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|table|warm}"
+budget=${CALL_BUDGET_S:-585}
+res="${TMPDIR:-/tmp}/gpu_results_$part"
+rm -rf "$res" && mkdir -p "$res"
+site="${TMPDIR:-/tmp}"/site_gpu
+install_wheels "$site" .whl/liger085
+parts_dir="${TMPDIR:-/tmp}"/quack_parts
+mkdir -p "$parts_dir"
+for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
+quack_path=""
+if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
+    qsite="${TMPDIR:-/tmp}"/site_quack
+    rm -rf "$qsite" && mkdir -p "$qsite"
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
+        && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
+        && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
+fi
+[ -n "$quack_path" ] && export PYTHONPATH="$quack_path:$PYTHONPATH"
+
+pack() { tar czf "$outdir/results_$part.tgz" -C "$res" . ; }
+{
+    echo "gpu_calls.sh part=$part commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"
+    echo "quack installed: ${quack_path:-no}"
+    nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,memory.total --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    python3 -m pip list 2>/dev/null | grep -iE "^(liger|quack|nvidia-cutlass|transformers|pytest-xdist|trl|peft) "
+} > "$res/environment.log" 2>&1
+cat "$res/environment.log"
+
+# step NAME CAP_S COMMAND...: one step, capped at CAP_S or what is left of the call's budget; logged, timed
+step() {
+    local name="$1" cap="$2"
+    shift 2
+    local left=$((budget - (SECONDS - start) - 20))
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -lt 20 ]; then
+        echo "== $name: skipped, $left s left" | tee -a "$res/steps.log"
+        return
+    fi
+    local t0=$SECONDS
+    echo "== $name (cap $cap s): $*" | tee -a "$res/$name.log"
+    timeout -k 10 "$cap" "$@" >> "$res/$name.log" 2>&1
+    local status=$?
+    echo "== $name: exit $status after $((SECONDS - t0)) s (total $((SECONDS - start)) s)" | tee -a "$res/$name.log" \
+        "$res/steps.log"
+    tail -n 3 "$res/$name.log" | head -n 2
+    [ "$status" -eq 0 ] || failures+=("$name:$status")
+    pack
+}
+
+# the GPU suite: three workers share the GPU (compilation, most of a cold run, is CPU work: 16 cores)
+suite() {  # suite NAME [pytest args]
+    local name="$1"
+    shift
+    step "$name" "${SUITE_CAP_S:-480}" python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider \
+        -W ignore::DeprecationWarning -n 3 --dist loadfile -q -rfE --durations=30 --continue-on-collection-errors \
+        --junitxml="$res/$name.xml" "$@" tests/
+}
+
+timing="--warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress"
+peers="huggingface_bf16 transformers_loss liger liger_cute_sm90 quack"
+gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cute_sm90_gather quack_gather"
+fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
+
+if [ "$part" = cold ]; then
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
+    SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
+    suite gpu_suite_cold
+    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
+elif [ "$part" = warm ] || [ "$part" = table ]; then
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_warm" >> "$res/steps.log"  # not in a pipe: it exports
+    if [ "$part" = warm ] || [ -f "$TRITON_CACHE_TARBALL" ]; then
+        SUITE_CAP_S=300 suite gpu_suite_warm
+        SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick
+    fi
+fi
+if [ "$part" = table ]; then
+    # shellcheck disable=SC2086
+    step ce_dense 150 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
+        --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
+        --out "$res/ce_llama3_dense.csv"
+    # shellcheck disable=SC2086
+    step ce_masked_50 170 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
+        --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers $gathered \
+        --out "$res/ce_llama3_masked_50.csv"
+    # shellcheck disable=SC2086
+    step ce_loss_only 100 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
+        --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
+        fusedkern_stats_in_epilogue fusedkern_stats_in_epilogue_device_count huggingface_bf16 transformers_loss \
+        liger quack --out "$res/ce_llama3_loss_only.csv"
+    # shellcheck disable=SC2086
+    step ce_masked_30_70 150 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 32768 $timing \
+        --modes full --workload masked_30 masked_70 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
+        $gathered --out "$res/ce_llama3_masked_30_70.csv"
+fi
+echo "gpu_calls.sh part $part done in $((SECONDS - start)) s; failures: ${failures[*]:-none}" | tee -a "$res/steps.log"
+pack
+ls -l "$outdir"
