@@ -45,6 +45,7 @@ from fusedkern.autograd import (
 )
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
 from fusedkern.chunked import chunk_grads, grad_buffers, logits_buffer, logits_into, plan_for_grads
+from fusedkern.integrations.fsdp import full_weights
 from fusedkern.kernels.distill_rows import distill_rows
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
 
@@ -406,6 +407,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         return_entropy: also return the student's per-token entropy −Σ p log p at τ (input's leading shape,
             float32, detached, 0 where ignored): the metric TRL's DistillationTrainer logs, from the same pass.
         weight_grad_accum, chunk_tokens: as `linear_cross_entropy` (the chunk also bounds the teacher's buffer).
+            The weights and biases may be DTensors (FSDP2-sharded heads): gathered as `linear_cross_entropy` does.
         num_valid_tokens: the targets that are not ignore_index, as `linear_cross_entropy`: an int gathers
             those rows and computes only them; a device tensor is checked against the target (no host sync)
             and the rows are computed densely. Either wrong count raises ValueError.
@@ -428,6 +430,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                 cast(student_hidden), cast(student_weight), cast(teacher_hidden), cast(teacher_weight), target,
                 student_bias=cast(student_bias), teacher_bias=cast(teacher_bias), num_valid_tokens=num_valid_tokens,
                 return_entropy=return_entropy, **options)
+    # DTensor heads (FSDP2-sharded, vocab-parallel) gathered, the student's differentiably
+    student_weight, student_bias, _ = full_weights(student_hidden, student_weight, target, student_bias)
+    with torch.no_grad():
+        teacher_weight, teacher_bias, _ = full_weights(teacher_hidden, teacher_weight, target, teacher_bias)
     validate_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                                teacher_bias, num_valid_tokens, **options)
     if target is not None:
