@@ -635,11 +635,17 @@ def _distill_liger(**options) -> Callable[[Inputs], dict[str, Step]]:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
         xt, wt = _teacher(inp)
-        loss_module = LigerFusedLinearJSDLoss(**{"weight_hard_loss": 0.0, "weight_soft_loss": 1.0, **DISTILL_ARGS,
-                                                 "ignore_index": IGNORE_INDEX, **options})
+        kwargs = {"weight_hard_loss": 0.0, "weight_soft_loss": 1.0, **DISTILL_ARGS, "ignore_index": IGNORE_INDEX,
+                  **options}
+        # Liger's releases differ: some take no beta or no hard/soft weights (another loss), some no biases
+        missing = [k for k in kwargs if k not in inspect.signature(LigerFusedLinearJSDLoss).parameters]
+        if missing:
+            raise ProviderUnavailable(f"this LigerFusedLinearJSDLoss takes no {', '.join(missing)}")
+        loss_module = LigerFusedLinearJSDLoss(**kwargs)
+        biases = (None, None) if "student_bias" in inspect.signature(loss_module.forward).parameters else ()
 
         def loss_fn() -> torch.Tensor:
-            out = loss_module(inp.x, inp.w, xt, wt, inp.target, None, None)  # no student / teacher bias
+            out = loss_module(inp.x, inp.w, xt, wt, inp.target, *biases)
             return out[0] if isinstance(out, tuple) else out
 
         return loss_steps(loss_fn)
