@@ -6,23 +6,19 @@
 #   scripts/h200_speed_calls.sh OUTDIR a    # carry .whl/qa .whl/liger085 .whl/cce: GPU tests, SimPO, CE masked 30/70
 #   scripts/h200_speed_calls.sh OUTDIR b    # carry .whl/qb .whl/liger085 .whl/cce: CE headline and real heads, QuACK
 #   scripts/h200_speed_calls.sh OUTDIR c    # no carry needed: fused-kernel GPU tests, Gemma-2 at 8192 tokens
-#   scripts/h200_speed_calls.sh OUTDIR d    # carry .whl/qa to run b next (~380 s): the kernels changed without a GPU:
-#                                           # GPU tests of the folded row pass and the statistics epilogue; the folded
-#                                           # row pass timed (ce_row_pass_in_gemms.csv) and the loss-only pass with
-#                                           # the statistics in the epilogue (ce_loss_epilogue.csv)
-#   scripts/h200_speed_calls.sh OUTDIR f    # no carry: the row-count GEMMs' GPU tests (warp-specialized candidates
-#                                           # bitwise against the plain kernels), every config and candidate timed
+#   scripts/h200_speed_calls.sh OUTDIR f    # no carry: the row-count GEMMs' GPU tests, every config timed
 #                                           # (rowcount_gemm.csv, _sweep.csv), Qwen2.5-7B's head at fixed chunk sizes
+# (scripts/gpu_calls.sh: the GPU suite in one call, the carried Triton cache, the table of issue 31)
 #
 # Steps run in order of importance and each writes its files as it ends, so a call cut short by its
-# time limit still brings back what finished. Call a (or d) leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
+# time limit still brings back what finished. Call a leaves the first part of the tarball and the small wheels in $TMPDIR/quack_parts; call b adds the rest and
 # installs QuACK from both (a machine is kept only 30 s between calls: if call b lands on a fresh
 # one, QuACK is skipped and the CSV says so in its log). Every sweep runs `python -m fusedkern.bench`
 # with the shuffled protocol (a new provider order every round). Wheels: `scripts/fetch_wheels.sh --quack`.
 set -uo pipefail
-part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|f}"
+part="${2:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|f}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|d|f}"
+device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|f}"
 site="${TMPDIR:-/tmp}"/site_speed
 install_wheels "$site" .whl/liger085 .whl/cce
 parts_dir="${TMPDIR:-/tmp}"/quack_parts
@@ -69,20 +65,7 @@ if [ "$part" = a ]; then
     step ce_masked 90 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 32768 $timing \
         --workload masked_30 masked_70 --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_counted \
         fusedkern_chunked_device_count huggingface_bf16 liger --out "$outdir/ce_llama3_masked_30_70.csv"
-elif [ "$part" = d ]; then  # kernels changed without a GPU (compiled for sm_90 only): their GPU tests, then timings
-    step gpu_tests_epilogues 120 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_prob_scales.py \
-        tests/test_logits_stats.py
-    # the row pass folded into the GEMMs against the default and its floor, dense and half prompt-masked
-    # shellcheck disable=SC2086
-    step ce_row_pass_in_gemms 150 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 \
-        $timing --workload dense masked_50 --providers cublas_3gemm fusedkern_chunked fusedkern_row_pass_in_gemms \
-        fusedkern_chunked_device_count fusedkern_row_pass_in_gemms_device_count huggingface_bf16 \
-        --out "$outdir/ce_row_pass_in_gemms.csv"
-    step ce_loss_epilogue 90 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 \
-        --warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress --modes loss_only \
-        --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked fusedkern_stats_in_epilogue \
-        fusedkern_stats_in_epilogue_device_count huggingface_bf16 --out "$outdir/ce_loss_epilogue.csv"
-elif [ "$part" = f ]; then  # what part d left out: the row-count GEMMs' GPU tests and every config timed, Qwen2.5-7B
+elif [ "$part" = f ]; then  # the row-count GEMMs' GPU tests and every config timed, Qwen2.5-7B
     step gpu_tests_gemms 150 python3 -m pytest -m gpu -q -p no:xdist -o addopts="" tests/test_rowcount_gemm.py
     step rowcount_gemm 140 python3 scripts/bench_rowcount_gemm.py --out "$outdir/rowcount_gemm.csv" --sweep \
         --counts 4096 1229 --reps 10
