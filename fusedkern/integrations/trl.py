@@ -462,31 +462,20 @@ def fused_chunked_divergence_loss(student_hidden_states, teacher_hidden_states, 
                                   weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
     """TRL DistillationTrainer's `_chunked_divergence_loss` through `fusedkern.linear_distillation_loss`: the same
     arguments and (loss, student entropy summed over the valid positions, their count). The divergence (β, τ, each
-    model's logit scale then softcap) is fusedkern's over the valid rows only; the entropy, a metric, comes from a
-    loss-only pass of `linear_logprobs_with_stats` over the student's head (one more logits GEMM, no gradient)."""
+    model's logit scale then softcap) and the student's entropy at τ (the metric) come from one fused pass over the
+    valid rows only."""
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
     rows = valid.nonzero().squeeze(-1)  # a host sync, as TRL's own compaction on a Triton device
     h_s = student_hidden_states.reshape(-1, student_hidden_states.shape[-1]).index_select(0, rows)
     h_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1]).index_select(0, rows)
-    if rows.numel() == 0:
-        loss, entropy_sum = h_s.float().sum(), h_s.new_zeros((), dtype=torch.float32)
-    else:
-        loss = linear_distillation_loss(
-            h_s, student_lm_head_weight, h_t, teacher_lm_head_weight, None, student_bias=student_lm_head_bias,
-            teacher_bias=teacher_lm_head_bias, beta=float(beta), temperature=float(temperature), reduction="sum",
-            student_logit_scale=float(student_logit_scale), student_softcap=student_final_logit_softcapping,
-            teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_final_logit_softcapping,
-            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-        if student_final_logit_softcapping is not None and float(student_logit_scale) != 1.0:
-            raise ValueError("the student's entropy under a logit scale and a softcap has no fused form in fusedkern")
-        with torch.no_grad():
-            _, entropy, _, _ = linear_logprobs_with_stats(
-                h_s, student_lm_head_weight, torch.zeros_like(rows), linear_bias=student_lm_head_bias,
-                softcap=student_final_logit_softcapping,
-                temperature=float(temperature) / float(student_logit_scale), return_entropy=True,
-                chunk_tokens=chunk_tokens)
-        entropy_sum = entropy.sum()
+    loss, entropy = linear_distillation_loss(
+        h_s, student_lm_head_weight, h_t, teacher_lm_head_weight, None, student_bias=student_lm_head_bias,
+        teacher_bias=teacher_lm_head_bias, beta=float(beta), temperature=float(temperature), reduction="sum",
+        student_logit_scale=float(student_logit_scale), student_softcap=student_final_logit_softcapping,
+        teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_final_logit_softcapping,
+        return_entropy=True, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    entropy_sum = entropy.sum()
     if num_items_in_batch is None:
         loss = loss / n_valid.clamp(min=1)
     else:
