@@ -52,6 +52,13 @@ QUICK_SWEEP_ARGS = {
 }
 DEFAULT_GPU = "h200"  # whose committed measurements the notebooks draw when nothing was measured now
 KERNEL_NAME = "python3"
+# The notebooks' kernels: notebooks 01 and 02 measure rounding errors, whose last bits follow every CPU GEMM. MKL
+# (torch's CPU BLAS) picks its code path by the CPU and by the operands' memory alignment, which moves from run to
+# run: COMPATIBLE fixes one path on every x86 CPU and any alignment (Intel's Conditional Numerical
+# Reproducibility). One thread: a reduction split over threads rounds by the thread count, which machines differ
+# in. The renders show those errors as bounds (notebook 02), so they do not rest on this alone.
+REPRODUCIBLE_NUMERICS = {"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                         "OPENBLAS_NUM_THREADS": "1"}
 
 
 class NotebookFailed(Exception):
@@ -429,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     os.environ.update(_child_env())  # the kernels papermill starts inherit this environment
+    os.environ.update(REPRODUCIBLE_NUMERICS)  # (not the sweeps': they time the GPU and leave its host alone)
     parameters = {"quick": bool(args.quick), "data_dir": data_dir, "figures_dir": args.figures_dir, "gpu": gpu}
     from tqdm import tqdm
 
