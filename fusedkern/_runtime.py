@@ -10,12 +10,17 @@ Nothing here touches the CUDA driver at import time beyond `torch.cuda.is_availa
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    logger.info("no CUDA GPU is visible: fusedkern's Triton kernels run in Triton's interpreter on CPU tensors "
+                "(TRITON_INTERPRET=1; slow, for tests and small shapes)")
 
 
 def interpret_triton_helpers_imported_earlier() -> int:
@@ -87,7 +92,9 @@ def round_bf16_like_the_gpu() -> None:
 
 
 if interpreting():
-    interpret_triton_helpers_imported_earlier()
+    if swapped := interpret_triton_helpers_imported_earlier():
+        logger.info("triton was imported before fusedkern: %d of its @triton.jit helpers were made interpreted",
+                    swapped)
     round_bf16_like_the_gpu()
 
 

@@ -13,6 +13,9 @@ Semantics follow TRL's CPOTrainer with loss_type="simpo" (docs/design.md).
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +41,7 @@ from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
 # γ = β·(0.25–0.8) and α = 0 (pure SimPO).
 DEFAULT_BETA, DEFAULT_GAMMA, DEFAULT_ALPHA = 0.1, 0.5, 1.0
+logger = logging.getLogger(__name__)
 
 
 def simpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, beta: float = DEFAULT_BETA,
@@ -166,6 +170,20 @@ def _backward_simpo(ctx, grad_loss, *_):
 register_op(simpo_chunked, _simpo_chunked, _setup_simpo, _backward_simpo)
 
 
+def _warn_four_gemms(seq: int, plan_tokens: int, chunk_tokens: int | None) -> None:
+    """A response longer than a chunk: the gradient cannot be formed in the forward pass, and the generic
+    path recomputes the logits in backward (four GEMMs instead of three). Said once per call site when the
+    user's chunk_tokens causes it (a warning: the setting does not do what it was likely meant to), logged
+    when the default chunk is too short."""
+    message = (f"linear_simpo_loss: a response of {seq} tokens does not fit a chunk of {plan_tokens} tokens, so the "
+               "gradient takes the generic four-GEMM path (logits recomputed in backward) instead of three GEMMs")
+    if chunk_tokens is not None:
+        warnings.warn(f"{message}; chunk_tokens={chunk_tokens}: pass at least {seq} (one response), or {2 * seq} "
+                      "(a chosen/rejected pair) for the fastest plan", stacklevel=3)
+    else:
+        logger.info(message)
+
+
 @follows_autocast
 def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                       linear_bias: torch.Tensor | None = None, beta: float = DEFAULT_BETA,
@@ -200,8 +218,11 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     if (need_dx or need_dw or need_db) and impl != "fused" and target.numel() > 0:
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
-        if resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum, chunk_tokens) == "chunked" \
-                and plan[0] != "generic":
+        chunked = resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
+                               chunk_tokens) == "chunked"
+        if chunked and plan[0] == "generic":
+            _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
+        if chunked and plan[0] != "generic":
             # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)
             loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,
                                       *hp.values(), weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,

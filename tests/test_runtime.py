@@ -45,7 +45,9 @@ def test_fp32_to_bf16_rounds_to_nearest_even_like_torch():
 # Triton imported before fusedkern (Transformers, TRL, a user's own `import triton.language`): the kernels still run
 # in the interpreter. A fresh process, because this one imported fusedkern first.
 _TRITON_FIRST = """
+import logging
 import {first}
+logging.basicConfig(level=logging.INFO)
 import torch
 import torch.nn.functional as F
 import fusedkern
@@ -68,3 +70,4 @@ def test_kernels_run_when_triton_was_imported_first(first):
     done = subprocess.run([sys.executable, "-c", _TRITON_FIRST.format(first=first)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "run in Triton's interpreter" in done.stderr and "helpers were made interpreted" in done.stderr  # logged

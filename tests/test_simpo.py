@@ -3,6 +3,8 @@ the materialized computation, every strategy (generic four-GEMM path, chunked "p
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -269,3 +271,16 @@ def test_simpo_softcap_matches_fp64(impl, dtype):
         fusedkern.LinearSimPOLoss(softcap=-1.0)
     with pytest.raises(ValueError, match="softcap"):
         fusedkern.linear_simpo_loss(x, w, y, softcap=0.0)
+
+
+def test_chunk_tokens_shorter_than_a_response_warns():
+    """chunk_tokens below a response's length cannot form the gradient in the forward pass: the four-GEMM
+    fallback is said (once per call site, by Python's warning filter), not taken silently."""
+    x, w, y, b = simpo_inputs(4, 6, 16, 40, torch.float32)
+    x.requires_grad_()
+    with pytest.warns(UserWarning, match="chunk_tokens=5: pass at least 6"):
+        fusedkern.linear_simpo_loss(x, w, y, linear_bias=b, chunk_tokens=5, **HP)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fusedkern.linear_simpo_loss(x, w, y, linear_bias=b, chunk_tokens=12, **HP)  # a pair fits: three GEMMs
+    assert not [w for w in caught if "linear_simpo_loss" in str(w.message)]
