@@ -201,7 +201,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
-    if softcap is not None:
+    if softcap is not None and target.numel() > 0:  # (no token: the softcap changes nothing, the generic path below)
         # the preference family's SimPO (`loss_type="simpo"`, the same loss and metrics) carries a softcap
         # through its three-GEMM path; this module's own paths have none
         return linear_preference_loss(input, linear_weight, target, loss_type="simpo", beta=beta, gamma=gamma,

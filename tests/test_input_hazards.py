@@ -262,5 +262,6 @@ def test_empty_batch_logprobs_and_simpo():
     loss, metrics = fusedkern.linear_simpo_loss(x0, w, y[:0].reshape(0, 2), linear_bias=b, alpha=0.0)
     assert loss.isnan() and metrics["rewards/margins"].isnan()  # the mean over no pair, like torch's
     assert torch.autograd.grad(loss, x0)[0].shape == x0.shape
+    assert fusedkern.linear_simpo_loss(x0, w, y[:0].reshape(0, 2), softcap=3.0)[0].isnan()
     with pytest.raises(ValueError, match="input"):  # a hidden size of 0 is still refused
         fusedkern.linear_cross_entropy(x[:, :0], w[:, :0], y)
