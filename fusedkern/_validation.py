@@ -165,21 +165,27 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
 
 
 def check_int(name: str, value) -> int:
-    """Any integer (Python, numpy, anything with `__index__`) as a Python int; bools and floats are refused."""
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, torch.Tensor):
+    """A Python int (not a bool). Settings that reach the kernels and operators as they are (ignore_index,
+    chunk_tokens) take nothing else: a numpy integer would fail there. A count goes through `normalize_count`."""
+    if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    return value
 
 
 def normalize_count(num_valid_tokens, target: torch.Tensor):
     """`num_valid_tokens` as the kernels take it: None, a Python int (from any integer type, or from a one-element
     integer tensor on the CPU when the targets live elsewhere: reading it costs no sync), or a one-element int64 /
     int32 tensor on the targets' device. Anything else raises, naming the argument."""
+    if num_valid_tokens is None:
+        return None
     if not isinstance(num_valid_tokens, torch.Tensor):
-        return None if num_valid_tokens is None else check_int("num_valid_tokens", num_valid_tokens)
+        if isinstance(num_valid_tokens, (bool, np.bool_)):
+            raise TypeError(f"num_valid_tokens must be an integer count, got {type(num_valid_tokens).__name__}")
+        try:
+            return operator.index(num_valid_tokens)  # int, numpy integers, anything with __index__
+        except TypeError:
+            raise TypeError("num_valid_tokens must be an integer count (an int, a numpy integer or a one-element "
+                            f"integer tensor) or None, got {type(num_valid_tokens).__name__}") from None
     if num_valid_tokens.numel() != 1 or num_valid_tokens.dtype.is_floating_point or num_valid_tokens.is_complex() \
             or num_valid_tokens.dtype == torch.bool:
         raise TypeError("num_valid_tokens as a tensor must hold one integer count, got "
