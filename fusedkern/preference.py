@@ -173,10 +173,16 @@ def preference_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, loss_
         label_smoothing=label_smoothing, reference_free=reference_free, ref_chosen_logps=ref_chosen_logps,
         ref_rejected_logps=ref_rejected_logps, ref_logps=ref_logps, kto_labels=kto_labels, kl=kl,
         desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    # Computed in float64 (O(R·S)), as simpo_loss_from_logps: β·(sums or averages) carries the rounding of every
+    # fp32 sum of S log-probabilities into each gradient of the pair, β-fold; the per-token upstream gradient
+    # autograd hands the fused backward is rounded to logps' dtype once, by the cast below.
+    out_dtype, logps = logps.dtype, logps.double()
     counts = mask.sum(-1).to(logps.dtype)  # [R] response lengths
     sums = torch.where(mask, logps, torch.zeros_like(logps)).sum(-1)  # [R]
     if loss_type == "kto":
-        return _kto(sums, ref_logps.to(logps.dtype), kto_labels, kl, beta, desirable_weight, undesirable_weight)
+        loss, metrics = _kto(sums, ref_logps.to(logps.dtype), kto_labels, kl, beta, desirable_weight,
+                             undesirable_weight)
+        return loss.to(out_dtype), {key: value.to(out_dtype) for key, value in metrics.items()}
     B = logps.shape[0] // 2
     avgs = sums / counts.clamp(min=1)  # [2B]: an empty response averages to 0
     n_chosen_tokens = counts[:B].sum()
@@ -236,7 +242,7 @@ def preference_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, loss_
         "logps/chosen": shown_c.detach().mean(), "logps/rejected": shown_r.detach().mean(),
         "nll_loss": nll.detach(), **metrics,
     }
-    return loss, metrics
+    return loss.to(out_dtype), {key: value.to(out_dtype) for key, value in metrics.items()}
 
 
 def _kto(sums, ref, desirable, kl, beta, desirable_weight, undesirable_weight):
