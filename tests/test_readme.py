@@ -28,8 +28,17 @@ def test_readme_usage_block_runs():
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=32,
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     model = transformers.LlamaForCausalLM(config)
-    scope = dict(hidden=hidden, lm_head=lm_head, labels=labels, ref_c=ref_c, ref_r=ref_r, model=model)
-    exec(compile(usage_block(), "README.md", "exec"), scope)
+    teacher_head = torch.nn.Linear(2 * hidden_size, vocab, bias=False)  # a wider teacher, same vocabulary
+    teacher_hidden = torch.randn(batch, seq, 2 * hidden_size, generator=g)
+    scope = dict(hidden=hidden, lm_head=lm_head, labels=labels, ref_c=ref_c, ref_r=ref_r, model=model,
+                 teacher_hidden=teacher_hidden, teacher_head=teacher_head)
+    pytest.importorskip("trl")
+    try:
+        exec(compile(usage_block(), "README.md", "exec"), scope)
+    finally:  # the block patches TRL for the whole process: undo it for the tests that share this worker
+        import fusedkern.integrations.trl
+
+        fusedkern.integrations.trl.unpatch()
     assert set(scope["metrics"]) >= {"rewards/chosen", "rewards/margins"}
     import fusedkern
 
