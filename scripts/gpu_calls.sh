@@ -6,7 +6,8 @@
 #   scripts/gpu_calls.sh OUTDIR cold    # carry .whl/qa .whl/liger085: the GPU suite's quick selection and the
 #                                       # whole suite, each from an empty Triton cache (wall time, passed/failed);
 #                                       # the suite's cache packed into OUTDIR/triton_cache.tar.xz
-#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085 (+ .triton_cache if it fits 64 MiB): the
+#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085 (+ .triton_cache if it fits 64 MiB; the
+#                                       # suite's was 7.7 MiB: with qb's 41 MiB and the tree's 16 it did not): the
 #                                       # suite and the quick selection again with the carried cache, then the
 #                                       # honest table (dense, masked 50/30/70; QuACK, Liger CuTe and Triton,
 #                                       # Transformers' loss, the seed baseline, peers +gather, both floors) and
@@ -98,23 +99,30 @@ elif [ "$part" = warm ] || [ "$part" = table ]; then
     fi
 fi
 if [ "$part" = table ]; then
-    # shellcheck disable=SC2086
-    step ce_dense 150 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
-        --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
-        --out "$res/ce_llama3_dense.csv"
-    # shellcheck disable=SC2086
-    step ce_masked_50 170 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
-        --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers $gathered \
-        --out "$res/ce_llama3_masked_50.csv"
-    # shellcheck disable=SC2086
-    step ce_loss_only 100 python3 -m fusedkern.bench ce --head llama3 --tokens 4096 8192 16384 32768 $timing \
-        --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
-        fusedkern_stats_in_epilogue fusedkern_stats_in_epilogue_device_count huggingface_bf16 transformers_loss \
-        liger quack --out "$res/ce_llama3_loss_only.csv"
-    # shellcheck disable=SC2086
-    step ce_masked_30_70 150 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 32768 $timing \
-        --modes full --workload masked_30 masked_70 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
-        $gathered --out "$res/ce_llama3_masked_30_70.csv"
+    # One size per bench process, appended to one CSV: the bench writes a size only once all its providers ran,
+    # and on 2026-12-06 (H100) each step ran past its cap while the peers compiled the next size, keeping only
+    # 4096 tokens. A size that does not finish now loses only itself.
+    for tokens in 4096 8192 16384 32768; do
+        # shellcheck disable=SC2086
+        step "ce_dense_$tokens" 120 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
+            --append --out "$res/ce_llama3_dense.csv"
+        # shellcheck disable=SC2086
+        step "ce_masked_50_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
+            $gathered --append --out "$res/ce_llama3_masked_50.csv"
+        # shellcheck disable=SC2086
+        step "ce_loss_only_$tokens" 90 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
+            fusedkern_stats_in_epilogue fusedkern_stats_in_epilogue_device_count huggingface_bf16 \
+            transformers_loss liger quack --append --out "$res/ce_llama3_loss_only.csv"
+    done
+    for tokens in 8192 32768; do
+        # shellcheck disable=SC2086
+        step "ce_masked_30_70_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload masked_30 masked_70 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
+            $peers $gathered --append --out "$res/ce_llama3_masked_30_70.csv"
+    done
 fi
 echo "gpu_calls.sh part $part done in $((SECONDS - start)) s; failures: ${failures[*]:-none}" | tee -a "$res/steps.log"
 pack

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import fusedkern
 from fusedkern import reference
 from tests._accuracy import assert_close_to_ref, torch_linear_cross_entropy
+from tests.conftest import DEVICE
 
 T, H, V = 12, 16, 37  # T divisible by 2 and 3 (sequence parallelism splits it evenly)
 SPLITS = {2: [21, 16], 3: [10, 15, 12]}  # uneven vocabulary shards
@@ -152,10 +153,12 @@ def world_results(request, tmp_path_factory):
 
 
 def references(case: dict):
-    """(fp64 outputs and gradients, torch same-dtype outputs and gradients, the single-process fusedkern op's)."""
+    """(fp64 outputs and gradients, torch same-dtype outputs and gradients, the single-process fusedkern op's —
+    the last on the kernels' device: CUDA on a GPU machine, where the kernels refuse CPU tensors)."""
     spec, x, w, y, b, cw = case["spec"], case["x"], case["w"], case["y"], case["b"], case["cw"]
-    leaves = lambda dt: [t.detach().to(dt).requires_grad_() for t in (x, w, b) if t is not None]  # noqa: E731
-    f64, same, ours = leaves(torch.float64), leaves(x.dtype), leaves(x.dtype)
+    leaves = lambda dt, dev="cpu": [t.detach().to(dev, dt).requires_grad_() for t in (x, w, b)  # noqa: E731
+                                    if t is not None]
+    f64, same, ours = leaves(torch.float64), leaves(x.dtype), leaves(x.dtype, DEVICE)
     bias = lambda ls: ls[2] if b is not None else None  # noqa: E731
     if spec.get("logprobs"):
         ref = reference.linear_logprobs_fp64(f64[0], f64[1], y, linear_bias=bias(f64), softcap=spec.get("softcap"))
@@ -163,13 +166,15 @@ def references(case: dict):
         s = spec["softcap"] * torch.tanh(s / spec["softcap"])
         lp = torch.log_softmax(s, -1).gather(-1, torch.where(y == -100, 0, y)[:, None])[:, 0]
         tch = torch.where(y == -100, torch.zeros_like(lp), lp)
-        single = fusedkern.linear_logprobs(ours[0], ours[1], y, linear_bias=bias(ours), softcap=spec.get("softcap"))
+        single = fusedkern.linear_logprobs(ours[0], ours[1], y.to(DEVICE), linear_bias=bias(ours),
+                                           softcap=spec.get("softcap"))
     else:
         opts = loss_kwargs(spec)
         ref = reference.linear_cross_entropy_fp64(f64[0], f64[1], y, linear_bias=bias(f64),
                                                   weight=None if cw is None else cw.double(), **opts)
         tch = torch_linear_cross_entropy(same[0], same[1], y, b=bias(same), weight=cw, **opts)
-        single = fusedkern.linear_cross_entropy(ours[0], ours[1], y, linear_bias=bias(ours), weight=cw, **opts)
+        single = fusedkern.linear_cross_entropy(ours[0], ours[1], y.to(DEVICE), linear_bias=bias(ours),
+                                                weight=None if cw is None else cw.to(DEVICE), **opts)
     return (ref, f64), (tch, same), (single, ours)
 
 
@@ -212,7 +217,7 @@ def test_matches_fp64_and_the_single_process_op(world_results, name):
             assert torch.isnan(got).all(), where
         else:
             assert_close_to_ref(f"loss ({where}, rank {r})", got, ref, tch.detach(), atol=atol)
-            torch.testing.assert_close(got, single.detach().to(got.dtype), rtol=1e-5, atol=atol)
+            torch.testing.assert_close(got, single.detach().cpu().to(got.dtype), rtol=1e-5, atol=atol)
     if spec.get("no_grad"):
         assert all("dx" not in res[name] for res in ranks)
         return
@@ -223,7 +228,7 @@ def test_matches_fp64_and_the_single_process_op(world_results, name):
         return
     g_ref = torch.autograd.grad(ref, f64, up)
     g_tch = torch.autograd.grad(tch, same, up.to(tch.dtype))
-    g_one = torch.autograd.grad(single, ours, up.to(single.dtype))
+    g_one = [g.cpu() for g in torch.autograd.grad(single, ours, up.to(single.device, single.dtype))]
     sizes = SPLITS[world]
     if spec.get("sequence_parallel"):
         dx = torch.cat([res[name]["dx"] for res in ranks])
