@@ -30,6 +30,7 @@ sweeps = ["ce", "ce_final"]  # data/measured/<gpu>/<sweep>.csv: runs from differ
 modes = ["full", "forward", "backward", "loss_only"]
 annotate = []  # providers whose every ratio is written on the plot (each line end carries its last one)
 shuffled_sweep = "ce_llama3_shuffled"  # the last section: shuffled protocol, workload "dense" of that file
+table_gpu = "h100"  # the peers' table: data/measured/<table_gpu>/ce_llama3_dense.csv, _loss_only.csv
 reference_names = {  # anchor provider -> our provider name, for the cross-check against data/reference
     "huggingface_bf16": "huggingface_bf16",
     "torch_fp32_upcast": "torch_fp32_upcast",
@@ -396,3 +397,25 @@ if shuffled is not None:
         common = [p for p in shuffled_ratio.index if p in final_ratio.index and not p.startswith("cublas")]
         print("the same providers' ratios, shuffled ÷ sequential (ce_final.csv):")
         display((shuffled_ratio.loc[common] / final_ratio.loc[common, shuffled_ratio.columns]).round(3))
+
+
+# %% [markdown]
+# ## Against 2026's best kernels, in the same shuffled rounds
+#
+# `scripts/gpu_calls.sh OUTDIR table` on one H100: QuACK 0.6.1 (CuTe DSL), Liger 0.8.5's CuTe SM90 kernel and
+# its Triton kernel, Transformers' loss as its models run it (bf16 logits upcast to fp32, `transformers_loss`)
+# and the seed pages' baseline (bf16 logits, `huggingface_bf16`), beside fusedkern and the three-GEMM floor;
+# loss only beside one GEMM. Only the 4096-token size finished within the call (the peers' first calls at the
+# next size compiled past the step's cap).
+
+# %%
+table_dir = data_dir / "measured" / table_gpu
+for stem, mode in (("ce_llama3_dense", "full"), ("ce_llama3_loss_only", "loss_only")):
+    path = table_dir / f"{stem}.csv"
+    if not path.exists():
+        continue
+    run = results.load_measured(path, workload="dense")
+    print(results.provenance(run.attrs["meta"], f"data/measured/{table_gpu}/{stem}.csv"))
+    ratio = tables.ratio_tables(run, [mode], workload="dense")[mode]
+    print(f"{mode}: × {results.floor_provider(mode)}, fastest first")
+    display(ratio.sort_values(ratio.columns[0]).round(3))

@@ -44,6 +44,7 @@ head_providers = ["fusedkern_chunked", "fusedkern_chunked_counted", "fusedkern_c
                   "huggingface_bf16", "liger-kernel 0.8.5"]
 rowcount_sweep = "rowcount_gemm"  # section (d): scripts/bench_rowcount_gemm.py's output
 call_log = "callZ.log"  # the call that measured the heads: which providers it skipped, and why
+table_gpu = "h100"  # the last section: data/measured/<table_gpu>/ce_llama3_masked_50.csv (scripts/gpu_calls.sh)
 
 # %%
 from pathlib import Path
@@ -364,3 +365,24 @@ if have and log_path.exists():
     skipped = sorted({m.group(0) for m in re.finditer(r"skipping provider \S+: .*", log_path.read_text())})
     print(f"{where}/{call_log}:")
     print("\n".join(f"  {line}" for line in skipped) or "  no provider skipped")
+
+
+# %% [markdown]
+# ## The peers on the valid rows only, and the valid-row floor
+#
+# A user who knows which rows are ignored can drop them before any library's loss — `keep = target != -100`,
+# then the peer on `x[keep]`, `target[keep]`: the `+gather` rows, the host sync and the index's backward
+# timed inside the step. `cublas_3gemm_valid` is the three GEMMs over the valid rows alone (gathered untimed):
+# what skipping every ignored row costs at best. Every ratio is to a floor of the same shuffled rounds
+# (`scripts/gpu_calls.sh OUTDIR table`; one H100; only 4096 tokens finished within the call).
+
+# %%
+table_path = data_dir / "measured" / table_gpu / "ce_llama3_masked_50.csv"
+valid_run = results.load_measured(table_path, workload="masked_50") if table_path.exists() else None
+if valid_run is not None:
+    print(results.provenance(valid_run.attrs["meta"], f"data/measured/{table_gpu}/ce_llama3_masked_50.csv"))
+    both_floors = tables.two_floor_table(valid_run, "masked_50")
+    display(both_floors.round(3))
+    by_valid = both_floors["× cublas_3gemm_valid"].iloc[:, 0].drop("cublas_3gemm").sort_values()
+    print("× the valid-row floor, fastest first: "
+          + ", ".join(f"{plotting.label_for(p)} {r:.3f}" for p, r in by_valid.items()))

@@ -126,6 +126,21 @@ def test_ce_sweep_peers_on_the_valid_rows_and_their_floor():
         assert all(math.isnan(r["loss"]) for r in case if r["provider"].startswith("cublas"))
 
 
+def test_two_floor_table_divides_by_each_floor_of_its_workload():
+    import pandas as pd
+
+    from fusedkern.study import tables
+
+    rows = [dict(op="ce", provider=p, x_name="tokens", x=4096, mode="full", ms_p50=ms, workload=w,
+                 protocol="shuffled")
+            for w in ("masked_50", "dense")
+            for p, ms in (("cublas_3gemm", 16.0), ("cublas_3gemm_valid", 8.0), ("fusedkern_chunked_counted", 10.0))]
+    table = tables.two_floor_table(pd.DataFrame(rows), "masked_50")
+    assert table.loc["fusedkern_chunked_counted", ("× cublas_3gemm", 4096)] == pytest.approx(10 / 16)
+    assert table.loc["fusedkern_chunked_counted", ("× cublas_3gemm_valid", 4096)] == pytest.approx(10 / 8)
+    assert "cublas_3gemm_valid" not in table.index and table.loc["cublas_3gemm"].iloc[0] == 1.0
+
+
 @needs_fusedkern
 def test_ce_sweep_fusedkern_chunked():
     providers = ["fusedkern_chunked", "fusedkern_chunked_lean"]

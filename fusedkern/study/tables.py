@@ -137,6 +137,16 @@ def ratio_tables(df: pd.DataFrame, modes: Sequence[str], *, workload: str | None
     return out
 
 
+def two_floor_table(df: pd.DataFrame, workload: str, *, mode: str = "full",
+                    floors: Sequence[str] = ("cublas_3gemm", "cublas_3gemm_valid")) -> pd.DataFrame:
+    """provider × (floor, x) of ms_p50 ÷ each floor timed in the same workload's rounds: the dense
+    all-token floor and the floor over the valid rows alone (where it ran), side by side."""
+    table = pivot(df, mode, workload=workload)
+    parts = {f"× {floor}": table / table.loc[floor] for floor in floors if floor in table.index}
+    out = pd.concat(parts, axis=1)
+    return out.drop(index=[f for f in floors if f in out.index and f != floors[0]])
+
+
 def floor_summary(full: pd.DataFrame, ours: Sequence[str], label_for: Callable[[str], str], *,
                   at: Callable[[int], str], span: Callable[[int, int], str]) -> list[str]:
     """The latency notebooks' summary of a pivot of full-step medians (providers × sizes, with
