@@ -27,9 +27,11 @@ for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
 quack_path=""
 if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
     qsite="${TMPDIR:-/tmp}"/site_quack
-    mkdir -p "$qsite"
-    cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
-        && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
+    rm -rf "$qsite" && mkdir -p "$qsite"
+    # the wheels into an empty target first, then the cu13 files: pip --target --upgrade replaces the
+    # nvidia_cutlass_dsl folder, so cu13 files unpacked before it are lost ("No CTK flavor installed")
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
+        && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
         && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
 fi
 [ -n "$quack_path" ] && export PYTHONPATH="$quack_path:$PYTHONPATH"
