@@ -175,6 +175,8 @@ def _warn_four_gemms(seq: int, plan_tokens: int, chunk_tokens: int | None) -> No
     path recomputes the logits in backward (four GEMMs instead of three). Said once per call site when the
     user's chunk_tokens causes it (a warning: the setting does not do what it was likely meant to), logged
     when the default chunk is too short."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn (a graph break under fullgraph=True)
+        return
     message = (f"linear_simpo_loss: a response of {seq} tokens does not fit a chunk of {plan_tokens} tokens, so the "
                "gradient takes the generic four-GEMM path (logits recomputed in backward) instead of three GEMMs")
     if chunk_tokens is not None:
