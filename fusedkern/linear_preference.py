@@ -55,7 +55,9 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     metrics: dict of detached 0-d tensors under TRL's names). Formulas: `fusedkern.preference`.
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
-    V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES)
+    # no pair (or no token) is allowed: the mean over no pair is NaN, as torch's mean of nothing
+    V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES,
+                    allow_empty=isinstance(input, torch.Tensor) and input.shape[-1:] != (0,))
     # the preference arguments fail before any GEMM runs
     check_preference_args(input.shape[0], input.device, loss_type=loss_type, beta=beta, gamma=gamma, alpha=alpha,
                           label_smoothing=label_smoothing, reference_free=reference_free,
@@ -75,7 +77,7 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     refs_frozen = not any(t is not None and t.requires_grad for t in (ref_chosen_logps, ref_rejected_logps, ref_logps))
     # three GEMMs (gradient formed in the forward pass) where a chunk holds a whole pair (KTO: a sequence);
     # torch.compile traces the generic path, whose operators it knows
-    if any(need) and refs_frozen and not torch.compiler.is_compiling() and impl != "fused" and \
+    if any(need) and refs_frozen and input.numel() and not torch.compiler.is_compiling() and impl != "fused" and \
             resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
                          chunk_tokens) == "chunked":
         paired = loss_type != "kto"

@@ -164,8 +164,8 @@ def preference_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, loss_
     ≥ 0 here). alpha: NLL weight; None = the trainer's default (1 for cpo, simpo, orpo; 0 otherwise).
     The formulas, defaults and metric names, with the TRL function each was checked against: module docstring.
     """
-    V_.check_tensor("logps", logps, ndim=2, dtypes=V_.FLOAT_DTYPES + (torch.float64,))
-    V_.check_tensor("mask", mask, ndim=2, dtypes=(torch.bool,))
+    V_.check_tensor("logps", logps, ndim=2, dtypes=V_.FLOAT_DTYPES + (torch.float64,), allow_empty=True)
+    V_.check_tensor("mask", mask, ndim=2, dtypes=(torch.bool,), allow_empty=True)
     if mask.shape != logps.shape:
         raise ValueError(f"mask must have logps' shape {tuple(logps.shape)}, got {tuple(mask.shape)}")
     alpha = check_preference_args(
@@ -186,7 +186,7 @@ def preference_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, loss_
     B = logps.shape[0] // 2
     avgs = sums / counts.clamp(min=1)  # [2B]: an empty response averages to 0
     n_chosen_tokens = counts[:B].sum()
-    nll = -sums[:B].sum() / n_chosen_tokens.clamp(min=1)
+    nll = (-sums[:B]).sum() / n_chosen_tokens.clamp(min=1)  # +0 over no token, as torch's sum of nothing
     eps = label_smoothing
     metrics = {}
     if loss_type in DPO_LOSS_TYPES:

@@ -67,7 +67,7 @@ def simpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, beta: floa
     chosen, rejected = avg_logps[:B], avg_logps[B:]
     z = beta * (chosen - rejected) - gamma  # [B]
     pair_losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
-    nll = -sum_logps[:B].sum() / n_tokens[:B].sum().clamp(min=1)
+    nll = (-sum_logps[:B]).sum() / n_tokens[:B].sum().clamp(min=1)  # +0 over no token
     loss = pair_losses.mean() + alpha * nll
     rewards_chosen, rewards_rejected = (beta * chosen).detach(), (beta * rejected).detach()
     metrics = {

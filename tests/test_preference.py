@@ -365,3 +365,23 @@ def test_bad_inputs_raise_naming_the_argument():
     with pytest.raises(ValueError, match=r"\[2B, \.\.\.\]"):
         preference_loss_from_logps(torch.zeros(5, 3), torch.ones(5, 3, dtype=torch.bool), loss_type="cpo")
     assert set(LOSS_TYPES) == set(PAIR_LOSS_TYPES) | {"kto"}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_empty_batch_follows_torch(loss_type):
+    """No pair (KTO: no sequence) is a mean over nothing: NaN loss and metrics, as torch's mean of an empty tensor,
+    with zero gradients of the inputs' shapes; the NLL term, a sum over no token, is +0."""
+    w = torch.randn(V, H, requires_grad=True)
+    x = torch.randn(0, S, H, requires_grad=True)
+    y = torch.zeros(0, S, dtype=torch.long)
+    kw = dict(reference_free=True) if loss_type in ("sigmoid", "ipo", "hinge", "robust") else {}
+    if loss_type == "kto":
+        kw = dict(kto_labels=torch.zeros(0, dtype=torch.bool), ref_logps=torch.zeros(0), kl=torch.zeros(1))
+    loss, metrics = fusedkern.linear_preference_loss(x, w, y, loss_type=loss_type, **kw)
+    assert loss.dtype == torch.float32 and torch.isnan(loss)
+    loss.backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+    if "nll_loss" in metrics:
+        nll = metrics["nll_loss"]
+        assert nll.item() == 0.0 and not torch.signbit(nll)
+    assert all(torch.isnan(v) for k, v in metrics.items() if k.startswith("rewards/"))
