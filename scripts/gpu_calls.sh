@@ -27,18 +27,7 @@ res="${TMPDIR:-/tmp}/gpu_results_$part"
 rm -rf "$res" && mkdir -p "$res"
 site="${TMPDIR:-/tmp}"/site_gpu
 install_wheels "$site" .whl/liger085
-parts_dir="${TMPDIR:-/tmp}"/quack_parts
-mkdir -p "$parts_dir"
-for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
-quack_path=""
-if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
-    qsite="${TMPDIR:-/tmp}"/site_quack
-    rm -rf "$qsite" && mkdir -p "$qsite"
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
-        && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
-        && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
-fi
-[ -n "$quack_path" ] && export PYTHONPATH="$quack_path:$PYTHONPATH"
+install_quack
 
 pack() { tar czf "$outdir/results_$part.tgz" -C "$res" . ; }
 {

@@ -21,20 +21,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup "${1:?usage: scripts/h200_speed_calls.sh OUTDIR a|b|c|f}"
 site="${TMPDIR:-/tmp}"/site_speed
 install_wheels "$site" .whl/liger085 .whl/cce
-parts_dir="${TMPDIR:-/tmp}"/quack_parts
-mkdir -p "$parts_dir"
-for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
-quack_path=""
-if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
-    qsite="${TMPDIR:-/tmp}"/site_quack
-    rm -rf "$qsite" && mkdir -p "$qsite"
-    # the wheels into an empty target first, then the cu13 files: pip --target --upgrade replaces the
-    # nvidia_cutlass_dsl folder, so cu13 files unpacked before it are lost ("No CTK flavor installed")
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
-        && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
-        && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"  # the DSL's .pth is not run under --target
-fi
-[ -n "$quack_path" ] && export PYTHONPATH="$quack_path:$PYTHONPATH"
+install_quack
 {
     echo "h200_speed_calls.sh part=$part commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"
     echo "quack installed: ${quack_path:-no}"
