@@ -9,7 +9,9 @@ first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptx
   H200 picks) in each launch mode, flags off and on;
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
   wide/narrow pair and dW's three epilogues;
-- the statistics-epilogue GEMM (`logits_stats`, bf16, TMA) at every autotune candidate, options off and on.
+- the statistics-epilogue GEMM (`logits_stats`, bf16, TMA) at every autotune candidate, options off and on;
+- the distillation row kernel (`distill_rows`, bf16 student and teacher) for each divergence, options off and on,
+  and loss only.
 Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
 constants; pointers, strides and sizes multiples of 16).
 Prints one line per kernel with its registers per thread, stack bytes (spills) and shared memory from
@@ -37,7 +39,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows, fused_ce, logits_stats, rowcount_gemm, scale  # noqa: E402
+from fusedkern.kernels import ce_rows, distill_rows, fused_ce, logits_stats, rowcount_gemm, scale  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -140,6 +142,31 @@ def stats_cases() -> list:
             for on in (False, True) for config in logits_stats._CONFIGS]
 
 
+DISTILL_SIGNATURE = {
+    "zs_ptr": "*bf16", "zt_ptr": "*bf16", "target_ptr": "*i64", "loss_ptr": "*fp32", "entropy_ptr": "*fp32",
+    "grad_ptr": "*fp32", "V": "i32", "stride_s": "i32", "stride_t": "i32", "inv_temperature": "fp32", "beta": "fp32",
+    "log_beta": "fp32", "log_1m_beta": "fp32", "one_m_beta": "fp32", "weight_soft": "fp32", "weight_hard": "fp32",
+    "ignore_index": "i32", "s_scale": "fp32", "s_softcap": "fp32", "t_scale": "fp32", "t_softcap": "fp32",
+}
+
+
+def distill_cases() -> list:
+    """(name, kernel, signature, flags, config) of the distillation row kernel at its GPU block: forward KL,
+    reverse KL and JSD with every option off (gradient shared by every row) and on (targets with the hard-label
+    term, per-token gradient, entropy, both softcaps), and the loss-only launch of `reduction="none"`'s forward."""
+    config = triton.Config({"BLOCK_V": distill_rows.BLOCK_V}, num_warps=8)
+    off = dict(HAS_TARGET=False, HAS_HARD=False, WRITE_GRAD=True, PER_TOKEN_GRAD=False, HAS_ENTROPY=False,
+               S_SOFTCAP=False, T_SOFTCAP=False)
+    on = dict(HAS_TARGET=True, HAS_HARD=True, WRITE_GRAD=True, PER_TOKEN_GRAD=True, HAS_ENTROPY=True,
+              S_SOFTCAP=True, T_SOFTCAP=True)
+    modes = (distill_rows.FORWARD_KL, distill_rows.REVERSE_KL, distill_rows.JSD)
+    cases = [("distill", distill_rows._distill_rows_kernel, DISTILL_SIGNATURE, dict(flags, MODE=mode), config)
+             for mode in modes for flags in (off, on)]
+    cases.append(("distill", distill_rows._distill_rows_kernel, DISTILL_SIGNATURE,
+                  dict(on, WRITE_GRAD=False, PER_TOKEN_GRAD=False, MODE=distill_rows.JSD), config))
+    return cases
+
+
 def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config):
     jit_fn = jit_function(kernel)
     constexprs = {**constexprs, **config.kwargs}
@@ -225,7 +252,7 @@ def main() -> int:
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""
-    every = runs + fused_cases() + gemm_cases() + stats_cases()
+    every = runs + fused_cases() + gemm_cases() + stats_cases() + distill_cases()
     for name, kernel, signature, flags, config in every:
         blocks = " ".join(f"{k}={v}" for k, v in config.kwargs.items() if k.startswith("BLOCK"))
         line = f"{name} {blocks} warps={config.num_warps} stages={config.num_stages} {flags}"

@@ -1,5 +1,5 @@
 """The Triton kernels (row kernels, the fused strategy, the row-count and statistics-epilogue GEMMs, the
-scale kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is
+scale kernel, the distillation row kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is
 never compiled, so an op the GPU backend rejects would otherwise first fail on a GPU machine."""
 
 import os
@@ -19,11 +19,13 @@ def test_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ok")]
     # 24 row-kernel variants + the scale kernel + 8 of the fused strategy + 12 row-count GEMMs + 8
-    # statistics-epilogue GEMMs
-    assert len(lines) == 53
+    # statistics-epilogue GEMMs + 7 of the distillation row kernel
+    assert len(lines) == 60
     # the row kernels keep everything in registers, every variant
     rows = [line for line in lines if line.startswith(("sm_90 ok: stats ", "sm_90 ok: finish "))]
     assert len(rows) == 24 and all(" stack=0 " in line for line in rows), rows
+    distill = [line for line in lines if line.startswith("sm_90 ok: distill ")]
+    assert len(distill) == 7 and all(" stack=0 " in line for line in distill), distill
     gemms = {line.split()[2]: [] for line in lines if line.startswith("sm_90 ok: gemm_")}
     for line in lines:
         if line.startswith("sm_90 ok: gemm_"):
