@@ -246,6 +246,9 @@ def test_sft_packing_padding_free(tiny, monkeypatch):
     dict(loss_type="cispo"),
     dict(loss_type="sapo"),
     dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="bnpo"),
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="vespo"),
 ])
 def test_grpo_matches_trl(tiny, monkeypatch, options):
     plain, fused, _ = run_pair("grpo", tiny, monkeypatch, temperature=0.7, max_steps=1, beta=0.04, **options)
