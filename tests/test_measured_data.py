@@ -28,3 +28,16 @@ def test_readme_lists_exactly_the_files(folder):
     assert sorted(listed - data_files) == [], "README rows for files that are not there"
     orphans = [name for name in files if name.endswith(".json") and name[:-5] + ".csv" not in files]
     assert orphans == [], "sidecar JSON without its CSV"
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[p.name for p in FOLDERS])
+def test_every_measured_csv_names_its_protocol_and_workload(folder):
+    """A ratio is only read within one protocol (sequential, fixed, shuffled) and one workload (dense, masked_*):
+    every measured CSV carries both columns, filled on every row."""
+    import pandas as pd
+
+    for path in sorted(folder.glob("*.csv")):
+        df = pd.read_csv(path, keep_default_na=False)
+        missing = [c for c in ("protocol", "workload") if c not in df.columns]
+        assert missing == [], f"{path.name} lacks {missing}"
+        assert (df["protocol"] != "").all() and (df["workload"] != "").all(), f"{path.name} has empty cells"
