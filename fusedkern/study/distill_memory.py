@@ -1,0 +1,58 @@
+"""A model (not a measurement) of the extra memory of a distillation loss over a student's and a teacher's LM
+heads: the materialized computation's [T, V] tensors against `fusedkern.linear_distillation_loss`'s chunk
+buffers, from the chunk rules of `fusedkern.chunk_plan` (the ones the function runs with).
+
+Materialized (the baseline of `reference.upcast_linear_distillation_loss`, TRL's `generalized_jsd_loss` on
+upcast logits): at the backward's peak, autograd holds the student's logits in the inputs' dtype and their
+fp32 upcast, the teacher's likewise (its upcast feeds the loss), both fp32 log-softmaxes, the fp32 gradient of
+the student's logits and its cast back into the inputs' dtype: T·V·(3e + 20) bytes, e the inputs' element size.
+A generalized JSD (0 < β < 1) also keeps the fp32 log-mixture: + T·V·4. Counted without dX and dW (the
+gradients every implementation returns) and without the inputs.
+
+fusedkern: the student's [C, V] logits buffer (in dW's own storage when the plan says so: no extra bytes),
+the teacher's [C, V] buffer (never in dW's storage), and the fp32 [V, H] dW accumulator when the plan has one.
+"""
+
+from __future__ import annotations
+
+from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows, grad_chunk_plan
+
+# V, H of the heads the study names (config.json of each model)
+HEADS = {
+    "Llama-3-8B": {"vocab": 128256, "hidden": 4096},
+    "Qwen2.5-7B": {"vocab": 152064, "hidden": 3584},
+    "Gemma-2-9B": {"vocab": 256000, "hidden": 3584},
+}
+
+
+def materialized_bytes(tokens: int, vocab: int, elt: int, *, beta: float = 0.5) -> int:
+    """The materialized computation's [T, V] tensors at the backward's peak (module docstring)."""
+    per_entry = 3 * elt + 20 + (4 if 0 < beta < 1 else 0)
+    return tokens * vocab * per_entry
+
+
+def fusedkern_bytes(tokens: int, vocab: int, hidden: int, elt: int, *, weight_grad_accum: str = "fp32",
+                    teacher_hidden: int | None = None) -> int:
+    """fusedkern's chunk buffers and accumulator for a forward+backward (`distillation.distill_plan`'s rules)."""
+    fp32_accum = weight_grad_accum == "fp32" and elt != 4
+    plan = grad_chunk_plan(tokens, vocab, hidden, elt, need_dw=True, fp32_accum=fp32_accum)
+    cap = chunk_rows(tokens, vocab, elt, GRAD_CHUNK_BUDGET_BYTES)  # the teacher's buffer within the budget too
+    if plan.chunk_tokens > cap:
+        plan = grad_chunk_plan(tokens, vocab, hidden, elt, need_dw=True, fp32_accum=fp32_accum, chunk_tokens=cap)
+    C = plan.chunk_tokens
+    student = 0 if plan.buffer_in_dw_storage else C * vocab * elt
+    teacher = C * vocab * elt
+    accumulator = vocab * hidden * 4 if plan.fp32_accumulator else 0
+    return student + teacher + accumulator
+
+
+def memory_rows(tokens: list[int], *, elt: int = 2, beta: float = 0.5, heads: dict | None = None) -> list[dict]:
+    """One row per head and token count: bytes of each side and their ratio."""
+    rows = []
+    for head, shape in (heads or HEADS).items():
+        for T in tokens:
+            mat = materialized_bytes(T, shape["vocab"], elt, beta=beta)
+            fk = fusedkern_bytes(T, shape["vocab"], shape["hidden"], elt)
+            rows.append({"head": head, "vocab": shape["vocab"], "hidden": shape["hidden"], "tokens": T,
+                         "materialized_bytes": mat, "fusedkern_bytes": fk, "ratio": mat / fk})
+    return rows
