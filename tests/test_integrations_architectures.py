@@ -22,46 +22,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from fusedkern.integrations import transformers as fk_hf  # noqa: E402
 
-COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager")
-GPT_STYLE = dict(n_embd=32, n_layer=1, n_head=4, n_positions=64)
-TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
-# large enough weights that a cap of 1 bites (logits of size ~2)
-CAPPED = dict(head_dim=8, final_logit_softcapping=1.0, initializer_range=0.3)
+# the 26 cases and their tiny models live with the study (notebook 11 tabulates the same comparison)
+from fusedkern.study.architectures import COMMON, CASES, make_batch, make_model  # noqa: E402
 
-# name → (model class, config class, config overrides, what the head does beyond a plain matmul)
-CASES = {
-    "Llama": ("LlamaForCausalLM", "LlamaConfig", {}, ()),
-    "Mistral": ("MistralForCausalLM", "MistralConfig", {}, ()),
-    "Qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}, ()),
-    "Qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=8), ()),
-    "Qwen2Moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                 dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, **MOE), ("moe",)),
-    "Qwen3Moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                 dict(head_dim=8, num_experts=4, moe_intermediate_size=16, **MOE), ("moe",)),
-    "Mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **MOE), ("moe",)),
-    "Olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **MOE), ("moe",)),
-    "Gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8), ("tied",)),
-    "Gemma2": ("Gemma2ForCausalLM", "Gemma2Config", CAPPED, ("tied", "softcap")),
-    "Gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", CAPPED, ("tied", "softcap")),
-    "Phi3": ("Phi3ForCausalLM", "Phi3Config", TOKEN_IDS, ()),
-    "Phi": ("PhiForCausalLM", "PhiConfig", {}, ("bias",)),
-    "Olmo2": ("Olmo2ForCausalLM", "Olmo2Config", TOKEN_IDS, ()),
-    "Cohere": ("CohereForCausalLM", "CohereConfig", dict(logit_scale=0.5, **TOKEN_IDS), ("tied", "scale")),
-    "Cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(logit_scale=0.5, **TOKEN_IDS), ("tied", "scale")),
-    "Granite": ("GraniteForCausalLM", "GraniteConfig", dict(logits_scaling=4.0), ("scale",)),
-    "GraniteMoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(logits_scaling=4.0, num_local_experts=4, **MOE),
-                   ("scale", "moe")),
-    "GPTNeoX": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}, ()),
-    "StableLm": ("StableLmForCausalLM", "StableLmConfig", {}, ()),
-    "Starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", {}, ("tied",)),
-    "GPT2": ("GPT2LMHeadModel", "GPT2Config", GPT_STYLE, ("tied",)),
-    "GPTBigCode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig", GPT_STYLE, ("tied",)),
-    "GPTJ": ("GPTJForCausalLM", "GPTJConfig", dict(GPT_STYLE, rotary_dim=4), ("bias",)),
-    "Falcon": ("FalconForCausalLM", "FalconConfig", {}, ("tied",)),
-    "Bloom": ("BloomForCausalLM", "BloomConfig", dict(n_layer=1, n_head=4), ("tied",)),
-}
 # how to switch each transform off (for the check that it changes the loss)
 NEUTRAL = {
     "softcap": lambda m: setattr(m.config, "final_logit_softcapping", None),
@@ -69,22 +32,6 @@ NEUTRAL = {
                         else setattr(m.config, "logits_scaling", 1.0)),
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def make_model(name: str, seed: int = 0) -> nn.Module:
-    cls, config_cls, overrides, _ = CASES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    return getattr(transformers, cls)(config).train()
-
-
-def make_batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, COMMON["vocab_size"], (2, 8), generator=g)
-    labels = input_ids.clone()
-    labels[0, :3] = -100   # a prompt
-    labels[1, -2:] = -100  # padding
-    return input_ids, labels
 
 
 def run(model: nn.Module, input_ids, labels, **kwargs):
