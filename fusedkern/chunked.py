@@ -114,9 +114,10 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
 
 def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
                 grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None, entropy=None,
-                grad_entropy=None) -> None:
+                grad_entropy=None, dw_first: bool = False) -> None:
     """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs.
     scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it.
+    dw_first: each chunk's dW GEMM before its dX GEMM (x lives in dx's storage: `chunked_loss_and_grads`).
     entropy [T] / grad_entropy [T]: the per-token entropy and its upstream gradient (`ce_rows`), or None."""
     T, V = x.shape[0], w.shape[0]
     buf = logits_buffer(min(C, T), V, x, scratch)
@@ -130,7 +131,7 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
                 per_token_grad=per_token_grad, entropy=None if entropy is None else entropy[c0:c1],
                 grad_entropy=None if grad_entropy is None else grad_entropy[c0:c1], **kernel_args)
         if grad is not None:
-            chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
+            chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0, dw_first=dw_first)
 
 
 def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats,
@@ -239,12 +240,14 @@ def grad_buffers(x, w, b, need_dx, need_dw, need_db, plan: GradChunkPlan):
     return dx, dw, db, dw_out
 
 
-def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
+def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool, dw_first: bool = False) -> None:
     """The two gradient GEMMs of one chunk (and the bias sum). g = ∂L/∂Z_c (C, V), x_c (C, H);
-    dx_rows: the chunk's rows of dX (C, H) or None."""
+    dx_rows: the chunk's rows of dX (C, H) or None. dw_first: dW's GEMM first (x_c may be dx_rows)."""
+    if dw is not None and dw_first:
+        accumulate_weight_grad(dw, g, x_c, first)
     if dx_rows is not None:
         torch.mm(g, w, out=dx_rows)  # (C, V) @ (V, H) → (C, H)
-    if dw is not None:
+    if dw is not None and not dw_first:
         accumulate_weight_grad(dw, g, x_c, first)
     if db is not None:
         db += torch.sum(g, dim=0, dtype=torch.float32)
@@ -252,14 +255,25 @@ def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
 
 def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, grad_scale: torch.Tensor, *,
                            need_dx: bool, need_dw: bool, need_db: bool, weight_grad_accum: str,
-                           chunk_tokens: int | None = None):
+                           chunk_tokens: int | None = None, rows: torch.Tensor | None = None):
     """Loss and gradients in one pass (three GEMMs) for a loss whose per-token weight is known.
 
     grad_scale: [1] fp32 on device, ∂L/∂ℓ_t shared by every non-ignored token (1/D for the mean).
     Returns (loss_tok [T], stats [2, T], dx [T, H] | None, dw [V, H] | None, db [V] fp32 | None,
     dw_out | None) with dw and dw_out as in `grad_buffers`; the caller rescales by the final upstream
     gradient (into dw_out when given: its content until then is the last logits chunk).
+
+    rows: [n] indices of the only rows to compute (the valid ones of `num_valid_tokens`), target [n]
+    already gathered, or None for every row. The loss and stats are then over those n rows (plan
+    included) while dx keeps x's [T, H] in x's order, 0 at the other rows: the gathered rows live in
+    dX's own storage (each chunk's dW GEMM reads them before its dX GEMM overwrites them) and wait in
+    idle storage (dW's own, or the logits buffer) while dX is put in order, so that the pass holds no
+    [n, H] buffer beyond dX (docs/design.md, "The counted paths' memory").
     """
+    if rows is not None:
+        return _loss_and_grads_of_rows(x, w, b, target, class_weight, opts, grad_scale, rows, need_dx=need_dx,
+                                       need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+                                       chunk_tokens=chunk_tokens)
     T = x.shape[0]
     plan = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens)
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
@@ -268,6 +282,28 @@ def chunked_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
     _run_chunks(x, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
                 compute_stats=True, grad=grad_scale, per_token_grad=False, dx=dx, dw=dw, db=db,
                 scratch=dw_out if plan.buffer_in_dw_storage else None)
+    return loss_tok, stats, dx, dw, db, dw_out
+
+
+def _loss_and_grads_of_rows(x, w, b, target, class_weight, opts: LossOptions, grad_scale: torch.Tensor,
+                            rows: torch.Tensor, *, need_dx: bool, need_dw: bool, need_db: bool,
+                            weight_grad_accum: str, chunk_tokens: int | None):
+    """`chunked_loss_and_grads` over x[rows] only (see its `rows`)."""
+    n, V = rows.shape[0], w.shape[0]
+    plan = plan_for_grads(n, w, need_dw, weight_grad_accum, chunk_tokens)
+    loss_tok = torch.empty(n, device=x.device, dtype=torch.float32)
+    stats = torch.empty((2, n), device=x.device, dtype=torch.float32)
+    dx, dw, db, dw_out = grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
+    xs = x.index_select(0, rows) if dx is None else torch.index_select(x, 0, rows, out=dx[:n])
+    buf = logits_buffer(min(plan.chunk_tokens, n), V, x, dw_out if plan.buffer_in_dw_storage else None)
+    _run_chunks(xs, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
+                compute_stats=True, grad=grad_scale, per_token_grad=False, dx=None if dx is None else dx[:n],
+                dw=dw, db=db, scratch=buf, dw_first=True)
+    if dx is not None:
+        held = next((s for s in (dw_out, buf) if s is not None and s.numel() >= n * x.shape[1]), None)
+        del buf  # too small to hold dX's rows: freed before their copy is made
+        held = xs.clone() if held is None else held.view(-1)[: xs.numel()].view_as(xs).copy_(xs)
+        dx.zero_().index_copy_(0, rows, held)
     return loss_tok, stats, dx, dw, db, dw_out
 
 

@@ -5,8 +5,9 @@ The caller sorts the rows so that every non-ignored target comes first (`valid_r
 passes their count n as a device tensor. Each chunk of C rows then holds clamp(n − c0, 0, C) valid
 rows at its front; the three GEMMs (`kernels/rowcount_gemm.py`) and the row kernels (`ce_rows`,
 `row_count=`) read that count on the device and skip the rest, so a chunk past n costs a few
-launches and a half-valid chunk half its FLOPs. dX of the rows past n stays zero (the buffer starts
-zeroed), so the caller's scatter back to the original order gives ignored rows a zero gradient.
+launches and a half-valid chunk half its FLOPs. Given the row order, the pass sorts x into dX's own
+storage and returns dX in x's order, zero at ignored rows (no sorted copy of x beside dX: the dense
+path's peak memory); without it, x comes sorted and dX of the rows past n stays zero.
 
 Trade-off against the cuBLAS path of `chunked.py`: Triton GEMMs instead of cuBLAS (on the H200:
 within 1 % of cuBLAS for the logits and dX GEMMs on the rows they do, 4–25 % behind it for the dW
@@ -27,19 +28,29 @@ from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows, logits_rows
 
 def counted_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, grad_scale: torch.Tensor,
                            count: torch.Tensor, *, need_dx: bool, need_dw: bool, weight_grad_accum: str,
-                           chunk_tokens: int | None = None):
+                           chunk_tokens: int | None = None, rows: torch.Tensor | None = None):
     """`chunked.chunked_loss_and_grads` for rows sorted valid-first, `count` of them valid; no bias gradient.
 
     x [T, H] · w [V, H] · b [V] | None · target [T] (ignore_index from row `count` on) · count: 0-d / [1] int tensor on
     x's device. Returns (loss_tok [T] fp32, 0 past count; dx [T, H] | None, 0 past count; dw; dw_out)
-    with dw and dw_out as in `chunked.grad_buffers`. (count = T with rows in any order computes every row.)"""
+    with dw and dw_out as in `chunked.grad_buffers`. (count = T with rows in any order computes every row.)
+
+    rows [T] int64 (`valid_rows_first`), or None when x already is in that order: x is then in the caller's
+    order, target sorted, and dx comes back in x's order (0 at ignored rows). The sorted copy of x lives in
+    dX's own storage — each chunk's dW GEMM reads its rows before its dX GEMM overwrites them — and storage
+    idle after the last chunk (dW's own, or the logits buffer) holds dX while it is put back in order: the
+    pass needs no T×H buffer beyond dX when either holds T·H elements (docs/design.md, "The counted paths' memory")."""
     T, V = x.shape[0], w.shape[0]
     plan = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens)
     C = plan.chunk_tokens
     loss_tok = torch.zeros(T, device=x.device, dtype=torch.float32)
     stats = torch.zeros((2, T), device=x.device, dtype=torch.float32)
     _, dw, _, dw_out = grad_buffers(x, w, None, False, need_dw, False, plan)
-    dx = torch.zeros_like(x) if need_dx else None
+    if rows is None:
+        dx = torch.zeros_like(x) if need_dx else None
+    else:
+        x = x.index_select(0, rows)
+        dx = x if need_dx else None  # rows past the count are zeroed after the last chunk
     buf = logits_buffer(min(C, T), V, x, dw_out if plan.buffer_in_dw_storage else None)
     counts = chunk_row_counts(count, T, C)
     kernel_args = row_kernel_args(class_weight, opts)
@@ -50,8 +61,28 @@ def counted_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
         logits_rows(x_c, w, b, n_i, z)
         ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
                 compute_stats=True, row_count=n_i, **kernel_args)
+        if dw is not None:  # before dX: with `rows`, dX's GEMM writes over the chunk's x
+            dw_rows(z, x_c, n_i, dw, accumulate=i > 0)
         if dx is not None:
             dx_rows(z, w, n_i, dx[c0:c1])
-        if dw is not None:
-            dw_rows(z, x_c, n_i, dw, accumulate=i > 0)
+    if rows is not None and dx is not None:
+        # idle now: dW's own storage (until the backward writes dW there) or else the logits buffer
+        scratch = next((s for s in (dw_out, buf) if s is not None and s.numel() >= dx.numel()), None)
+        del buf, z, x_c  # a buffer too small to serve is freed before dX's copy is made
+        dx = _in_caller_order(dx, rows, count, scratch)
     return loss_tok, dx, dw, dw_out
+
+
+def _in_caller_order(dx_sorted: torch.Tensor, rows: torch.Tensor, count: torch.Tensor,
+                     scratch: torch.Tensor | None) -> torch.Tensor:
+    """dx_sorted (row i of the sorted order; rows from `count` on still hold x) put back in place, in its own
+    storage: row rows[i] of the result is row i, ignored rows 0. The sorted rows wait in `scratch` (idle
+    storage of dX's dtype, at least T·H elements), or in a copy when it is None."""
+    T, H = dx_sorted.shape
+    past_count = torch.arange(T, device=dx_sorted.device) >= count.reshape(())
+    dx_sorted.masked_fill_(past_count[:, None], 0)
+    if scratch is None:
+        held = dx_sorted.clone()
+    else:
+        held = scratch.view(-1)[: T * H].view(T, H).copy_(dx_sorted)
+    return dx_sorted.index_copy_(0, rows, held)

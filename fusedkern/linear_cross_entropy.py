@@ -84,7 +84,8 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
                     class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
                     softcap: float | None, reduction: str, weight_grad_accum: str, chunk_tokens: int | None,
                     need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool, skip_ignored: bool,
-                    check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int
+                    check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int,
+                    rows: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked strategy, reduction mean/sum: loss and gradients in one pass (three GEMMs).
 
@@ -93,7 +94,11 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
     db [V] fp32, dw_out [V, H]: dW's storage, content undefined, when dw is the accumulator and `return_dw_out`
     (eager: the backward writes dW into it)), the gradients of the loss itself, rescaled by the upstream
     gradient in backward. skip_ignored: rows sorted valid-first,
-    `count` of them valid: the row-count kernels skip the rest (`compacted.py`; no lse, no db)."""
+    `count` of them valid: the row-count kernels skip the rest (`compacted.py`; no lse, no db); with `rows`
+    (`valid_rows_first`) only the target is sorted, x and dx stay in the caller's order and the sorted x
+    lives in dx's storage (`compacted.counted_loss_and_grads`). rows without skip_ignored: the valid rows of
+    a host count, target = target[rows]: only those rows are computed (`chunked.chunked_loss_and_grads`),
+    dx keeps x's order (no lse)."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
     opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
     if reduction == "mean":
@@ -106,13 +111,13 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
 
         loss_tok, dx, dw, dw_out = counted_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, count, need_dx=need_dx, need_dw=need_dw,
-            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
         lse, db = absent(x, torch.float32), None
     else:
         loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-        lse = lse_of(stats)
+            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
+        lse = absent(x, torch.float32) if rows is not None else lse_of(stats)
     loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
     return (loss, lse, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
@@ -128,11 +133,13 @@ ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chu
 
 @ce_chunked_scalar.register_fake
 def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, weight_grad_accum,
-      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, skip_ignored, check_target, count, count_int):
+      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, skip_ignored, check_target, count, count_int,
+      rows=None):
     (T, H), V = x.shape, w.shape[0]
-    fp32_accumulator = plan_for_grads(T, w, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
+    planned_rows = T if rows is None or skip_ignored else rows.shape[0]
+    fp32_accumulator = plan_for_grads(planned_rows, w, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
     f32 = torch.float32
-    return (x.new_empty((), dtype=f32), x.new_empty((0,) if skip_ignored else (T,), dtype=f32),
+    return (x.new_empty((), dtype=f32), x.new_empty((0,) if skip_ignored or rows is not None else (T,), dtype=f32),
             x.new_empty((T, H)) if need_dx else absent(x),
             w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
             w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else absent(w, f32),
@@ -157,7 +164,8 @@ def _setup_chunked_scalar(ctx, inputs, output):
 
 @first_order_only
 def _backward_chunked_scalar(ctx, grad_loss, *_):
-    return (*rescaled_grads(ctx, grad_loss, ctx.what), *([None] * 17))
+    # one None per further input as passed (`rows` may be left out)
+    return (*rescaled_grads(ctx, grad_loss, ctx.what), *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
 register_op(ce_chunked_scalar, _chunked_scalar, _setup_chunked_scalar, _backward_chunked_scalar)
@@ -420,9 +428,10 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
     """(loss, lse [T] or None) for flat, validated inputs; the operators check the targets (and the count).
 
     `num_valid_tokens` (see `linear_cross_entropy`), when no lse is asked for: an int gathers exactly the
-    valid rows (cuBLAS over them; autograd scatters dX back, zero in ignored rows); a device tensor sorts
-    them first and lets the row-count kernels skip the rest (`compacted.py`; chunked mean/sum with
-    gradients, else the dense computation). The mean's denominator is the same over the valid rows, and
+    valid rows (cuBLAS over them; chunked mean/sum with gradients gathers them into dX's own storage and
+    returns dX in x's order, zero in ignored rows; other calls gather a copy that autograd scatters back);
+    a device tensor sorts them first, into dX's own storage, and lets the row-count kernels skip the rest
+    (`compacted.py`; chunked mean/sum with gradients, else the dense computation). The mean's denominator is the same over the valid rows, and
     "none" puts them back among zeros."""
     if y.numel() == 0:
         return empty_batch_loss(x2d, w, b, y, class_weight, opts, reduction, need_lse)
@@ -445,14 +454,25 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
         if not counted:
             return dense(count)
         rows = valid_rows_first(y, opts.ignore_index)
+        # x goes in unsorted with `rows`: the operator sorts it into dX's own storage (no T×H copy beside dX)
         loss, *_ = call_op(
-            ce_chunked_scalar, x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
+            ce_chunked_scalar, x2d, w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
             opts.label_smoothing, opts.z_loss, opts.softcap, reduction, weight_grad_accum, chunk_tokens, need_dx,
-            need_dw, False, not torch.compiler.is_compiling(), True, None, num_valid_tokens, -1)
+            need_dw, False, not torch.compiler.is_compiling(), True, None, num_valid_tokens, -1, rows)
         return loss, None
     if not 0 < num_valid_tokens < y.shape[0]:
         return dense(count_int=count_int)
     rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
+    need_db = grad and b is not None and b.requires_grad
+    if impl == "chunked" and reduction != "none" and (need_dx or need_dw or need_db):
+        # x goes in whole with `rows`: the operator gathers the valid rows into dX's own storage
+        loss, *_ = call_op(
+            ce_chunked_scalar, x2d, w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
+            opts.label_smoothing, opts.z_loss, opts.softcap, reduction, weight_grad_accum, chunk_tokens, need_dx,
+            need_dw, need_db, not torch.compiler.is_compiling(), False, y, None, count_int, rows)
+        return loss, None
     loss, _ = _loss_and_lse(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts, reduction,
                             impl, weight_grad_accum, chunk_tokens, (y, None, count_int))
     if reduction == "none":

@@ -199,3 +199,68 @@ def test_model_matches_our_h200_measurements(row):
     tokens = x if row["x_name"] == "tokens" else x * 1024
     model = mm.peak_extra_mib(row["provider"], tokens, H, V, op=row["op"], seq=1024)
     assert model == pytest.approx(float(row["peak_extra_mib"]), rel=0.02, abs=2.0)
+
+
+# `num_valid_tokens` (issue 31): the H100's Llama-3 rows at 4096 tokens, half of every sequence ignored
+# (data/measured/h100/), and the H200's Gemma-2 rows at 8192 dense tokens (data/measured/h200/). Those runs
+# predate x being sorted into dX's own storage: their device-count rows hold one more T·H·e (the sorted copy of
+# x beside dX), which the model no longer has: what the next GPU run should measure is the row minus that. (Their
+# host-count rows, at n = T/2 and n = T, held (2n − T)·H·e = 0 more.)
+_H100 = Path(__file__).resolve().parents[1] / "data" / "measured" / "h100"
+_HEADS = {"llama3": (4096, 128256), "gemma2": (2304, 256000)}
+_COUNT_ROWS = [(_H100 / "ce_llama3_masked_50.csv", "fusedkern_chunked"),
+               (_H100 / "ce_llama3_masked_50.csv", "fusedkern_chunked_counted"),
+               (_H100 / "ce_llama3_masked_50.csv", "fusedkern_chunked_device_count"),
+               (_H100 / "ce_llama3_dense.csv", "fusedkern_chunked_lean"),
+               (MEASURED / "ce_gemma2_shuffled.csv", "fusedkern_chunked"),
+               (MEASURED / "ce_gemma2_shuffled.csv", "fusedkern_chunked_counted"),
+               (MEASURED / "ce_gemma2_shuffled.csv", "fusedkern_chunked_device_count")]
+
+
+@pytest.mark.parametrize("path,provider", _COUNT_ROWS, ids=lambda v: getattr(v, "stem", v))
+def test_model_matches_the_counted_paths_measured(path, provider):
+    import csv
+
+    with open(path, newline="") as f:
+        (row,) = [r for r in csv.DictReader(f) if r["provider"] == provider and r["mode"] == "full"]
+    hidden, vocab = _HEADS[row["head"]]
+    tokens = int(row["x"])
+    valid = tokens // 2 if row["workload"] == "masked_50" else tokens  # half of every sequence, exactly
+    measured = float(row["peak_extra_mib"])
+    if provider.endswith("_device_count"):
+        measured -= tokens * hidden * 2 / mm.MIB  # the sorted copy of x those runs still made (bf16)
+    model = mm.peak_extra_mib(provider, tokens, hidden, vocab, valid_tokens=valid)
+    assert model == pytest.approx(measured, rel=0.01, abs=1.0)
+
+
+@pytest.mark.parametrize("head,tokens", [("llama3", 4096), ("gemma2", 6144), ("llama3", 32768)])
+@pytest.mark.parametrize("lean", [False, True])
+def test_counted_paths_peak_no_higher_than_the_dense_path(head, tokens, lean):
+    """Issue 31 item 2: the counted paths' peak no larger than the dense path's, up to the row order and
+    sorted target (≤ 2·T·8 bytes) and, for a device count in lean mode past T·H > C·V, dX's copy while it is
+    put back in order (T·H·e − C·V·e: 5.5 MiB at 32768 tokens of Llama-3)."""
+    hidden, vocab = _HEADS[head]
+    suffix = "_lean" if lean else ""
+    dense = mm.peak_extra_bytes(f"fusedkern_chunked{suffix}", tokens, hidden, vocab)
+    for frac in (0.3, 0.5, 0.7):
+        n = int(tokens * frac)
+        host = mm.peak_extra_bytes(f"fusedkern_chunked{suffix}_counted", tokens, hidden, vocab, valid_tokens=n)
+        assert host <= dense + 16 * tokens
+        device = mm.peak_extra_bytes(f"fusedkern_chunked{suffix}_device_count", tokens, hidden, vocab, valid_tokens=n)
+        copy = max(0, tokens * hidden - 1024 * vocab) * 2 if lean else 0
+        assert device <= dense + 16 * tokens + copy
+
+
+def test_counted_terms_at_llama3_4096():
+    n = 2048
+    counted = {t.formula: t.nbytes for t in mm.terms("fusedkern_chunked_counted", 4096, H, V, valid_tokens=n)}
+    assert counted["C·V·e"] == n * V * 2  # the plan over the valid rows: one chunk of 2048
+    assert counted["(T + n)·8"] == (4096 + n) * 8
+    device = mm.terms("fusedkern_chunked_device_count", 4096, H, V, valid_tokens=n)
+    assert sum(t.nbytes for t in device) - mm.peak_extra_bytes("fusedkern_chunked", 4096, H, V) == 16 * 4096
+
+
+@pytest.mark.parametrize("bad", [-1, 4097, 2.5, True])
+def test_valid_tokens_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="valid_tokens"):
+        mm.terms("fusedkern_chunked_counted", 4096, H, V, valid_tokens=bad)

@@ -4,10 +4,17 @@ gradients as the dense computation, judged against fp64."""
 
 from __future__ import annotations
 
+import os
+import sys
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import fusedkern
+import fusedkern.autograd
 from fusedkern import compacted
 from tests.conftest import run_twice_second_without_sync
 from tests.test_linear_cross_entropy import IMPLS, check_against_reference, make_inputs
@@ -221,3 +228,75 @@ def test_gpu_masked_step_never_waits_for_the_gpu(on_device):
 
     run_twice_second_without_sync(step)
     assert torch.isfinite(w.grad).all() and torch.all(x.grad.view(4, 512, -1)[:, :256] == 0)
+
+
+def _inside_triton_interpreter() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("triton", "runtime", "interpreter.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by the storages that torch ops create while the mode is on, counted at
+    every op (a storage is live while any tensor on it is). Copies made inside Triton's interpreter (each
+    launch copies its arguments) are not counted: they are the CPU emulation's, not the path's."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list = []
+        self.peak_bytes = 0
+
+    def _live_bytes(self) -> int:
+        storages, alive = {}, []
+        for ref in self.refs:
+            t = ref()
+            if t is not None:
+                alive.append(ref)
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.refs = alive
+        return sum(storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _inside_triton_interpreter():
+            self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.peak_bytes = max(self.peak_bytes, self._live_bytes())
+        return out
+
+
+def _peak_bytes_of_a_step(monkeypatch, x, w, y, **kw) -> int:
+    # the operators run eagerly under the mode (not as one opaque dispatcher call), so that every
+    # allocation inside them is seen
+    monkeypatch.setattr(fusedkern.autograd, "_get_current_dispatch_mode", lambda: None)
+    x.grad = w.grad = None
+    with _LiveBytes() as mode:
+        fusedkern.linear_cross_entropy(x, w, y, impl="chunked", **kw).backward()
+    return mode.peak_bytes
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [None, 16])
+def test_the_count_holds_no_copy_of_x_beside_dx(monkeypatch, on_device, chunk_tokens):
+    """Issue 31: with the count the peak was above the dense path's: a device count kept a sorted copy of x
+    (T·H·e) beside dX, a host count the n gathered rows beside their own dX (2·n·H·e where the dense path
+    holds dX's T·H·e). The rows now go into dX's own storage and are put back in order through idle
+    storage (the logits buffer, here) or, when none is large enough (chunks of 16 rows: 16·V < T·H), a copy
+    made once the logits buffer is freed. Either way the peak is the dense path's plus the sort's row index
+    and sorted target (16·T bytes) and a few small tensors. 3/4 of the rows valid: a host count's plan is
+    then no smaller than the dense one's in chunks of 16. fp32: the dense path's CPU GEMMs make no upcast
+    copies of their own."""
+    T, H, V = 64, 32, 48
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen, requires_grad=True)
+    w = torch.randn(V, H, generator=gen, requires_grad=True)
+    y = torch.randint(0, V, (T,), generator=gen)
+    y[torch.randperm(T, generator=gen)[: T // 4]] = -100
+    n = (y != -100).sum()
+    dense = _peak_bytes_of_a_step(monkeypatch, x, w, y, chunk_tokens=chunk_tokens)
+    counted = _peak_bytes_of_a_step(monkeypatch, x, w, y, chunk_tokens=chunk_tokens,
+                                    num_valid_tokens=n if on_device else int(n))
+    assert dense >= T * V * 4 if chunk_tokens is None else dense >= T * H * 4  # the mode saw the buffers
+    assert counted <= dense + 16 * T + 512, (counted - dense, T * H * 4)

@@ -37,6 +37,16 @@ Providers (the names used in the results CSVs):
   gradient is still referenced while the next chunk's logits are formed: 2·C·V·e + C·V·4.
 - `cut_cross_entropy` — per-token fp32 LSE (O(T)); its fixed workspace (~1.5 MiB measured) is not
   modelled.
+- `fusedkern_chunked[_lean]_counted` — `num_valid_tokens` as a host int, n of the T targets valid: the
+  plan over the n valid rows, gathered into dX's own storage and put back in order through idle
+  storage, plus the row order and gathered target ((T + n)·8). (Before that, the gathered rows and
+  their own dX were live together beside dW: plan(n) + (2n − T)·H·e, above the dense path once
+  n > T/2 in lean mode.)
+- `fusedkern_chunked[_lean]_device_count` — `num_valid_tokens` as a device tensor: the plan over all T
+  rows (the host does not know n), x sorted into dX's own storage and put back through idle storage
+  (`compacted.counted_loss_and_grads`), so only the row order and the sorted target (2·T·8) add to
+  the dense path's terms. (Before that, a sorted copy of x beside dX added T·H·e: the H100's
+  1034.2 MiB against the dense 1002.2 at Llama-3's head, 4096 tokens.)
 - `cublas_3gemm`, `cublas_1gemm` — the timing floors, not losses: the logits GEMM's T×V output (the
   floor's pre-made logits gradient G exists before the measured region; dX and dW count as
   gradient storage).
@@ -86,7 +96,12 @@ PROVIDERS = (
     "cut_cross_entropy",
     "cublas_3gemm",
     "cublas_1gemm",
+    "fusedkern_chunked_counted",
+    "fusedkern_chunked_lean_counted",
+    "fusedkern_chunked_device_count",
+    "fusedkern_chunked_lean_device_count",
 )
+_COUNTED = PROVIDERS[-4:]
 
 _ELEMENT_SIZE = {
     "float64": 8,
@@ -180,12 +195,14 @@ def terms(
     chunk_size: int | None = None,
     op: str = "ce",
     seq: int = 1024,
+    valid_tokens: int | None = None,
 ) -> list[Term]:
     """The terms of `provider`'s peak extra memory in full mode (forward + backward).
 
     tokens: T, all rows of the LM head (for SimPO: batch·seq, chosen and rejected together).
     chunk_size: the rows per chunk for `fusedkern_chunked*` (default: `default_chunk_size`).
     op: "ce" or "simpo" (only Liger differs between the two). seq: SimPO sequence length.
+    valid_tokens: n, the non-ignored targets, for the `num_valid_tokens` providers (default: all T).
     """
     _check_sizes(tokens=tokens, hidden=hidden, vocab=vocab, seq=seq)
     if op not in ("ce", "simpo"):
@@ -217,6 +234,29 @@ def terms(
             Term("fp32 gradient w.r.t. the upcast logits", T * V * 4, "T·V·4"),
             _minus_grad_storage(T, H, V, e),
         ]
+    if provider in _COUNTED:
+        lean = "lean" in provider
+        n = T if valid_tokens is None else valid_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= T:
+            raise ValueError(f"valid_tokens: expected 0 ≤ valid_tokens ≤ tokens = {T}, got {valid_tokens!r}")
+        dense_name = "fusedkern_chunked_lean" if lean else "fusedkern_chunked"
+        if provider.endswith("_device_count"):
+            # the plan is the dense one (the host does not know n); x is sorted into dX's own storage and
+            # put back through idle storage (`compacted.counted_loss_and_grads`)
+            out = terms(dense_name, T, H, V, dtype=dtype, chunk_size=chunk_size) + [
+                Term("row order and sorted target (int64)", 16 * T, "2·T·8")]
+            plan = grad_chunk_plan(T, V, H, e, need_dw=True, fp32_accum=not lean and e < 4, chunk_tokens=chunk_size)
+            idle = max(V * H if plan.fp32_accumulator else 0, plan.chunk_tokens * V)
+            if idle < T * H:  # dX waits in a copy, made once the C×V buffer is freed
+                out.append(Term("copy of dX while it is put back in order, beyond the freed buffer",
+                                (T * H - plan.chunk_tokens * V) * e, "(T·H − C·V)·e"))
+            return out
+        if n in (0, T):  # `num_valid_tokens` of none or of every row: the dense computation
+            return terms(dense_name, T, H, V, dtype=dtype, chunk_size=chunk_size)
+        # the dense plan over the n valid rows, gathered into dX's own storage (dX is allocated whole, as
+        # in the dense path) and put back in order through idle storage (`chunked.chunked_loss_and_grads`)
+        return terms(dense_name, n, H, V, dtype=dtype, chunk_size=chunk_size) + [
+            Term("row order (T) and gathered target (n), int64", 8 * (T + n), "(T + n)·8")]
     if provider in ("fusedkern_chunked", "fusedkern_chunked_lean"):
         plan = grad_chunk_plan(T, V, H, e, need_dw=True, fp32_accum=provider == "fusedkern_chunked" and e < 4,
                                chunk_tokens=chunk_size)
