@@ -8,6 +8,8 @@
 # GPU machine, and resolving them here would download multi-GB CUDA builds of torch.
 # Usage: scripts/fetch_wheels.sh            (run from anywhere; writes <repo>/.whl/)
 #        scripts/fetch_wheels.sh --quack    (also QuACK 0.6.1 and its CuTe DSL 4.6.0, as .whl/qa and .whl/qb)
+#        scripts/fetch_wheels.sh --trl      (also TRL 1.16.0 and what the GPU image lacks or holds at another
+#                                            version, as .whl/trl, ~16 MiB: scripts/gpu_train_dpo.sh carries it)
 # QuACK's CUDA library wheel (nvidia-cutlass-dsl-libs-cu13, 88 MB) is more than one device call carries:
 # --quack unpacks it, packs it as tar.xz (~60 MiB) and splits that into cu13.part.aa/ab/ac; .whl/qa holds
 # part aa and the small wheels (~28 MiB), .whl/qb parts ab and ac (~42 MiB): with the ~15 MiB working tree
@@ -28,6 +30,15 @@ download() {  # download DIR NAME==VERSION: a wheel usable by CPython 3.12 on ma
 download "$dest/liger085" liger-kernel==0.8.5
 download "$dest/liger042" liger-kernel==0.4.2
 download "$dest/cce" cut-cross-entropy==25.1.1
+
+if [ "${1:-}" = "--trl" ]; then
+    # the image has accelerate 1.15 and transformers 5.17, pyarrow and xxhash, but not trl, datasets, dill or
+    # multiprocess; the versions requirements.txt pins, so the GPU row runs what CI tested
+    for spec in trl==1.16.0 datasets==5.2.0 transformers==5.25.0 accelerate==1.16.0 dill==0.4.1 \
+                multiprocess==0.70.19; do
+        download "$dest/trl" "$spec"
+    done
+fi
 
 if [ "${1:-}" = "--quack" ]; then
     work="$(mktemp -d)"

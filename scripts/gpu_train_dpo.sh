@@ -6,8 +6,8 @@
 # 1.16's own chunked fused head, and TRL with use_liger_kernel=True where Liger's wheel is carried (in TRL 1.16 that
 # adds Liger's RoPE/RMSNorm/SwiGLU kernels; the log-probs stay TRL's head's) -- one process each (so each peak memory is its own), in a shuffled order, each under a timeout:
 #
-#   scripts/gpu_train_dpo.sh OUTDIR      # carry .whl/trl (trl 1.16.0, accelerate, datasets and their pure-Python
-#                                        # dependencies the GPU machine lacks) and .whl/liger085
+#   scripts/gpu_train_dpo.sh OUTDIR      # carry .whl/trl (scripts/fetch_wheels.sh --trl: trl 1.16.0, accelerate,
+#                                        # datasets and the pure-Python dependencies the GPU machine lacks) and .whl/liger085
 #
 # Writes OUTDIR/train_dpo.csv (one row per implementation: step time p20/p50/p80 after the warm-up steps,
 # tokens/s, peak MiB, first and final loss, protocol "sequential", workload "dpo_prompt_50", versions, commit),
