@@ -26,6 +26,7 @@ GPU_QUICK = (
     "tests/test_logits_stats.py::test_gpu_bf16_study_shape_within_twice_torch[30.0]",
     "tests/test_simpo.py::test_gpu_simpo_bf16_realistic[None]",
     "tests/test_preference.py::test_gpu_bf16_realistic[sigmoid]",
+    "tests/test_distillation.py::test_gpu_bf16_realistic[jsd-tau2]",
 )
 
 
