@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -267,7 +267,7 @@ def _gathered(build: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], 
 
         def kept() -> Inputs:
             keep = inp.target != IGNORE_INDEX
-            return Inputs(op=inp.op, x=inp.x[keep], w=inp.w, target=inp.target[keep], softcap=inp.softcap)
+            return replace(inp, x=inp.x[keep], target=inp.target[keep])
 
         build(kept())  # untimed: a peer that cannot take this shape raises ProviderUnavailable here
         return loss_steps(lambda: build(kept())["backward"].setup())
@@ -393,9 +393,7 @@ def _cublas_3gemm_real_grad(inp: Inputs) -> dict[str, Step]:
 def _cublas_3gemm_valid(inp: Inputs) -> dict[str, Step]:
     """The floor over the valid rows alone: `_cublas_3gemm` on x[target != -100] (gathered untimed), what a
     path that skips every ignored row without any overhead would cost."""
-    keep = inp.target.reshape(-1) != IGNORE_INDEX
-    x2d, w = inp.x2d()[keep].contiguous(), inp.w.detach()
-    return _three_gemm_steps(x2d, w, torch.randn(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=x2d.device))
+    return _cublas_3gemm(replace(inp, x=inp.x2d()[inp.target.reshape(-1) != IGNORE_INDEX]))
 
 
 def _cublas_1gemm(inp: Inputs) -> dict[str, Step]:
