@@ -27,12 +27,10 @@ and peak GPU memory; --csv appends one row.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import importlib.metadata
 import importlib.util
 import os
-import subprocess
+import sys
 import tempfile
 import time
 
@@ -42,20 +40,11 @@ import torch
 import fusedkern  # noqa: F401  (before TRL: picks the GPU or Triton's interpreter before any kernel is defined)
 from transformers import TrainerCallback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/presets.py, also when loaded by path
+from presets import Preset, commit, version  # noqa: E402
+from presets import append_csv as _append_csv  # noqa: E402
+
 LOSS_IMPLS = ("fusedkern", "trl", "liger")
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    seq_len: int
-    batch_size: int
-    rope_theta: float = 10000.0
 
 
 PRESETS = {
@@ -218,22 +207,6 @@ CSV_COLUMNS = ("loss_impl", "preset", "layers", "seq_len", "batch_size", "grad_a
                "autocast")
 
 
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
 def summary_row(args, preset: Preset, records: list[dict]) -> dict:
     timed = records[args.warmup_steps:] or records
     times_ms = np.asarray([r["step_time_s"] * 1e3 for r in timed])
@@ -249,19 +222,14 @@ def summary_row(args, preset: Preset, records: list[dict]) -> dict:
         "peak_mib": f"{max(peaks):.1f}" if peaks else "", "first_loss": f"{records[0]['loss']:.6f}",
         "final_loss": f"{records[-1]['loss']:.6f}", "loss_type": args.loss_type, "protocol": "sequential",
         "workload": "dpo_prompt_50", "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
-        "trl": _version("trl"), "liger_kernel": _version("liger-kernel"), "commit": _commit(),
+        "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
+        "trl": version("trl"), "liger_kernel": version("liger-kernel"), "commit": commit(),
         "autocast": "bf16, fp32 weights" if cuda else "none, fp32",
     }
 
 
 def append_csv(path: str, row: dict) -> None:
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    _append_csv(path, row, CSV_COLUMNS)
 
 
 if __name__ == "__main__":

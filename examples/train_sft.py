@@ -38,12 +38,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import csv
 import importlib
-import importlib.metadata
 import math
 import os
-import subprocess
 import sys
 import time
 import types
@@ -57,21 +54,12 @@ from tqdm import tqdm
 
 import fusedkern
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/presets.py, also when loaded by path
+from presets import Preset, commit, version  # noqa: E402
+from presets import append_csv as _append_csv  # noqa: E402
+
 IGNORE_INDEX = -100
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    seq_len: int
-    batch_size: int
-    rope_theta: float = 10000.0
 
 
 PRESETS = {
@@ -428,22 +416,6 @@ CSV_COLUMNS = ("loss_impl", "preset", "layers", "seq_len", "batch_size", "grad_a
                "cut_cross_entropy", "commit", "fp32_dw", "dw_accum", "head_patch", "autocast", "attention")
 
 
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
 def summary_row(args, preset: Preset, records: list[dict], head_patch: str) -> dict:
     timed = records[args.warmup_steps:]
     times_ms = [r["step_time_s"] * 1e3 for r in timed]
@@ -464,9 +436,9 @@ def summary_row(args, preset: Preset, records: list[dict], head_patch: str) -> d
         "first_loss": f"{records[0]['loss']:.6f}", "final_loss": f"{records[-1]['loss']:.6f}",
         "protocol": "sequential", "workload": "sft_masked_50" if args.text_file is None else "text_windows",
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
-        "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
-        "commit": _commit(), "fp32_dw": fp32_dw, "dw_accum": dw_accum, "head_patch": HEAD_PATCH[head_patch],
+        "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
+        "liger_kernel": version("liger-kernel"), "cut_cross_entropy": version("cut-cross-entropy"),
+        "commit": commit(), "fp32_dw": fp32_dw, "dw_accum": dw_accum, "head_patch": HEAD_PATCH[head_patch],
         "autocast": "bf16, fp32 weights" if cuda else "none, fp32",
         "attention": ("sdpa" if cuda else "eager") if args.arch == "llama" else "torch TransformerEncoder",
     }
@@ -474,12 +446,7 @@ def summary_row(args, preset: Preset, records: list[dict], head_patch: str) -> d
 
 def append_csv(path: str, row: dict) -> None:
     """Append `row` (header first if the file is new or empty), one line."""
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    _append_csv(path, row, CSV_COLUMNS)
 
 
 if __name__ == "__main__":

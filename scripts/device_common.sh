@@ -6,6 +6,12 @@
 #   install_quack               QuACK 0.6.1 from the carried parts (.whl/qa, .whl/qb) onto PYTHONPATH ($quack_path)
 #   triton_cache_restore DIR    TRITON_CACHE_DIR=DIR (created empty) with autotune results cached too; if the
 #                               carried TRITON_CACHE_TARBALL exists, its kernels are unpacked into DIR first
+#   run_shuffled LOG PREFIX CAP_S TAIL "IMPLS" CMD...
+#                               each implementation of the space-separated IMPLS in a shuffled order, one process
+#                               each (so each peak memory is its own): `CMD... --loss-impl IMPL` under a CAP_S-second
+#                               timeout, its output in $outdir/PREFIX_IMPL.log; the order, each command, the last TAIL
+#                               lines of its output (but "train:" progress lines) and its exit status go to LOG;
+#                               a failing IMPL joins $failures
 #   triton_cache_save DIR FILE  DIR's compiled kernels and autotune results packed into FILE (tar.xz, for
 #                               $OUT), without the intermediate IRs: what a later call carries back
 #
@@ -51,6 +57,24 @@ install_quack() {
             && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"
     fi
     if [ -n "$quack_path" ]; then export PYTHONPATH="$quack_path:$PYTHONPATH"; fi
+}
+
+run_shuffled() {
+    local log="$1" prefix="$2" cap="$3" tail_lines="$4" impls order impl t0 status
+    read -r -a impls <<< "$5"
+    shift 5
+    mapfile -t order < <(python3 -c "import random, sys; l = sys.argv[1:]; random.shuffle(l); print(*l, sep='\n')" \
+        "${impls[@]}")
+    echo "order: ${order[*]}" | tee -a "$log"
+    for impl in "${order[@]}"; do
+        t0=$SECONDS
+        echo "== $impl (cap $cap s): $* --loss-impl $impl" | tee -a "$log"
+        timeout -k 10 "$cap" "$@" --loss-impl "$impl" > "$outdir/${prefix}_$impl.log" 2>&1
+        status=$?
+        grep -v '^train:' "$outdir/${prefix}_$impl.log" | tail -n "$tail_lines" | tee -a "$log"
+        echo "== $impl: exit $status after $((SECONDS - t0)) s (total $((SECONDS - start)) s)" | tee -a "$log"
+        [ "$status" -eq 0 ] || failures+=("$impl:$status")
+    done
 }
 
 triton_cache_restore() {

@@ -35,23 +35,11 @@ read -r -a impls <<< "${IMPLS:-fusedkern trl liger}"
 if ! python3 -c "import liger_kernel" 2>/dev/null; then
     impls=("${impls[@]/liger}")
 fi
-mapfile -t order < <(python3 -c "import random, sys; l = [a for a in sys.argv[1:] if a]; random.shuffle(l);
-print(*l, sep='\n')" "${impls[@]}")
-echo "order: ${order[*]}" | tee -a "$log"
 csv="$outdir/train_dpo.csv"
-for impl in "${order[@]}"; do
-    t0=$SECONDS
-    cmd=(python3 examples/train_dpo.py --device cuda --preset llama3-8b-2l --loss-impl "$impl"
-         --steps "${STEPS:-11}" --warmup-steps "${WARMUP:-3}" --grad-accum "${GRAD_ACCUM:-2}"
-         --batch-size "${BATCH:-1}" --seq-len "${SEQ:-2048}" --layers "${LAYERS:-2}"
-         --loss-type "${LOSS_TYPE:-sigmoid}" --csv "$csv")
-    echo "== $impl (cap ${CAP_S:-150} s): ${cmd[*]}" | tee -a "$log"
-    timeout -k 10 "${CAP_S:-150}" "${cmd[@]}" > "$outdir/dpo_$impl.log" 2>&1
-    status=$?
-    tail -n 8 "$outdir/dpo_$impl.log" | tee -a "$log"
-    echo "== $impl: exit $status after $((SECONDS - t0)) s (total $((SECONDS - start)) s)" | tee -a "$log"
-    [ "$status" -eq 0 ] || failures+=("$impl:$status")
-done
+cmd=(python3 examples/train_dpo.py --device cuda --preset llama3-8b-2l --steps "${STEPS:-11}"
+     --warmup-steps "${WARMUP:-3}" --grad-accum "${GRAD_ACCUM:-2}" --batch-size "${BATCH:-1}" --seq-len "${SEQ:-2048}"
+     --layers "${LAYERS:-2}" --loss-type "${LOSS_TYPE:-sigmoid}" --csv "$csv")
+run_shuffled "$log" dpo "${CAP_S:-150}" 8 "${impls[*]}" "${cmd[@]}"
 
 python3 - "$csv" <<'EOF' 2>&1 | tee -a "$log"
 import csv, math, sys

@@ -27,24 +27,11 @@ log="$outdir/train_table.log"
         || echo "liger-kernel / cut-cross-entropy missing: carry .whl/liger085 .whl/cce"
 } 2>&1 | tee "$log"
 
-read -r -a impls <<< "${IMPLS:-fusedkern hf liger cce}"
-mapfile -t order < <(python3 -c "import random, sys; l = sys.argv[1:]; random.shuffle(l); print(*l, sep='\n')" \
-    "${impls[@]}")
-echo "order: ${order[*]}" | tee -a "$log"
 csv="$outdir/train_table.csv"
-for impl in "${order[@]}"; do
-    t0=$SECONDS
-    cmd=(python3 examples/train_sft.py --device cuda --preset llama3-8b-2l --loss-impl "$impl"
-         --steps "${STEPS:-11}" --warmup-steps "${WARMUP:-3}" --grad-accum "${GRAD_ACCUM:-2}"
-         --layers "${LAYERS:-2}" --csv "$csv")
-    [ -n "${BATCH:-}" ] && cmd+=(--batch-size "$BATCH")
-    echo "== $impl (cap ${CAP_S:-75} s): ${cmd[*]}" | tee -a "$log"
-    timeout -k 10 "${CAP_S:-75}" "${cmd[@]}" > "$outdir/train_$impl.log" 2>&1
-    status=$?
-    grep -v '^train:' "$outdir/train_$impl.log" | tail -n 5 | tee -a "$log"
-    echo "== $impl: exit $status after $((SECONDS - t0)) s (total $((SECONDS - start)) s)" | tee -a "$log"
-    [ "$status" -eq 0 ] || failures+=("$impl:$status")
-done
+cmd=(python3 examples/train_sft.py --device cuda --preset llama3-8b-2l --steps "${STEPS:-11}"
+     --warmup-steps "${WARMUP:-3}" --grad-accum "${GRAD_ACCUM:-2}" --layers "${LAYERS:-2}" --csv "$csv")
+[ -n "${BATCH:-}" ] && cmd+=(--batch-size "$BATCH")
+run_shuffled "$log" train "${CAP_S:-75}" 5 "${IMPLS:-fusedkern hf liger cce}" "${cmd[@]}"
 
 # loss sanity: same seed, init and data, so the first losses agree to ~1e-2 under bf16 autocast
 python3 - "$csv" <<'EOF' 2>&1 | tee -a "$log"
