@@ -787,12 +787,8 @@ def linear_distillation_loss_fp64(student_hidden: torch.Tensor, student_weight: 
                                   teacher_softcap: float | None = None, **options) -> torch.Tensor:
     """Exact reference of `fusedkern.linear_distillation_loss`: both heads' logits and the loss in float64,
     differentiable (autograd gives the fp64 gradients of the student's operands)."""
-    def f64(t):
-        return None if t is None else t.double()
-    zs = model_logits(F.linear(f64(student_hidden), f64(student_weight), f64(student_bias)), student_logit_scale,
-                      student_softcap)
-    zt = model_logits(F.linear(f64(teacher_hidden), f64(teacher_weight), f64(teacher_bias)), teacher_logit_scale,
-                      teacher_softcap)
+    zs = model_logits(_fp64_logits(student_hidden, student_weight, student_bias), student_logit_scale, student_softcap)
+    zt = model_logits(_fp64_logits(teacher_hidden, teacher_weight, teacher_bias), teacher_logit_scale, teacher_softcap)
     return distillation_from_logits(zs, zt, target, **options)
 
 

@@ -87,6 +87,21 @@ def _log_mixture(lp, lq, log_1m_beta, log_beta):
 
 
 @triton.jit
+def _row_logprobs(zs_row, zt_row, cols, mask, inv_temperature, max_s, logsum_s, max_t, logsum_t,
+                  s_scale, s_softcap, t_scale, t_softcap, S_SOFTCAP: tl.constexpr, T_SOFTCAP: tl.constexpr,
+                  USE_LIBDEVICE: tl.constexpr):
+    """At `cols` of a row: the student's logit z and the log-probabilities log p (student) and log q (teacher)
+    at temperature τ, from each model's max and log-sum of pass 1."""
+    z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap, S_SOFTCAP,
+                     USE_LIBDEVICE)
+    lp = (z * inv_temperature - max_s) - logsum_s
+    u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap, T_SOFTCAP,
+                     USE_LIBDEVICE)
+    lq = (u * inv_temperature - max_t) - logsum_t
+    return z, lp, lq
+
+
+@triton.jit
 def _distill_rows_kernel(
     # pointers
     zs_ptr,  # (C, V) student dtype. In: student logits. Out (WRITE_GRAD): ∂L/∂z_student, in place
@@ -158,12 +173,8 @@ def _distill_rows_kernel(
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap,
-                         S_SOFTCAP, USE_LIBDEVICE)
-        lp = (z * inv_temperature - max_s) - logsum_s
-        u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap,
-                         T_SOFTCAP, USE_LIBDEVICE)
-        lq = (u * inv_temperature - max_t) - logsum_t
+        z, lp, lq = _row_logprobs(zs_row, zt_row, cols, mask, inv_temperature, max_s, logsum_s, max_t, logsum_t,
+                                  s_scale, s_softcap, t_scale, t_softcap, S_SOFTCAP, T_SOFTCAP, USE_LIBDEVICE)
         p = tl.exp(lp)
         q = tl.exp(lq)
         if HAS_ENTROPY:
@@ -197,12 +208,9 @@ def _distill_rows_kernel(
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             mask = cols < V
-            z = _model_logit(tl.load(zs_row + cols, mask=mask, other=0.0).to(tl.float32), s_scale, s_softcap,
-                             S_SOFTCAP, USE_LIBDEVICE)
-            lp = (z * inv_temperature - max_s) - logsum_s
-            u = _model_logit(tl.load(zt_row + cols, mask=mask, other=0.0).to(tl.float32), t_scale, t_softcap,
-                             T_SOFTCAP, USE_LIBDEVICE)
-            lq = (u * inv_temperature - max_t) - logsum_t
+            z, lp, lq = _row_logprobs(zs_row, zt_row, cols, mask, inv_temperature, max_s, logsum_s, max_t,
+                                      logsum_t, s_scale, s_softcap, t_scale, t_softcap, S_SOFTCAP, T_SOFTCAP,
+                                      USE_LIBDEVICE)
             p = tl.exp(lp)
             # p·((log p − log x) − Σ): the difference of two O(1) logs first, then one product
             if MODE == 1:

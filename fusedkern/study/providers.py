@@ -595,17 +595,18 @@ def _teacher(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return inp.extras["teacher_x"], inp.extras["teacher_w"]
 
 
-def _distill_softcaps(inp: Inputs) -> dict[str, float | None]:
-    return {"student_softcap": inp.softcap, "teacher_softcap": inp.softcap}
+def _distill_steps(loss: Callable, inp: Inputs, options: dict) -> dict[str, Step]:
+    """`loss(student x, w, teacher x, w, target)` with `DISTILL_ARGS`, `options` and both models' softcap."""
+    xt, wt = _teacher(inp)
+    kwargs = {**DISTILL_ARGS, **options, "student_softcap": inp.softcap, "teacher_softcap": inp.softcap}
+    return loss_steps(lambda: loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
 
 
 def _distill_fusedkern(**options) -> Callable[[Inputs], dict[str, Step]]:
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern import linear_distillation_loss
 
-        xt, wt = _teacher(inp)
-        kwargs = {**DISTILL_ARGS, **options, **_distill_softcaps(inp)}
-        return loss_steps(lambda: linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
+        return _distill_steps(linear_distillation_loss, inp, options)
 
     return build
 
@@ -616,9 +617,7 @@ def _distill_torch_fp32(**options) -> Callable[[Inputs], dict[str, Step]]:
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern.reference import upcast_linear_distillation_loss
 
-        xt, wt = _teacher(inp)
-        kwargs = {**DISTILL_ARGS, **options, **_distill_softcaps(inp)}
-        return loss_steps(lambda: upcast_linear_distillation_loss(inp.x, inp.w, xt, wt, inp.target, **kwargs))
+        return _distill_steps(upcast_linear_distillation_loss, inp, options)
 
     return build
 
