@@ -1,6 +1,6 @@
 """A model (not a measurement) of the extra memory of a distillation loss over a student's and a teacher's LM
 heads: the materialized computation's [T, V] tensors against `fusedkern.linear_distillation_loss`'s chunk
-buffers, from the chunk rules of `fusedkern.chunk_plan` (the ones the function runs with).
+buffers, from the chunk plan the function runs with (`fusedkern.distillation.distill_plan`).
 
 Materialized (the baseline of `reference.upcast_linear_distillation_loss`, TRL's `generalized_jsd_loss` on
 upcast logits): at the backward's peak, autograd holds the student's logits in the inputs' dtype and their
@@ -15,7 +15,9 @@ the teacher's [C, V] buffer (never in dW's storage), and the fp32 [V, H] dW accu
 
 from __future__ import annotations
 
-from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, chunk_rows, grad_chunk_plan
+import torch
+
+from fusedkern.distillation import distill_plan
 
 # V, H of the heads the study names (config.json of each model)
 HEADS = {
@@ -31,14 +33,11 @@ def materialized_bytes(tokens: int, vocab: int, elt: int, *, beta: float = 0.5) 
     return tokens * vocab * per_entry
 
 
-def fusedkern_bytes(tokens: int, vocab: int, hidden: int, elt: int, *, weight_grad_accum: str = "fp32",
-                    teacher_hidden: int | None = None) -> int:
-    """fusedkern's chunk buffers and accumulator for a forward+backward (`distillation.distill_plan`'s rules)."""
-    fp32_accum = weight_grad_accum == "fp32" and elt != 4
-    plan = grad_chunk_plan(tokens, vocab, hidden, elt, need_dw=True, fp32_accum=fp32_accum)
-    cap = chunk_rows(tokens, vocab, elt, GRAD_CHUNK_BUDGET_BYTES)  # the teacher's buffer within the budget too
-    if plan.chunk_tokens > cap:
-        plan = grad_chunk_plan(tokens, vocab, hidden, elt, need_dw=True, fp32_accum=fp32_accum, chunk_tokens=cap)
+def fusedkern_bytes(tokens: int, vocab: int, hidden: int, elt: int, *, weight_grad_accum: str = "fp32") -> int:
+    """fusedkern's chunk buffers and accumulator for a forward+backward: the plan `distillation.distill_plan` gives
+    the function (on shape-only heads; the teacher's H does not enter it)."""
+    head = torch.empty(vocab, hidden, dtype={2: torch.bfloat16, 4: torch.float32}[elt], device="meta")
+    plan = distill_plan(tokens, head, head, True, weight_grad_accum, None)
     C = plan.chunk_tokens
     student = 0 if plan.buffer_in_dw_storage else C * vocab * elt
     teacher = C * vocab * elt
