@@ -284,9 +284,9 @@ def _format_block(rows: list[dict]) -> str:
                 cells.append(" ".join(f"{e:10.2e}" for e in errors))
             lines.append(f"{provider:<{width}}" + "".join(f"{c:>32}" for c in cells))
         return "\n".join(lines)
+    floor_of_mode = DISTILL_FLOOR_OF_MODE if rows[0].get("op") == "distill" else FLOOR_OF_MODE
     for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
         mode_rows = [r for r in rows if r["mode"] == mode]
-        floor_of_mode = DISTILL_FLOOR_OF_MODE if rows[0].get("op") == "distill" else FLOOR_OF_MODE
         floor = {r["x"]: r["ms_p50"] for r in mode_rows if r["provider"] == floor_of_mode[mode]}
         lines.append(f"\n{mode}: ms_p50 (× {floor_of_mode[mode]}), by {x_name}")
         lines.append(" " * width + "".join(f"{x:>20}" for x in xs))
