@@ -313,7 +313,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             else:  # an all-masked micro-batch still gives a differentiable zero connected to the model
                 logps = x.float().sum(-1)
                 entropy, row_max, row_lse = (logps if want_entropy else None), logps.detach(), logps.detach()
-            mean_logits = mean_logits_of(x, weight, bias, effective_temperature) if want_mean else None
+            # (CPO's and ORPO's every-position means, when asked for, already hold these rows' means)
+            mean_logits = mean_logits_of(x, weight, bias, effective_temperature) \
+                if want_mean and every_mean is None else None
 
         def scatter(t):
             return None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t)
@@ -342,7 +344,8 @@ def mean_logits_of(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     (+ mean b), one GEMV; operands rounded to the autocast dtype first, as the logits GEMM would."""
     with torch.no_grad():
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        mean = x.to(dtype).float() @ weight.to(dtype).float().mean(0)
+        # the mean accumulates in fp32 without an fp32 copy of the [V, H] weight
+        mean = x.to(dtype).float() @ weight.to(dtype).mean(0, dtype=torch.float32)
         if bias is not None:
             mean = mean + bias.to(dtype).float().mean()
         return mean / temperature
