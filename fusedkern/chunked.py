@@ -114,10 +114,9 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
 
 def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
                 grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None, entropy=None,
-                grad_entropy=None, dw_first: bool = False) -> None:
+                grad_entropy=None) -> None:
     """The chunk loop shared by every chunked pass: logits GEMM → row kernel → gradient GEMMs.
     scratch: storage to hold the logits buffer (see `logits_buffer`), or None to allocate it.
-    dw_first: each chunk's dW GEMM before its dX GEMM (x lives in dx's storage: `chunked_loss_and_grads`).
     entropy [T] / grad_entropy [T]: the per-token entropy and its upstream gradient (`ce_rows`), or None."""
     T, V = x.shape[0], w.shape[0]
     buf = logits_buffer(min(C, T), V, x, scratch)
@@ -131,7 +130,7 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
                 per_token_grad=per_token_grad, entropy=None if entropy is None else entropy[c0:c1],
                 grad_entropy=None if grad_entropy is None else grad_entropy[c0:c1], **kernel_args)
         if grad is not None:
-            chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0, dw_first=dw_first)
+            chunk_grads(z, x_c, w, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
 
 
 def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats,
@@ -240,15 +239,14 @@ def grad_buffers(x, w, b, need_dx, need_dw, need_db, plan: GradChunkPlan):
     return dx, dw, db, dw_out
 
 
-def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool, dw_first: bool = False) -> None:
+def chunk_grads(g, x_c, w, dx_rows, dw, db, first: bool) -> None:
     """The two gradient GEMMs of one chunk (and the bias sum). g = ∂L/∂Z_c (C, V), x_c (C, H);
-    dx_rows: the chunk's rows of dX (C, H) or None. dw_first: dW's GEMM first (x_c may be dx_rows)."""
-    if dw is not None and dw_first:
+    dx_rows: the chunk's rows of dX (C, H) or None. dW's GEMM runs first: x_c may be dx_rows itself
+    (`chunked_loss_and_grads` with `rows` gathers x into dX's own storage)."""
+    if dw is not None:
         accumulate_weight_grad(dw, g, x_c, first)
     if dx_rows is not None:
         torch.mm(g, w, out=dx_rows)  # (C, V) @ (V, H) → (C, H)
-    if dw is not None and not dw_first:
-        accumulate_weight_grad(dw, g, x_c, first)
     if db is not None:
         db += torch.sum(g, dim=0, dtype=torch.float32)
 
@@ -298,7 +296,7 @@ def _loss_and_grads_of_rows(x, w, b, target, class_weight, opts: LossOptions, gr
     buf = logits_buffer(min(plan.chunk_tokens, n), V, x, dw_out if plan.buffer_in_dw_storage else None)
     _run_chunks(xs, w, b, target, class_weight, opts, plan.chunk_tokens, loss_tok=loss_tok, stats=stats,
                 compute_stats=True, grad=grad_scale, per_token_grad=False, dx=None if dx is None else dx[:n],
-                dw=dw, db=db, scratch=buf, dw_first=True)
+                dw=dw, db=db, scratch=buf)
     if dx is not None:
         held = next((s for s in (dw_out, buf) if s is not None and s.numel() >= n * x.shape[1]), None)
         del buf  # too small to hold dX's rows: freed before their copy is made

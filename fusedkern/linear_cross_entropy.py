@@ -387,9 +387,11 @@ def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,
-                  chunk_tokens, checks=(None, None, -1)):
+                  chunk_tokens, checks=(None, None, -1), rows=None):
     """(loss: 0-d for mean/sum, [T] for "none"; lse [T]) for flat inputs: the strategy dispatch.
-    checks: (check_target, count, count_int) of `start_checks`."""
+    checks: (check_target, count, count_int) of `start_checks`. rows: [n] the only rows of x2d to compute (a
+    host `num_valid_tokens`), y already gathered, loss over those n rows: the chunked mean/sum with gradients
+    gathers them into dX's own storage (no lse), the other paths a copy that autograd scatters back."""
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
     need_db = grad and b is not None and b.requires_grad
@@ -398,8 +400,10 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     if impl == "chunked" and reduction != "none" and wants_grad:
         loss, lse, *_ = call_op(ce_chunked_scalar, x2d, w, b, y, class_weight, *loss_options, reduction,
                                 weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                not torch.compiler.is_compiling(), False, *checks)
+                                not torch.compiler.is_compiling(), False, *checks, rows)
         return loss, lse
+    if rows is not None:
+        x2d = x2d.index_select(0, rows)
     loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
                               chunk_tokens, None if wants_grad else chunk_tokens, *checks)
     lse = lse_of(stats)
@@ -463,18 +467,8 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
     if not 0 < num_valid_tokens < y.shape[0]:
         return dense(count_int=count_int)
     rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
-    grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
-    need_db = grad and b is not None and b.requires_grad
-    if impl == "chunked" and reduction != "none" and (need_dx or need_dw or need_db):
-        # x goes in whole with `rows`: the operator gathers the valid rows into dX's own storage
-        loss, *_ = call_op(
-            ce_chunked_scalar, x2d, w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
-            opts.label_smoothing, opts.z_loss, opts.softcap, reduction, weight_grad_accum, chunk_tokens, need_dx,
-            need_dw, need_db, not torch.compiler.is_compiling(), False, y, None, count_int, rows)
-        return loss, None
-    loss, _ = _loss_and_lse(x2d.index_select(0, rows), w, b, y.index_select(0, rows), class_weight, opts, reduction,
-                            impl, weight_grad_accum, chunk_tokens, (y, None, count_int))
+    loss, _ = _loss_and_lse(x2d, w, b, y.index_select(0, rows), class_weight, opts, reduction, impl,
+                            weight_grad_accum, chunk_tokens, (y, None, count_int), rows)
     if reduction == "none":
         loss = loss.new_zeros(y.shape[0]).index_copy(0, rows, loss)
     return loss, None
