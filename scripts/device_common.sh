@@ -56,7 +56,7 @@ install_quack() {
             && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \
             && quack_path="$qsite:$qsite/nvidia_cutlass_dsl/dsl_packages"
     fi
-    if [ -n "$quack_path" ]; then export PYTHONPATH="$quack_path:$PYTHONPATH"; fi
+    if [ -n "$quack_path" ]; then export PYTHONPATH="$quack_path${PYTHONPATH:+:$PYTHONPATH}"; fi
 }
 
 run_shuffled() {
