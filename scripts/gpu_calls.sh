@@ -79,6 +79,16 @@ if [ "$part" = cold ]; then
     SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
     suite gpu_suite_cold
+    # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
+    # path's on Gemma-2's head (issue 31 item 2), and the distillation kernel's first timing
+    # shellcheck disable=SC2086
+    step ce_gemma2_counted 100 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
+        --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
+        --out "$res/ce_gemma2_counted.csv"
+    # shellcheck disable=SC2086
+    step distill_llama3 100 python3 -m fusedkern.bench distill --head llama3 --tokens 4096 8192 $timing \
+        --providers cublas_2gemm cublas_4gemm torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean liger \
+        --out "$res/distill_llama3.csv"
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" = warm ] || [ "$part" = table ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_warm" >> "$res/steps.log"  # not in a pipe: it exports
