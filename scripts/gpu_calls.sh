@@ -6,12 +6,11 @@
 #   scripts/gpu_calls.sh OUTDIR cold    # carry .whl/qa .whl/liger085: the GPU suite's quick selection and the
 #                                       # whole suite, each from an empty Triton cache (wall time, passed/failed);
 #                                       # the suite's cache packed into OUTDIR/triton_cache.tar.xz
-#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085 (+ .triton_cache if it fits 64 MiB; the
-#                                       # suite's was 7.7 MiB: with qb's 41 MiB and the tree's 16 it did not): the
-#                                       # suite and the quick selection again with the carried cache, then the
-#                                       # honest table (dense, masked 50/30/70; QuACK, Liger CuTe and Triton,
-#                                       # Transformers' loss, the seed baseline, peers +gather, both floors) and
-#                                       # the loss-only pass
+#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085, on the machine cold left warm: the honest
+#                                       # table, dense and masked 50 (QuACK, Liger CuTe and Triton, Transformers'
+#                                       # loss, the seed baseline, peers +gather, both floors), one size a process
+#   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the loss-only pass and
+#                                       # masked 30/70
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
@@ -19,9 +18,9 @@
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|table|warm}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|table|warm}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
 budget=${CALL_BUDGET_S:-585}
 res="${TMPDIR:-/tmp}/gpu_results_$part"
 rm -rf "$res" && mkdir -p "$res"
@@ -78,21 +77,22 @@ if [ "$part" = cold ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
     SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
-    suite gpu_suite_cold
+    SUITE_CAP_S=400 suite gpu_suite_cold
+    # the quick selection again on the cache the suite filled: its time with a carried cache
+    SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick
     # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
-    # path's on Gemma-2's head (issue 31 item 2), and the distillation kernel's first timing
+    # path's on Gemma-2's head (issue 31 item 2)
     # shellcheck disable=SC2086
-    step ce_gemma2_counted 100 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
+    step ce_gemma2_counted 90 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
         --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
         --out "$res/ce_gemma2_counted.csv"
-    # shellcheck disable=SC2086
-    step distill_llama3 100 python3 -m fusedkern.bench distill --head llama3 --tokens 4096 8192 $timing \
-        --providers cublas_2gemm cublas_4gemm torch_fp32_upcast fusedkern_chunked fusedkern_chunked_lean liger \
-        --out "$res/distill_llama3.csv"
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
-elif [ "$part" = warm ] || [ "$part" = table ]; then
+elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
+    # table and rest on the machine cold left warm: the suite's cache is still there
+    export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_suite" TRITON_CACHE_AUTOTUNING=1
+else
     triton_cache_restore "${TMPDIR:-/tmp}/tc_warm" >> "$res/steps.log"  # not in a pipe: it exports
-    if [ "$part" = warm ] || [ -f "$TRITON_CACHE_TARBALL" ]; then
+    if [ "$part" = warm ]; then
         SUITE_CAP_S=300 suite gpu_suite_warm
         SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick
     fi
@@ -101,15 +101,15 @@ if [ "$part" = table ]; then
     # One size per bench process, appended to one CSV: the bench writes a size only once all its providers ran,
     # and on 2026-12-06 (H100) each step ran past its cap while the peers compiled the next size, keeping only
     # 4096 tokens. A size that does not finish now loses only itself.
-    for tokens in 4096 8192 16384 32768; do
+    for tokens in 8192 32768 16384 4096; do
         # shellcheck disable=SC2086
-        step "ce_dense_$tokens" 120 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
-            --append --out "$res/ce_llama3_dense.csv"
-        # shellcheck disable=SC2086
-        step "ce_masked_50_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
-            $gathered --append --out "$res/ce_llama3_masked_50.csv"
+        step "ce_full_$tokens" 200 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid fusedkern_chunked \
+            fusedkern_chunked_lean fusedkern_chunked_counted fusedkern_chunked_device_count $peers $gathered \
+            --append --out "$res/ce_llama3_full.csv"
+    done
+elif [ "$part" = rest ]; then
+    for tokens in 8192 32768; do
         # shellcheck disable=SC2086
         step "ce_loss_only_$tokens" 90 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
             --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
