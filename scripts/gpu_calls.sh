@@ -78,6 +78,10 @@ if [ "$part" = cold ]; then
     SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
     SUITE_CAP_S=400 suite gpu_suite_cold
+    # issue 31 item 5: the Gluon logits GEMM with the row-statistics epilogue against cuBLAS (its own correctness
+    # check first; a hung launch exits 3)
+    step gluon_logits_stats 150 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
+        --tokens 4096,8192 --out "$res/gluon_logits_stats.csv"
     # the quick selection again on the cache the suite filled: its time with a carried cache
     SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick
     # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
