@@ -79,9 +79,11 @@ if [ "$part" = cold ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
     SUITE_CAP_S=400 suite gpu_suite_cold
     # issue 31 item 5: the Gluon logits GEMM with the row-statistics epilogue against cuBLAS (its own correctness
-    # check first; a hung launch exits 3)
-    step gluon_logits_stats 150 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
-        --tokens 4096,8192 --out "$res/gluon_logits_stats.csv"
+    # check first), one process per config: a deadlocked pipeline exits 3 and loses only its own config
+    for config in 128x256x64s4coop 128x128x64s6c2 128x128x64s6c1; do
+        step "gluon_$config" 70 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
+            --configs "$config" --tokens 4096,8192 --out "$res/gluon_logits_stats_$config.csv"
+    done
     # the quick selection again on the cache the suite filled: its time with a carried cache
     SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick
     # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
