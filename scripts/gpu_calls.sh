@@ -3,9 +3,10 @@
 # (a call cut short still brings back what finished). A device call returns at most 8 files, so every log,
 # CSV and JUnit report goes into one results_<part>.tgz under OUTDIR, beside the Triton cache.
 #
-#   scripts/gpu_calls.sh OUTDIR cold    # carry .whl/qa .whl/liger085: the GPU suite's quick selection and the
-#                                       # whole suite, each from an empty Triton cache (wall time, passed/failed);
-#                                       # the suite's cache packed into OUTDIR/triton_cache.tar.xz
+#   scripts/gpu_calls.sh OUTDIR cold    # carry .whl/qa .whl/liger085: the Gluon probe against cuBLAS; the whole
+#                                       # GPU suite from an empty Triton cache (wall time, passed/failed), the quick
+#                                       # selection on its cache, then from an empty one; the suite's cache packed
+#                                       # into OUTDIR/triton_cache.tar.xz
 #   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085, on the machine cold left warm: the honest
 #                                       # table, dense and masked 50 (QuACK, Liger CuTe and Triton, Transformers'
 #                                       # loss, the seed baseline, peers +gather, both floors), one size a process
@@ -74,25 +75,26 @@ gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cu
 fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
 
 if [ "$part" = cold ]; then
-    triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
-    SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
-    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
-    SUITE_CAP_S=400 suite gpu_suite_cold
-    # issue 31 item 5: the Gluon logits GEMM with the row-statistics epilogue against cuBLAS (its own correctness
-    # check first), one process per config: a deadlocked pipeline exits 3 and loses only its own config
+    # issue 31 item 5 first: the Gluon logits GEMM with the row-statistics epilogue against cuBLAS (its own
+    # correctness check first), one process per config: a deadlocked pipeline exits 3 and loses only its config
+    export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_gluon"
     for config in 128x256x64s4coop 128x128x64s6c2 128x128x64s6c1; do
-        step "gluon_$config" 70 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
+        step "gluon_$config" 60 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
             --configs "$config" --tokens 4096,8192 --out "$res/gluon_logits_stats_$config.csv"
     done
-    # the quick selection again on the cache the suite filled: its time with a carried cache
-    SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
+    SUITE_CAP_S=400 suite gpu_suite_cold
+    # the quick selection on the cache the suite filled: its time with a carried cache
+    SUITE_CAP_S=80 suite gpu_quick_warm --gpu-quick
     # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
     # path's on Gemma-2's head (issue 31 item 2)
     # shellcheck disable=SC2086
-    step ce_gemma2_counted 90 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
+    step ce_gemma2_counted 80 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
         --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
         --out "$res/ce_gemma2_counted.csv"
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
+    SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_suite" TRITON_CACHE_AUTOTUNING=1
