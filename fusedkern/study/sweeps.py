@@ -250,8 +250,10 @@ def run_sweep(
                         rng = _case_rng(seed, op, workload, x, mode) if protocol == "shuffled" else None
                         try:
                             named = {_entry_key(p, t): st[mode] for (p, t), st in todo.items()}
-                            timings = time_steps_interleaved(named, inputs, warmup=warmup, reps=reps, min_reps=min_reps,
-                                                             max_case_s=max_case_s, rng=rng)
+                            timings = time_steps_interleaved(
+                                named, inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s,
+                                rng=rng, on_warmed=lambda name, seconds, case=f"{workload} {x_name}={x} {mode}": say(
+                                    f"{op} {case}: {name} warmed up in {seconds:.1f} s"))
                         except Exception as error:  # noqa: BLE001 - e.g. OOM with every step alive
                             timings = {_entry_key(p, t): error for p, t in todo}
                         for (p, t), st in todo.items():

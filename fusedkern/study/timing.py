@@ -14,7 +14,7 @@ import gc
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -152,6 +152,7 @@ def time_steps_interleaved(
     max_case_s: float = 1.5,
     rng: random.Random | None = None,
     order_log: list[list[str]] | None = None,
+    on_warmed: Callable[[str, float], None] | None = None,
 ) -> dict[str, dict[str, float | int] | BaseException]:
     """`time_step` for several steps on the same inputs, their reps interleaved: round r runs one
     rep of every step that still needs one (each step gets the rep count its own warm-up sets, as in
@@ -164,18 +165,22 @@ def time_steps_interleaved(
     start from step r mod n. With an rng (the `shuffled` protocol): a fresh random permutation every
     round, drawn from `rng`, so no step always follows the same one (on the H200 a cuBLAS GEMM after
     another GEMM-heavy step ran 5–10 % slower than after a light Triton kernel).
-    `order_log`, when given, receives each round's order (the steps that ran in it).
+    `order_log`, when given, receives each round's order (the steps that ran in it). `on_warmed(name, seconds)`
+    is told each step's warm-up wall time as it ends (compilation and autotuning: where a cut-short GPU run went).
 
     Returns {name: timing dict as `time_step`'s}, or {name: the exception} for a step that failed
     in its warm-up (the others still run)."""
     counts: dict[str, int] = {}
     failures: dict[str, BaseException] = {}
     for name, step in steps.items():
+        started = time.perf_counter()
         try:
             counts[name] = warm_up(step, inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s)
         except Exception as error:  # noqa: BLE001 - reported per step by the caller
             failures[name] = error
             inputs.clear_grads()
+        if on_warmed is not None:
+            on_warmed(name, time.perf_counter() - started)
     names = list(counts)
     timer = _RepTimer(inputs.x.device)
     for r in range(max(counts.values(), default=0)):
