@@ -19,8 +19,7 @@ contract allows:
   budget leaves after the per-token and per-class vectors (`fused_accumulator_budget`).
 - loss only: tiles of C × Vs logits (C tokens × a vocabulary slice) within 64 MiB, with row
   statistics merged across slices; a slice keeps the GEMM compute-bound (a 256 × 128256 chunk would
-  re-read all of W for every 256 tokens). Opt-in, the statistics in the GEMM's epilogue: no logits at
-  all, chunks of tokens whose per-tile partials fit the 64 MiB (`epilogue_stats_rows`).
+  re-read all of W for every 256 tokens).
 """
 
 from __future__ import annotations
@@ -85,14 +84,6 @@ def loss_tile(n_tokens: int, vocab: int, elt: int, budget_bytes: int = LOSS_CHUN
     C = min(n_tokens, LOSS_TILE_TOKENS)
     vs = max(CHUNK_MULTIPLE, (budget_bytes // (C * elt)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     return C, min(vs, vocab)
-
-
-def epilogue_stats_rows(n_tokens: int, partial_slots: int, budget_bytes: int = LOSS_CHUNK_BUDGET_BYTES) -> int:
-    """Tokens per launch of the statistics-epilogue loss pass (`kernels.logits_stats`): its only buffers are
-    3 fp32 partials per (token, column tile), 12·P bytes a token, within the loss-only budget; a multiple
-    of 64 (at least 64, at most n_tokens). 4096 tokens at P = 1024 (V = 128256 in 128-column tiles)."""
-    c = max(CHUNK_MULTIPLE, (budget_bytes // (12 * partial_slots)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
-    return max(1, min(c, n_tokens))
 
 
 def fused_vector_bytes(n_tokens: int, vocab: int) -> int:

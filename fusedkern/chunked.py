@@ -7,8 +7,7 @@ four (logits recomputed in backward from the saved lse) when it is not (`reducti
 log-probabilities). The buffer size does not grow with the number of tokens; `chunk_plan.py` picks
 the largest chunk that the memory contract allows (1024 tokens in lean mode, 4096 — inside dW's own
 storage — with the fp32 accumulator, all tokens at once when they fit the accumulator's allowance).
-A loss-only forward uses [C, Vs] tiles (a vocabulary slice) within 64 MiB and merges row statistics;
-opt-in, the statistics come out of the logits GEMM's epilogue and no logits are written at all.
+A loss-only forward uses [C, Vs] tiles (a vocabulary slice) within 64 MiB and merges row statistics.
 
 Weight-gradient accumulation over chunks:
 - `"fp32"` (default for bf16/fp16 weights): cuBLAS accumulates Gᵀ X_c straight into one fp32 [V, H]
@@ -24,11 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from fusedkern.chunk_plan import GradChunkPlan, epilogue_stats_rows, grad_chunk_plan, loss_tile
+from fusedkern.chunk_plan import GradChunkPlan, grad_chunk_plan, loss_tile
 from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
-from fusedkern.kernels.logits_stats import column_tiles, logits_stats_rows, stats_partials
+
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -155,63 +153,18 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
                         entropy=None if entropy is None else entropy[c0:c1], **kernel_args)
 
 
-def chunk_row_counts(count: torch.Tensor, n_tokens: int, chunk: int) -> torch.Tensor:
-    """[n_chunks] int32 on the device: the valid rows of each chunk, clamp(count − c0, 0, chunk)."""
-    starts = torch.arange(0, n_tokens, chunk, device=count.device, dtype=torch.int64)
-    return (count.reshape(()).to(torch.int64) - starts).clamp_(0, chunk).to(torch.int32)
-
-
-def _run_epilogue_stats(x, w, b, target, class_weight, opts: LossOptions, C: int | None, *, loss_tok, stats,
-                        entropy: torch.Tensor | None, count: torch.Tensor | None) -> None:
-    """Loss-only pass without logits: per chunk of C tokens (default: `chunk_plan.epilogue_stats_rows`),
-    the logits GEMM reduces each output tile to row statistics in its epilogue (`kernels.logits_stats`),
-    then one merge into lse and loss. count: rows sorted valid-first, that many valid (a device tensor):
-    each chunk's GEMM and merge skip the rows past it, whose loss stays 0."""
-    T, V = x.shape[0], w.shape[0]
-    P = triton.next_power_of_2(column_tiles(V, x.dtype))
-    C = C or epilogue_stats_rows(T, P)
-    kernel_args = row_kernel_args(class_weight, opts)
-    if count is None:
-        counts = torch.full((triton.cdiv(T, C),), C, device=x.device, dtype=torch.int32)  # rows past T: clamped
-    else:
-        counts = chunk_row_counts(count, T, C)
-        loss_tok.zero_()
-        if entropy is not None:
-            entropy.zero_()
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        y_c = target[c0:c1]
-        parts, target_logit = stats_partials(c1 - c0, V, x.device, x.dtype, entropy=entropy is not None)
-        logits_stats_rows(x[c0:c1], w, b, y_c, counts[i], parts, target_logit, class_weight=class_weight,
-                          softcap=opts.softcap, label_smoothing=opts.label_smoothing, logit_scale=opts.logit_scale)
-        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
-                        entropy=None if entropy is None else entropy[c0:c1],
-                        row_count=None if count is None else counts[i:i + 1], **kernel_args)
-
-
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
-                 tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None,
-                 stats_in_epilogue: bool = False, count: torch.Tensor | None = None):
+                 tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None):
     """Per-token loss and row statistics, no gradient: one GEMM's work within 64 MiB.
 
     x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`).
     chunk_tokens: whole-row chunks of that many tokens. Otherwise [C, Vs] tiles, `chunk_plan.loss_tile`
     (or `tile` = (C, Vs), for tests). entropy: a [T] fp32 buffer to receive each token's entropy of
-    softmax(s) (0 where ignored), or None (the statistic is compiled out). stats_in_epilogue: the row
-    statistics come out of the logits GEMM's epilogue and no logits are written (`kernels.logits_stats`;
-    chunk_tokens, if given, sets its chunk); opt-in until timed on a GPU. count (with stats_in_epilogue):
-    the rows are sorted valid-first and this device tensor counts the valid ones; the work past it is
-    skipped without a host sync, its loss and entropy are 0 and its stats are not computed.
+    softmax(s) (0 where ignored), or None (the statistic is compiled out).
     """
     T, V = x.shape[0], w.shape[0]
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x.device, dtype=torch.float32)
-    if stats_in_epilogue:
-        _run_epilogue_stats(x, w, b, target, class_weight, opts, chunk_tokens, loss_tok=loss_tok, stats=stats,
-                            entropy=entropy, count=count)
-        return loss_tok, stats
-    if count is not None:
-        raise ValueError("count needs stats_in_epilogue=True")
     if chunk_tokens:
         C, Vs = chunk_tokens, V
     else:

@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from fusedkern.chunked import (LossOptions, chunk_row_counts, grad_buffers, logits_buffer, plan_for_grads,
-                               row_kernel_args)
+from fusedkern.chunked import LossOptions, grad_buffers, logits_buffer, plan_for_grads, row_kernel_args
 from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows, logits_rows
+
+
+def chunk_row_counts(count: torch.Tensor, n_tokens: int, chunk: int) -> torch.Tensor:
+    """[n_chunks] int32 on the device: the valid rows of each chunk, clamp(count − c0, 0, chunk)."""
+    starts = torch.arange(0, n_tokens, chunk, device=count.device, dtype=torch.int64)
+    return (count.reshape(()).to(torch.int64) - starts).clamp_(0, chunk).to(torch.int32)
 
 
 def counted_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, grad_scale: torch.Tensor,

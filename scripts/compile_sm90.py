@@ -9,7 +9,6 @@ first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptx
   H200 picks) in each launch mode, flags off and on;
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
   wide/narrow pair and dW's three epilogues;
-- the statistics-epilogue GEMM (`logits_stats`, bf16, TMA) at every autotune candidate, options off and on;
 - the distillation row kernel (`distill_rows`, bf16 student and teacher) for each divergence, options off and on,
   and loss only.
 Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
@@ -39,7 +38,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedkern.kernels import ce_rows, distill_rows, fused_ce, logits_stats, rowcount_gemm, scale  # noqa: E402
+from fusedkern.kernels import ce_rows, distill_rows, fused_ce, rowcount_gemm, scale  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 
@@ -126,20 +125,6 @@ def gemm_cases() -> list:
             cases.append(("gemm_dw", rg._dw_kernel, gemm_signature(rg._dw_kernel, {**count, "dw_ptr": out}),
                           dict(common, ACCUMULATE=accumulate, EPI_MODE=mode), rg._configs("dw", False)[0]))
     return cases
-
-
-def stats_cases() -> list:
-    """(name, kernel, signature, flags, config) of the statistics-epilogue GEMM (`logits_stats`, bf16, TMA):
-    options off and on (bias, softcap, temperature, smoothing with class weights, entropy), at each autotune
-    candidate."""
-    kernel = logits_stats._logits_stats_kernel
-    signature = gemm_signature(kernel, {"target_ptr": "*i64", "class_weight_ptr": "*fp32", "part_ptr": "*fp32",
-                                        "target_logit_ptr": "*fp32", "count_ptr": "*i32"})
-    signature.update(softcap="fp32", logit_scale="fp32")
-    return [("stats_gemm", kernel, signature,
-             dict(HAS_BIAS=on, HAS_SOFTCAP=on, HAS_SCALE=on, HAS_SMOOTHING=on, HAS_WEIGHT=on, HAS_ENTROPY=on,
-                  USE_TMA=True, DOT_PRECISION="tf32"), config)
-            for on in (False, True) for config in logits_stats._CONFIGS]
 
 
 DISTILL_SIGNATURE = {
@@ -252,7 +237,7 @@ def main() -> int:
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args
     only = args[args.index("--only") + 1] if "--only" in args else ""
-    every = runs + fused_cases() + gemm_cases() + stats_cases() + distill_cases()
+    every = runs + fused_cases() + gemm_cases() + distill_cases()
     for name, kernel, signature, flags, config in every:
         blocks = " ".join(f"{k}={v}" for k, v in config.kwargs.items() if k.startswith("BLOCK"))
         line = f"{name} {blocks} warps={config.num_warps} stages={config.num_stages} {flags}"

@@ -121,8 +121,7 @@ elif [ "$part" = rest ]; then
         # shellcheck disable=SC2086
         step "ce_loss_only_$tokens" 90 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
             --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
-            fusedkern_stats_in_epilogue fusedkern_stats_in_epilogue_device_count huggingface_bf16 \
-            transformers_loss liger quack --append --out "$res/ce_llama3_loss_only.csv"
+            huggingface_bf16 transformers_loss liger quack --append --out "$res/ce_llama3_loss_only.csv"
     done
     for tokens in 8192 32768; do
         # shellcheck disable=SC2086

@@ -149,19 +149,6 @@ def test_ce_sweep_fusedkern_chunked():
     assert all(r["loss"] == pytest.approx(_fp64_ce_loss(8), rel=1e-5) for r in rows)
 
 
-@needs_fusedkern
-def test_ce_sweep_stats_in_epilogue_times_the_loss_only_mode():
-    """The opt-in statistics-epilogue pass has no gradient path: the sweep times its loss_only mode only."""
-    providers = ["fusedkern_stats_in_epilogue", "fusedkern_stats_in_epilogue_device_count", "torch_fp32_upcast"]
-    rows = sweeps.run_sweep("ce", [16], providers=providers, workloads=["dense", "masked_50"], seq=8,
-                            modes=["loss_only"], **CPU_ONE_REP)
-    assert sorted((r["provider"], r["workload"]) for r in rows) == sorted(
-        (p, w) for p in providers for w in ("dense", "masked_50"))
-    for workload in ("dense", "masked_50"):  # the same mean over the valid tokens as torch's
-        losses = [r["loss"] for r in rows if r["workload"] == workload]
-        assert all(r["note"] == "" for r in rows) and losses == pytest.approx([losses[-1]] * 3, rel=1e-5)
-
-
 def test_simpo_sweep_matches_the_fp64_reference():
     providers = ["huggingface_fp32", "cublas_3gemm"]
     if _fusedkern_ready():

@@ -451,17 +451,15 @@ def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor
 def merge_row_stats(parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, vocab: int, *,
                     loss: torch.Tensor, stats: torch.Tensor, class_weight: torch.Tensor | None,
                     class_weight_sum: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-                    softcap: float | None, entropy: torch.Tensor | None = None, logit_scale: float = 1.0,
-                    row_count: torch.Tensor | None = None) -> None:
+                    softcap: float | None, entropy: torch.Tensor | None = None, logit_scale: float = 1.0) -> None:
     """lse, loss and stats [2, C] of every row (and its entropy [C] when given: then `parts` has the
-    entropy's statistic) from the partials of all its tiles (`row_stats_tile`). row_count: a one-element
-    int device tensor; rows at or past it are skipped (nothing written)."""
+    entropy's statistic) from the partials of all its tiles (`row_stats_tile`)."""
     C, P = parts.shape[1], parts.shape[2]
     assert (entropy is not None) == (parts.shape[0] == 4)
     _launch_finish(None, target, target_logit, parts, (C, 1), P, _span(vocab, P), loss=loss, stats=stats,
                    class_weight=class_weight, class_weight_sum=class_weight_sum, grad=None, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, compute_stats=True,
-                   per_token_grad=False, vocab=vocab, entropy=entropy, logit_scale=logit_scale, row_count=row_count)
+                   per_token_grad=False, vocab=vocab, entropy=entropy, logit_scale=logit_scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Elementwise fp32 math shared by the row kernels (`ce_rows`), the fused kernels (`fused_ce`) and the
-statistics epilogue (`logits_stats`): a tanh that also runs in Triton's interpreter (no libdevice there),
-the softcapped and scaled logit, and expm1 / log1p without the cancellation of their naive forms, on which
-the target's p_y − 1 and the log-sum-exp's log(1 + rest) depend."""
+"""Elementwise fp32 math shared by the row kernels (`ce_rows`, `distill_rows`) and the fused kernels
+(`fused_ce`): a tanh that also runs in Triton's interpreter (no libdevice there), the softcapped and scaled
+logit, and expm1 / log1p without the cancellation of their naive forms, on which the target's p_y − 1 and
+the log-sum-exp's log(1 + rest) depend."""
 
 from __future__ import annotations
 

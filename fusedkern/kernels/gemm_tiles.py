@@ -1,4 +1,4 @@
-"""Building blocks of the persistent Triton GEMMs (`rowcount_gemm`, `logits_stats`): on the device, an
+"""Building blocks of the persistent Triton GEMMs (`rowcount_gemm`): on the device, an
 operand as a TMA descriptor or a pointer, the grouped tile order, the K loop on either load path, and
 the epilogue that stores (or adds) an output tile; on the host, which tensors a descriptor can address,
 the choice of load path, the scratch allocator that device-side descriptors need, the row-count check

@@ -74,11 +74,6 @@ _STYLES: dict[str, dict] = {
                                            linewidth=2.0),
     "fusedkern_chunked_lean_counted": dict(color="#fdae6b", marker="d", label="fusedkern lean, host count"),
     "fusedkern_fused": dict(color="#9467bd", marker="P", label="fusedkern fused"),
-    # loss only: the row statistics in the logits GEMM's epilogue, no logits written (with a device count:
-    # the ignored rows skipped)
-    "fusedkern_stats_in_epilogue": dict(color="#8c564b", marker="h", label="fusedkern, stats in GEMM epilogue"),
-    "fusedkern_stats_in_epilogue_device_count": dict(color="#bcbd22", marker="H",
-                                                     label="fusedkern, stats in epilogue, device count"),
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),

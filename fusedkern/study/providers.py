@@ -189,33 +189,6 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
-def _ce_fusedkern_stats_in_epilogue(device_count: bool) -> Callable[[Inputs], dict[str, Step]]:
-    """Loss only, the row statistics in the logits GEMM's epilogue and no logits written
-    (`chunked.chunked_loss(stats_in_epilogue=True)`, opt-in until timed): the mean over valid tokens, as
-    the other providers return it. device_count: inside the timed step, the rows are sorted valid-first
-    and counted on the device, and the kernels skip the ignored ones."""
-    def build(inp: Inputs) -> dict[str, Step]:
-        from fusedkern.chunked import LossOptions, chunked_loss
-        from fusedkern.linear_cross_entropy import valid_rows_first
-
-        x2d, w, y = inp.x2d().detach(), inp.w.detach(), inp.target.reshape(-1)
-        opts = LossOptions(ignore_index=IGNORE_INDEX, softcap=inp.softcap)
-
-        def loss_only(_):
-            count = (y != IGNORE_INDEX).sum()
-            if device_count:
-                rows = valid_rows_first(y, IGNORE_INDEX)
-                loss_tok, _ = chunked_loss(x2d.index_select(0, rows), w, None, y.index_select(0, rows), None, opts,
-                                           stats_in_epilogue=True, count=count)
-            else:
-                loss_tok, _ = chunked_loss(x2d, w, None, y, None, opts, stats_in_epilogue=True)
-            return loss_tok.sum() / count
-
-        return {"loss_only": Step(loss_only)}
-
-    return build
-
-
 def _ce_liger(inp: Inputs) -> dict[str, Step]:
     _require_cuda(inp, "Liger-Kernel")
     try:  # the public module, what users call
@@ -719,8 +692,6 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked")),
             Provider("fusedkern_chunked_lean", _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
-            Provider("fusedkern_stats_in_epilogue", _ce_fusedkern_stats_in_epilogue(False)),  # loss only
-            Provider("fusedkern_stats_in_epilogue_device_count", _ce_fusedkern_stats_in_epilogue(True)),
             Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
             Provider("fusedkern_chunked_lean_counted",
                      _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
