@@ -9,7 +9,8 @@
 #                                       # into OUTDIR/triton_cache.tar.xz
 #   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085, on the machine cold left warm: the honest
 #                                       # table, dense and masked 50 (QuACK, Liger CuTe and Triton, Transformers'
-#                                       # loss, the seed baseline, peers +gather, both floors), one size a process
+#                                       # loss, the seed baseline, peers +gather, both floors), one size and
+#                                       # workload a process
 #   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the loss-only pass and
 #                                       # masked 30/70
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
@@ -23,6 +24,8 @@ part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
 budget=${CALL_BUDGET_S:-585}
+# QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
+export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
 res="${TMPDIR:-/tmp}/gpu_results_$part"
 rm -rf "$res" && mkdir -p "$res"
 site="${TMPDIR:-/tmp}"/site_gpu
@@ -106,15 +109,20 @@ else
     fi
 fi
 if [ "$part" = table ]; then
-    # One size per bench process, appended to one CSV: the bench writes a size only once all its providers ran,
-    # and on 2026-12-06 (H100) each step ran past its cap while the peers compiled the next size, keeping only
-    # 4096 tokens. A size that does not finish now loses only itself.
+    # One size and workload per bench process, appended to one CSV per workload: the bench writes a size only
+    # once all its providers warmed up and ran. On 2026-12-06 (H100) dense and masked_50 together at 8192 tokens
+    # (16 providers) wrote nothing in 200 s; each alone had finished at 4096 tokens in 150-170 s. Each provider's
+    # warm-up time is in the step's log. The CuTe DSL's compiled kernels are shared between the processes
+    # (CUTE_DSL_CACHE_DIR, set at the top).
     for tokens in 8192 32768 16384 4096; do
         # shellcheck disable=SC2086
-        step "ce_full_$tokens" 200 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes full --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid fusedkern_chunked \
-            fusedkern_chunked_lean fusedkern_chunked_counted fusedkern_chunked_device_count $peers $gathered \
-            --append --out "$res/ce_llama3_full.csv"
+        step "ce_dense_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
+            --append --out "$res/ce_llama3_dense.csv"
+        # shellcheck disable=SC2086
+        step "ce_masked_50_$tokens" 200 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+            --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
+            $gathered --append --out "$res/ce_llama3_masked_50.csv"
     done
 elif [ "$part" = rest ]; then
     for tokens in 8192 32768; do
