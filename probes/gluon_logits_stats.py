@@ -20,7 +20,9 @@ Design (explicit Hopper: TMA, mbarriers, async wgmma, warp specialization)
         modes (constexpr COOP):
         - ping-pong (c2): the CTA's i-th tile belongs to consumer i % 2.  The ring is one FIFO, so tile i+1's
           loads start once tile i's are issued: consumer 1's main loop starts while consumer 0 finishes its last
-          K blocks and runs while consumer 0 does its epilogue, and vice versa (CUTLASS's "Pingpong").
+          K blocks and runs while consumer 0 does its epilogue, and vice versa (CUTLASS's "Pingpong").  The main
+          loops take turns through two `order` mbarriers (CUTLASS's math_wg_order_barrier): consumer c starts
+          tile i once the other consumer has passed all ready-waits of tile i-1 (see PING-PONG FIX below).
         - cooperative (coop): both consumers work on every tile, consumer c on rows [c*BM/2, (c+1)*BM/2) of the
           X slot (a shared-memory row slice) against the whole W slot; `empty[s]` counts 2 arrivals.
         Main loop (both modes): wait ready[s], async wgmma from shared memory (B = W tile permuted to K-major
@@ -42,11 +44,40 @@ Configs (BMxBNxBK, stages, mode; H100: 227 KiB shared memory per block, 64K regs
     the producer).  Stages are capped to what fits next to the logits buffers (2 per consumer: the tile is
     stored in two column halves, so only half of it is held in bf16 at once - storing it whole spilled).
     "128x256x64s4coop" (first) 4 x 48 KiB stages (3 with logits); smem 196824 / 213232 B; 0 spills.
-    "128x128x64s6c2"   ping-pong, 6 x 32 KiB (5 with logits); smem 196856 / 229648 B; 0 spills.
+    "128x128x64s6c2"   ping-pong, 6 x 32 KiB (5 with logits); smem 196888 / 229688 B; 0 spills.
     "128x128x64s6c1"   one consumer (maxnreg 136 -> 232/40), the fallback without a second warpgroup;
                        smem 196820 / 229588 B; 0 spills.
-    "64x256x64s6c2"    (optional) ping-pong with m64n256 wgmma; 5 (4) x 40 KiB; smem 205040 / 229624 B; 0 spills.
+    "64x256x64s6c2"    (optional) ping-pong with m64n256 wgmma; 5 (4) x 40 KiB; smem 205080 / 229656 B; 0 spills.
+    A trailing "gN" sets GROUP_M (default 16), e.g. "128x256x64s4coopg8": same kernel, other tile order.
     Stats / logits variants: regs = the launch cap (168, 136 for c1); stack 0; ptxas spill stores/loads 0.
+
+GPU OUTCOME 2026-12-06 (H100, data/measured/h100/gluon_logits_stats.log; p50 ratio to cuBLAS torch.mm)
+    coop 128x256x64s4coop: correct (T=300 and the study shape); stats 0.997x at T=4096, 1.035x at T=8192
+    (logits 1.020x / 1.051x).  c1 128x128x64s6c1: correct; 1.42-1.48x.  c2 128x128x64s6c2: correct at T=300,
+    then "CUDA error: unspecified launch failure" at T=4096 V=128256, which killed the process.
+    Next: the 8192 gap may be L2 (GROUP_M=16 x 128 rows = a 16 MiB X panel): try coop g8 and g4 at 8192.
+
+PING-PONG FIX (found by reading the code; not yet run on a GPU)
+    The ring's waits are parity waits: mbarrier.wait(ready[s], p) passes as soon as the barrier's completed-phase
+    count has parity != p, so it also passes when the waiter is an ODD number of fills ahead of the slot.  c2's
+    consumers skip the other consumer's K blocks (base = i * k_tiles, correct), which puts consumer 1's first
+    waits STAGES+ fills ahead: study shape, k_tiles = 64, STAGES 6 -> consumer 1's first K block is ring count
+    64 = slot 4, fill 10, parity 0, and that wait passed on fill 0 (count 4, consumer 0's data).  Consumer 1 then
+    ran on wrong/unlanded slots and released them (empty[s] counts 1 arrival: it freed slots consumer 0 was
+    still reading), so the producer overran the ring; the phases desynchronize for good (double arrivals on
+    ready/empty, TMA writes into slots being read, consumers exiting with TMA loads still in flight into the
+    CTA's shared memory - the likely source of the launch failure; the desync itself is certain, the exact
+    fault is not).  Consumer 0 had the same hazard from its second tile on.  At T=300 (120 tiles, 120 CTAs)
+    consumer 1 never ran, so the check passed.  Fix: consumer c waits order[c] before tile i's main loop and
+    arrives on order[1-c] after its last ready-wait of the tile, so no ready-wait runs ahead of its slot.  A
+    Python model of the protocol (random interleavings) fails in every run with k_tiles >= STAGES without the
+    turns and in none with them.
+
+CORRECTNESS CHECK (--bench; each config in a child process so a context-killing fault costs only that config)
+    T=300 H=512 V=5000 (ragged in T and V) at the full grid, the same with the grid capped to CHECK_CTAS = 7
+    (each CTA owns 17-18 tiles of 128x128 / 8-9 of 128x256, both ping-pong consumers take 8-9 each, every ring
+    slot's phase wraps 16-27 times, odd and even tile counts per CTA), then T=4096 H=4096 V=128256; each with and
+    without the logits store, NaN-poisoned outputs, 30 s hang deadline per launch.
 
 PREDICTION (written before any GPU run)
     FLOPs = 2*T*H*V = 4.30e12 at T = 4096 (8.61e12 at 8192).  Bytes (compulsory): W 1.05 GB + X 33.6 MB
@@ -67,11 +98,14 @@ PREDICTION (written before any GPU run)
 
 Usage
     TRITON_INTERPRET=0 python probes/gluon_logits_stats.py --compile [--configs 128x128x64s6c2,...]
-    TRITON_INTERPRET=0 python probes/gluon_logits_stats.py --bench --tokens 4096,8192 \
-        --out $OUT/gluon_logits_stats.csv [--configs 128x256x64s4coop,128x128x64s6c2,128x128x64s6c1] [--reps 25]
-    --bench: (1) correctness per config: T=300 H=512 V=5000 (ragged) and T=4096 H=4096 V=128256, both
-    WRITE_LOGITS, NaN-poisoned outputs; (2) timing of cuBLAS and the configs that passed, shuffled rounds.
-    Exits 3 with "HANG" if a launch does not finish within its deadline (a pipeline deadlock).
+    NEXT GPU RUN (priority order: coop g16, coop g8, c2 fixed, c1; coop g4 last, cheap; ~2-3 min in all):
+    TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench --tokens 4096,8192 \
+        --configs 128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2,128x128x64s6c1,128x256x64s4coopg4 \
+        --out $OUT/gluon_logits_stats.csv
+    --bench: (1) the correctness checks above per config; (2) timing of cuBLAS and the configs that passed,
+    --reps (25) shuffled rounds.  --max-ctas N caps the persistent grid (timing and full-grid checks; default
+    #SMs); --check-only runs only the checks in-process; --no-isolate checks in the bench process.
+    A check child that hangs exits 3 with "HANG" (a pipeline deadlock); the config is then left out.
 """
 import argparse
 import os
@@ -90,10 +124,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 LOG2E = gl.constexpr(1.4426950408889634)
 SMEM_LIMIT = 232448  # sm_90: 227 KiB of dynamic shared memory per block
-DEFAULT_CONFIGS = "128x256x64s4coop,128x128x64s6c2,128x128x64s6c1"
+#: priority order of the next GPU run: cooperative at GROUP_M 16 and 8, ping-pong (fixed), one consumer
+DEFAULT_CONFIGS = "128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2,128x128x64s6c1"
 DEVICE = "cuda"
-#: (T, H, V) of --bench's correctness checks: small and ragged in T and V, then one study shape
-CHECK_SHAPES = ((300, 512, 5000), (4096, 4096, 128256))
+#: (T, H, V, grid cap) of --bench's correctness checks; cap 0 = the launch's own grid (#SMs or --max-ctas).
+#: The small ragged shape has 120 (c1/c2) or 60 (coop) tiles: at the full grid every CTA owns one tile, so
+#: ping-pong's consumer 1 never runs and no ring phase wraps; with 7 CTAs each CTA owns 17-18 (8-9) tiles
+#: (odd and even counts), both ping-pong consumers take 8-9 tiles each, and with 8 K blocks per tile every
+#: ring slot's phase wraps 16-27 times.  The study shape (64 K blocks per tile) is checked last.
+CHECK_CTAS = 7
+CHECK_SHAPES = ((300, 512, 5000, 0), (300, 512, 5000, CHECK_CTAS), (4096, 4096, 128256, 0))
 
 
 # --------------------------------------------------------------------------------------------------- kernel
@@ -136,7 +176,7 @@ def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tile
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
+def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order,
               part_max_ptr, part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER: gl.constexpr,
               WRITE_LOGITS: gl.constexpr, COOP: gl.constexpr):
@@ -147,6 +187,7 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     FIRST: gl.constexpr = CONSUMER * (1 - COOP)  # the CTA-local index of this consumer's first tile
     STEP: gl.constexpr = NUM_CONSUMERS - (NUM_CONSUMERS - 1) * COOP
+    PINGPONG: gl.constexpr = (NUM_CONSUMERS == 2) and (COOP == 0)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -159,6 +200,16 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
         off_m = pid_m * TILE_M + CONSUMER * BLOCK_M * COOP
         off_n = pid_n * BLOCK_N
         base = i * k_tiles  # ring position of this tile's first K block (the producer's count)
+        if PINGPONG:
+            # The ring's waits are parity waits: wait(ready[s], p) passes as soon as the barrier's current
+            # phase parity differs from p, so a waiter must never be an odd number of fills AHEAD of the slot
+            # (it would pass on an older fill: the other consumer's K block, or a fill not yet landed).
+            # Skipping the other consumer's k_tiles K blocks puts this consumer's first STAGES waits exactly
+            # there unless the other consumer has already waited on all of its previous tile's K blocks.
+            # So the main loops take turns (CUTLASS Pingpong's math_wg_order_barrier): consumer c starts its
+            # n-th tile once the other consumer arrived on order[c] after its previous tile's K loop.
+            # Consumer 0's first tile passes at once (a fresh barrier has completed the phase before 0).
+            mbarrier.wait(order.index(CONSUMER), ((i // 2) & 1) ^ (1 - CONSUMER))
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         prev = 0
         for k in range(k_tiles):
@@ -174,6 +225,8 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
             mbarrier.arrive(empty.index(prev), pred=k > 0)
             prev = slot
+        if PINGPONG:  # all of this tile's ready waits are done: the other consumer's main loop may start
+            mbarrier.arrive(order.index(1 - CONSUMER))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(prev))
         i += STEP
@@ -213,13 +266,13 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
 
 
 @gluon.jit
-def _consumer_worker(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty,
+def _consumer_worker(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order,
                      part_max_ptr, part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n,
                      k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                      WRITE_LOGITS: gl.constexpr, COOP: gl.constexpr):
-    _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, part_max_ptr, part_sum_ptr, target_ptr,
-              target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M, STAGES, NUM_CONSUMERS, 1,
-              WRITE_LOGITS, COOP)
+    _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr, part_sum_ptr,
+              target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M, STAGES, NUM_CONSUMERS,
+              1, WRITE_LOGITS, COOP)
 
 
 @gluon.jit
@@ -240,9 +293,12 @@ def _logits_stats_kernel(x_desc, w_desc, c_desc, part_max_ptr, part_sum_ptr, tar
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1, 8, 64], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong main-loop turns
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1 + (NUM_CONSUMERS - 1) * COOP)  # cooperative: both release
+    for c in gl.static_range(2):
+        mbarrier.init(order.index(c), count=1)
     fence_async_shared()
 
     num_m = gl.cdiv(T, BLOCK_M)
@@ -250,19 +306,19 @@ def _logits_stats_kernel(x_desc, w_desc, c_desc, part_max_ptr, part_sum_ptr, tar
     k_tiles = gl.cdiv(H, BLOCK_K)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, part_max_ptr, part_sum_ptr,
-                         target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M, STAGES,
-                         NUM_CONSUMERS, 0, WRITE_LOGITS, COOP)),
-            (_consumer_worker, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, part_max_ptr,
+            (_consumer, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr,
+                         part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M,
+                         STAGES, NUM_CONSUMERS, 0, WRITE_LOGITS, COOP)),
+            (_consumer_worker, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr,
                                 part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles,
                                 GROUP_M, STAGES, NUM_CONSUMERS, WRITE_LOGITS, COOP)),
             (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, part_max_ptr, part_sum_ptr,
-                         target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M, STAGES,
-                         NUM_CONSUMERS, 0, WRITE_LOGITS, COOP)),
+            (_consumer, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr,
+                         part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M,
+                         STAGES, NUM_CONSUMERS, 0, WRITE_LOGITS, COOP)),
             (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
         ], [1], [PRODUCER_REGS])
 
@@ -395,7 +451,7 @@ def compile_main(configs: list) -> int:
 class Launcher:
     """Buffers and descriptors for one (config, shape); `__call__` launches the kernel once."""
 
-    def __init__(self, config: dict, write_logits: bool, x, w, targets, logits=None):
+    def __init__(self, config: dict, write_logits: bool, x, w, targets, logits=None, max_ctas: int = 0):
         import torch
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -419,7 +475,7 @@ class Launcher:
         self.targets = targets
         self.T, self.V, self.H = T, V, H
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        self.grid = (min(sms, triton.cdiv(T, bm) * self.n_col_tiles), )
+        self.grid = (min(max_ctas if max_ctas > 0 else sms, triton.cdiv(T, bm) * self.n_col_tiles), )
 
     def poison(self):
         for buf in (self.part_max, self.part_sum, self.target_logit):
@@ -468,8 +524,9 @@ def make_inputs(T: int, H: int, V: int, seed: int = 0):
     return x, w, targets
 
 
-def check(config: dict, T: int, H: int, V: int) -> bool:
-    """Every output element written (NaN poison gone) and equal to torch fp32 from the same bf16 inputs."""
+def check(config: dict, T: int, H: int, V: int, max_ctas: int = 0) -> bool:
+    """Every output element written (NaN poison gone) and equal to torch fp32 from the same bf16 inputs;
+    max_ctas > 0 caps the persistent grid (each CTA then walks many tiles)."""
     import torch
     x, w, targets = make_inputs(T, H, V)
     ref = x.float() @ w.float().t()
@@ -479,10 +536,10 @@ def check(config: dict, T: int, H: int, V: int) -> bool:
     ok = True
     for write_logits in (False, True):
         logits = torch.empty(T, V, device=DEVICE, dtype=torch.bfloat16) if write_logits else None
-        run = Launcher(config, write_logits, x, w, targets, logits)
+        run = Launcher(config, write_logits, x, w, targets, logits, max_ctas)
         run.poison()
         run()
-        finish_or_die(f"{config['name']} WRITE_LOGITS={write_logits} T={T}")
+        finish_or_die(f"{config['name']} WRITE_LOGITS={write_logits} T={T} grid={run.grid[0]}")
         problems = []
         for name, buf in (("part_max", run.part_max), ("part_sum", run.part_sum)):
             if not torch.isfinite(buf).all():
@@ -503,13 +560,50 @@ def check(config: dict, T: int, H: int, V: int) -> bool:
             if not logit_err <= 1e-2 * ref.abs().max().item() + 1e-3:
                 problems.append(f"logits max err {logit_err:.3g}")
         status = "ok" if not problems else "FAIL " + "; ".join(problems)
-        print(f"check {config['name']} WRITE_LOGITS={write_logits} T={T} H={H} V={V}: lse_err={lse_err:.2e} "
-              f"tgt_err={tgt_err:.2e} {status}", flush=True)
+        print(f"check {config['name']} WRITE_LOGITS={write_logits} T={T} H={H} V={V} grid={run.grid[0]}: "
+              f"lse_err={lse_err:.2e} tgt_err={tgt_err:.2e} {status}", flush=True)
         ok &= not problems
         del run, logits
     del ref
     torch.cuda.empty_cache()
     return ok
+
+
+def check_config(config: dict, max_ctas: int = 0) -> bool:
+    """All of CHECK_SHAPES for one config (a shape's own grid cap, else max_ctas); stops at the first failure."""
+    try:
+        return all(check(config, T, H, V, cap or max_ctas) for T, H, V, cap in CHECK_SHAPES)
+    except Exception as error:  # noqa: BLE001  (a config the device rejects: report, try the next)
+        print(f"check {config['name']}: ERROR {type(error).__name__}: {str(error)[-800:]}", flush=True)
+        return False
+
+
+def check_isolated(config: dict, max_ctas: int, timeout: float = 150.0) -> bool:
+    """check_config in a child process: a kernel that kills its CUDA context (e.g. 'unspecified launch
+    failure', which took the whole process down on 2026-12-06) then costs only this config."""
+    command = [sys.executable, os.path.abspath(__file__), "--check-only", "--configs", config["name"],
+               "--max-ctas", str(max_ctas)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "TRITON_INTERPRET": "0"})
+    except subprocess.TimeoutExpired as error:
+        print((error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else
+              (error.stdout or ""), end="", flush=True)
+        print(f"check {config['name']}: TIMEOUT after {timeout:.0f} s (child killed)", flush=True)
+        return False
+    print(done.stdout, end="", flush=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        print(f"check {config['name']}: child exit {done.returncode}" + (f"; stderr tail: {lines[-1][-300:]}"
+                                                                           if lines else ""), flush=True)
+    return done.returncode == 0
+
+
+def check_main(args) -> int:
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ok = [check_config(parse_config(c), args.max_ctas) for c in args.configs.split(",")]
+    return 0 if all(ok) else 1
 
 
 def bench_main(args) -> int:
@@ -523,12 +617,8 @@ def bench_main(args) -> int:
     configs = [parse_config(c) for c in args.configs.split(",")]
     gpu = torch.cuda.get_device_name()
     good = []
-    for config in configs:  # (1) correctness: small ragged shape, then one study shape
-        try:
-            ok = all(check(config, *shape) for shape in CHECK_SHAPES)
-        except Exception as error:  # noqa: BLE001  (a config the device rejects: report, try the next)
-            print(f"check {config['name']}: ERROR {type(error).__name__}: {str(error)[-800:]}", flush=True)
-            ok = False
+    for config in configs:  # (1) correctness: CHECK_SHAPES, each config in its own process unless --no-isolate
+        ok = check_config(config, args.max_ctas) if args.no_isolate else check_isolated(config, args.max_ctas)
         if ok:
             good.append(config)
     print(f"correctness done in {time.time() - t0:.0f} s; timing {[c['name'] for c in good]}", flush=True)
@@ -541,7 +631,8 @@ def bench_main(args) -> int:
         for config in good:
             for write_logits in (True, False):
                 name = f"gluon_ws_{config['name']}_{'logits' if write_logits else 'stats'}"
-                providers[name] = Launcher(config, write_logits, x, w, targets, logits if write_logits else None)
+                providers[name] = Launcher(config, write_logits, x, w, targets, logits if write_logits else None,
+                                           args.max_ctas)
         for fn in providers.values():  # warm-up (compiles every variant once)
             for _ in range(3):
                 fn()
@@ -591,7 +682,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile", action="store_true", help="lower every variant to sm_90a on the CPU")
     parser.add_argument("--bench", action="store_true", help="correctness + timing on the GPU")
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma list, best first, e.g. 128x128x64s6c2")
+    parser.add_argument("--check-only", action="store_true", help="only the correctness checks (GPU), in-process")
+    parser.add_argument("--no-isolate", action="store_true", help="--bench: check configs in this process")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="comma list, best first, e.g. 128x128x64s6c2 or 128x256x64s4coopg8 (GROUP_M 8)")
+    parser.add_argument("--max-ctas", type=int, default=0,
+                        help="cap the persistent grid (default 0: #SMs) for the timing and the full-grid checks")
     parser.add_argument("--tokens", default="4096,8192")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -600,6 +696,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.compile:
         return compile_main([parse_config(c) for c in args.configs.split(",")])
+    if args.check_only:
+        return check_main(args)
     if args.bench:
         return bench_main(args)
     parser.print_help()
