@@ -386,3 +386,23 @@ if valid_run is not None:
     by_valid = both_floors["× cublas_3gemm_valid"].iloc[:, 0].drop("cublas_3gemm").sort_values()
     print("× the valid-row floor, fastest first: "
           + ", ".join(f"{plotting.label_for(p)} {r:.3f}" for p, r in by_valid.items()))
+
+# %% [markdown]
+# ## The count's memory on a large-vocabulary head
+#
+# With the count passed, the ignored rows are gathered out of the way; where the gathered rows live decides the
+# peak. Gemma-2's head (V 256000, H 2304, softcap 30) at 6144 tokens, half of every sequence ignored, fusedkern
+# alone beside both floors in one shuffled run on an H100 (`scripts/gpu_calls.sh OUTDIR cold`). The memory model
+# (`fusedkern.study.memory_model`, docs/design.md "The counted paths' memory") predicted 2250.1 / 1500.1 / 2250.2
+# MiB for the dense path / host count / device count before the run.
+
+# %%
+gemma_path = data_dir / "measured" / "h100" / "ce_gemma2_counted.csv"
+gemma_run = results.load_measured(gemma_path, workload="masked_50") if gemma_path.exists() else None
+if gemma_run is not None:
+    print(results.provenance(gemma_run.attrs["meta"], "data/measured/h100/ce_gemma2_counted.csv"))
+    gemma_floors = tables.two_floor_table(gemma_run, "masked_50")
+    display(gemma_floors.round(3))
+    gemma_memory = gemma_run[gemma_run["provider"].str.startswith("fusedkern")].set_index("provider")["peak_extra_mib"]
+    print("peak extra memory, MiB (beyond inputs, dX and dW): "
+          + ", ".join(f"{plotting.label_for(p)} {m:.1f}" for p, m in gemma_memory.items()))
