@@ -103,7 +103,9 @@ Usage
         --configs 128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2,128x128x64s6c1,128x256x64s4coopg4 \
         --out $OUT/gluon_logits_stats.csv
     --bench: (1) the correctness checks above per config; (2) timing of cuBLAS and the configs that passed,
-    --reps (25) shuffled rounds.  --max-ctas N caps the persistent grid (timing and full-grid checks; default
+    --reps (25) shuffled rounds, beside the two loss-only passes: fusedkern's (`fusedkern_loss_only`, the tile
+    pass under no_grad) and each config's kernel + the merge of its partials into the mean loss (`_loss`; its
+    loss is printed beside fusedkern's).  --max-ctas N caps the persistent grid (timing and full-grid checks; default
     #SMs); --check-only runs only the checks in-process; --no-isolate checks in the bench process.
     A check child that hangs exits 3 with "HANG" (a pipeline deadlock); the config is then left out.
 """
@@ -606,6 +608,24 @@ def check_main(args) -> int:
     return 0 if all(ok) else 1
 
 
+def library_loss(x, w, targets):
+    """fusedkern's mean cross-entropy without a gradient (its default loss-only path)."""
+    import torch
+
+    import fusedkern
+    with torch.no_grad():
+        return fusedkern.linear_cross_entropy(x, w, targets)
+
+
+def gluon_loss(stats: "Launcher"):
+    """Mean cross-entropy over the valid rows from one launch's partials: lse − target logit."""
+    import torch
+    stats()
+    valid = stats.targets != -100
+    per_row = torch.where(valid, stats.reduce_partials() - stats.target_logit, 0.0)
+    return per_row.sum() / valid.sum()
+
+
 def bench_main(args) -> int:
     import csv
     import random
@@ -627,12 +647,22 @@ def bench_main(args) -> int:
     for T in [int(t) for t in args.tokens.split(",")]:
         x, w, targets = make_inputs(T, H, V)
         logits = torch.empty(T, V, device=DEVICE, dtype=torch.bfloat16)
-        providers = {"cublas_mm": lambda x=x, w=w: torch.mm(x, w.t())}
+        providers = {"cublas_mm": lambda x=x, w=w: torch.mm(x, w.t()),
+                     # the library's loss-only pass (tile pass: logits to HBM and back), what a Gluon loss would replace
+                     "fusedkern_loss_only": lambda x=x, w=w, t=targets: library_loss(x, w, t)}
         for config in good:
             for write_logits in (True, False):
                 name = f"gluon_ws_{config['name']}_{'logits' if write_logits else 'stats'}"
                 providers[name] = Launcher(config, write_logits, x, w, targets, logits if write_logits else None,
                                            args.max_ctas)
+            # the whole loss-only pass on this kernel: statistics, then the merge into a mean loss
+            stats = providers[f"gluon_ws_{config['name']}_stats"]
+            providers[f"gluon_ws_{config['name']}_loss"] = lambda stats=stats: gluon_loss(stats)
+        library = library_loss(x, w, targets).item()
+        for name in [n for n in providers if n.endswith("_loss")]:
+            value = providers[name]().item()
+            print(f"T={T} loss: fusedkern {library:.6f}, {name} {value:.6f} (difference {value - library:+.2e})",
+                  flush=True)
         for fn in providers.values():  # warm-up (compiles every variant once)
             for _ in range(3):
                 fn()
