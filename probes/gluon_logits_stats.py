@@ -632,6 +632,10 @@ def bench_main(args) -> int:
     import time
 
     import torch
+
+    from fusedkern.study.providers import Step
+    from fusedkern.study.timing import time_steps_interleaved
+    from fusedkern.study.workloads import Inputs
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     configs = [parse_config(c) for c in args.configs.split(",")]
@@ -663,33 +667,19 @@ def bench_main(args) -> int:
             value = providers[name]().item()
             print(f"T={T} loss: fusedkern {library:.6f}, {name} {value:.6f} (difference {value - library:+.2e})",
                   flush=True)
-        for fn in providers.values():  # warm-up (compiles every variant once)
-            for _ in range(3):
-                fn()
-        finish_or_die(f"warm-up T={T}", 120)
-        times = {name: [] for name in providers}
-        order = list(providers)
-        rng = random.Random(1234)
-        for _ in range(args.reps):
-            rng.shuffle(order)
-            events = []
-            for name in order:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                providers[name]()
-                end.record()
-                events.append((name, start, end))
-            finish_or_die(f"timing round T={T}", 60)
-            for name, start, end in events:
-                times[name].append(start.elapsed_time(end))
+        # the study's shuffled protocol (fusedkern.study.timing): one rep of each provider per round, a new order
+        # every round, CUDA events read after the round; three untimed reps first compile every variant
+        steps = {name: Step(run=lambda _, fn=fn: fn()) for name, fn in providers.items()}
+        timings = time_steps_interleaved(steps, Inputs(op="ce", x=x, w=w, target=targets), warmup=3,
+                                         reps=args.reps, min_reps=args.reps, max_case_s=1e9,
+                                         rng=random.Random(1234))
+        failed = {name: error for name, error in timings.items() if isinstance(error, BaseException)}
+        if failed:
+            raise RuntimeError(f"providers failed in their warm-up: {failed}")
         flops = 2.0 * T * H * V
-
-        def q(v, f):
-            v = sorted(v)
-            return v[min(len(v) - 1, int(f * len(v)))]
-        base = q(times["cublas_mm"], 0.5)
-        for name, v in times.items():
-            p20, p50, p80 = q(v, 0.2), q(v, 0.5), q(v, 0.8)
+        base = timings["cublas_mm"]["ms_p50"]
+        for name in providers:
+            p20, p50, p80 = (timings[name][k] for k in ("ms_p20", "ms_p50", "ms_p80"))
             row = dict(op="lm_head_logits_stats", provider=name, tokens=T, hidden=H, vocab=V, ms_p20=round(p20, 4),
                        ms_p50=round(p50, 4), ms_p80=round(p80, 4), ratio_to_cublas_p50=round(p50 / base, 4),
                        tflops_p50=round(flops / p50 / 1e9, 1), gpu=gpu, protocol="shuffled", workload="dense")
