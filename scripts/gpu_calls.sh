@@ -7,22 +7,26 @@
 #                                       # GPU suite from an empty Triton cache (wall time, passed/failed), the quick
 #                                       # selection on its cache, then from an empty one; the suite's cache packed
 #                                       # into OUTDIR/triton_cache.tar.xz
-#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085, on the machine cold left warm: the honest
-#                                       # table, dense and masked 50 (QuACK, Liger CuTe and Triton, Transformers'
-#                                       # loss, the seed baseline, peers +gather, both floors), one size and
+#   scripts/gpu_calls.sh OUTDIR table   # carry .whl/qb .whl/liger085, on the machine cold or probe left warm: the
+#                                       # honest table at 8192 tokens, dense and masked 50 (QuACK, Liger CuTe and
+#                                       # Triton, Transformers' loss, the seed baseline, peers +gather, both
+#                                       # floors), the loss-only and log-prob pass, masked 30/70; one size and
 #                                       # workload a process
-#   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the loss-only pass and
-#                                       # masked 30/70
+#   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the same at 32768, then 16384
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
+#   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
+#                                       # cold suite is measured): the Gluon probe, the quick selection on the
+#                                       # carried cache, the loss-only and log-prob pass at 32768 tokens; table
+#                                       # follows it on the same warm machine
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
 # in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|table|rest|warm}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -76,6 +80,18 @@ timing="--warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled -
 peers="huggingface_bf16 transformers_loss liger liger_cute_sm90 quack"
 gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cute_sm90_gather quack_gather"
 fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
+# the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
+# rows and over the valid rows (issue 31 item 3)
+loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_logprobs
+    fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
+gluon_configs=128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2
+
+# loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
+loss_only_step() {
+    # shellcheck disable=SC2086
+    step "ce_loss_only_$1" "$2" python3 -m fusedkern.bench ce --head llama3 --tokens "$1" $timing --modes loss_only \
+        --workload dense masked_50 --providers $loss_only --append --out "$res/ce_llama3_loss_only.csv"
+}
 
 if [ "$part" = cold ]; then
     # issue 31 item 5 first: the Gluon logits GEMM with the row-statistics epilogue against cuBLAS; the probe checks
@@ -97,6 +113,14 @@ if [ "$part" = cold ]; then
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
     triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
     SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
+elif [ "$part" = probe ]; then
+    export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_gluon"
+    step gluon_logits_stats 170 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
+        --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" --configs "$gluon_configs"
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
+    SUITE_CAP_S=100 suite gpu_quick_warm --gpu-quick
+    loss_only_step 32768 120
+    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_suite" TRITON_CACHE_AUTOTUNING=1
@@ -107,35 +131,31 @@ else
         SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick
     fi
 fi
-if [ "$part" = table ]; then
+if [ "$part" = table ] || [ "$part" = rest ]; then
     # One size and workload per bench process, appended to one CSV per workload: the bench writes a size only
     # once all its providers warmed up and ran. On 2026-12-06 (H100) dense and masked_50 together at 8192 tokens
     # (16 providers) wrote nothing in 200 s; each alone had finished at 4096 tokens in 150-170 s. Each provider's
     # warm-up time is in the step's log. The CuTe DSL's compiled kernels are shared between the processes
-    # (CUTE_DSL_CACHE_DIR, set at the top).
-    for tokens in 8192 32768 16384 4096; do
+    # (CUTE_DSL_CACHE_DIR, set at the top). table: 8192 tokens; rest (the next call): 32768, then 16384.
+    sizes="8192"
+    [ "$part" = rest ] && sizes="32768 16384"
+    for tokens in $sizes; do
         # shellcheck disable=SC2086
         step "ce_dense_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_lean $peers \
+            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked $peers \
             --append --out "$res/ce_llama3_dense.csv"
         # shellcheck disable=SC2086
         step "ce_masked_50_$tokens" 200 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
             --modes full --workload masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked $peers \
             $gathered --append --out "$res/ce_llama3_masked_50.csv"
+        loss_only_step "$tokens" 110
     done
-elif [ "$part" = rest ]; then
-    for tokens in 8192 32768; do
+    if [ "$part" = table ]; then
         # shellcheck disable=SC2086
-        step "ce_loss_only_$tokens" 90 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes loss_only --workload dense masked_50 --providers cublas_1gemm fusedkern_chunked \
-            huggingface_bf16 transformers_loss liger quack --append --out "$res/ce_llama3_loss_only.csv"
-    done
-    for tokens in 8192 32768; do
-        # shellcheck disable=SC2086
-        step "ce_masked_30_70_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+        step "ce_masked_30_70_8192" 150 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 $timing \
             --modes full --workload masked_30 masked_70 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
             $peers $gathered --append --out "$res/ce_llama3_masked_30_70.csv"
-    done
+    fi
 fi
 echo "gpu_calls.sh part $part done in $((SECONDS - start)) s; failures: ${failures[*]:-none}" | tee -a "$res/steps.log"
 pack

@@ -230,6 +230,64 @@ def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     return loss_steps(lambda: liger_fused_linear_cross_entropy_sm90(inp.x, inp.w, inp.target, IGNORE_INDEX, "mean"))
 
 
+# The RL log-prob pass: per-token log p(target) at a sampling temperature and the entropy (verl's and
+# TRL's GRPO quantities), reduced the same way for every provider so that their losses compare.
+LOGPROB_TEMPERATURE = 0.7
+LOGPROB_ENTROPY_COEF = 0.01
+
+
+def _logprob_objective(logps: torch.Tensor, entropy: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    count = (target != IGNORE_INDEX).sum().clamp(min=1)
+    return (-logps.float().sum() - LOGPROB_ENTROPY_COEF * entropy.float().sum()) / count
+
+
+def _logprobs_fusedkern(counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
+    """`linear_logprobs` at LOGPROB_TEMPERATURE with the entropy; counted as in `_ce_fusedkern`."""
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern import linear_logprobs
+
+        _no_softcap(inp, "the log-prob pass (timed without softcap, as Liger's kernel takes none)")
+        kwargs = {"temperature": LOGPROB_TEMPERATURE, "return_entropy": True}
+        if counted == "host":
+            kwargs["num_valid_tokens"] = int((inp.target != IGNORE_INDEX).sum())
+
+        def loss():
+            logps, entropy = linear_logprobs(inp.x, inp.w, inp.target, **kwargs)
+            return _logprob_objective(logps, entropy, inp.target)
+
+        return loss_steps(loss)
+
+    return build
+
+
+def _logprobs_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
+    """Liger-Kernel's CuTe DSL fused scaled cross-entropy for Hopper (≥ 0.8.5): per-token NLL at a temperature
+    and the entropy (bf16), no logits in HBM; sm_90, bf16, no bias, no softcap; validates the targets' range
+    with a host sync, as users get it by default."""
+    _require_cuda(inp, "Liger's CuTe SM90 scaled cross-entropy")
+    _no_softcap(inp, "Liger's CuTe SM90 scaled cross-entropy")
+    if torch.cuda.get_device_capability(inp.x.device) != (9, 0) or inp.x.dtype != torch.bfloat16:
+        raise ProviderUnavailable("Liger's CuTe SM90 scaled cross-entropy needs compute capability 9.0 and bf16")
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
+            LigerFusedScaledCrossEntropySM90Function)
+    except ImportError as error:
+        if error.name == "liger_kernel":
+            raise
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import ({error}): it needs nvidia-cutlass-dsl") \
+            from error
+    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
+    x2d, target = inp.x.reshape(-1, inp.x.shape[-1]), inp.target.reshape(-1)
+
+    def loss():
+        nll, entropy = LigerFusedScaledCrossEntropySM90Function.apply(
+            x2d, inp.w, target, LOGPROB_TEMPERATURE, IGNORE_INDEX, 1, True)
+        return _logprob_objective(-nll, entropy, target)
+
+    return loss_steps(loss)
+
+
 def _gathered(build: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
     """A peer called on the valid rows only, the two lines a user can write: `keep = target != -100`, then
     the peer on `x[keep]`, `target[keep]` — inside the timed step, the host sync of the boolean index
@@ -367,6 +425,11 @@ def _cublas_3gemm_valid(inp: Inputs) -> dict[str, Step]:
     """The floor over the valid rows alone: `_cublas_3gemm` on x[target != -100] (gathered untimed), what a
     path that skips every ignored row without any overhead would cost."""
     return _cublas_3gemm(replace(inp, x=inp.x2d()[inp.target.reshape(-1) != IGNORE_INDEX]))
+
+
+def _cublas_1gemm_valid(inp: Inputs) -> dict[str, Step]:
+    """The loss-only floor over the valid rows alone: the logits GEMM of x[target != -100] (gathered untimed)."""
+    return _cublas_1gemm(replace(inp, x=inp.x2d()[inp.target.reshape(-1) != IGNORE_INDEX]))
 
 
 def _cublas_1gemm(inp: Inputs) -> dict[str, Step]:
@@ -679,13 +742,14 @@ def _dist_label_suffix(distribution: str, suffix: str) -> Callable[[], str]:
 _FLOORS = (Provider("cublas_1gemm", _cublas_1gemm, is_floor=True, accuracy=False),
            Provider("cublas_3gemm", _cublas_3gemm, is_floor=True, accuracy=False))
 _REAL_GRAD_FLOOR = Provider("cublas_3gemm_real_grad", _cublas_3gemm_real_grad, is_floor=True, accuracy=False)
-_VALID_FLOOR = Provider("cublas_3gemm_valid", _cublas_3gemm_valid, is_floor=True, accuracy=False)
+_VALID_FLOORS = (Provider("cublas_3gemm_valid", _cublas_3gemm_valid, is_floor=True, accuracy=False),
+                 Provider("cublas_1gemm_valid", _cublas_1gemm_valid, is_floor=True, accuracy=False))
 
 PROVIDERS: dict[str, dict[str, Provider]] = {
     "ce": {
         p.key: p
         for p in (
-            *_FLOORS, _REAL_GRAD_FLOOR, _VALID_FLOOR,
+            *_FLOORS, _REAL_GRAD_FLOOR, *_VALID_FLOORS,
             Provider("huggingface_bf16", _ce_hf_bf16),
             Provider("torch_fp32_upcast", _ce_upcast),
             Provider("transformers_loss", _ce_transformers_loss),
@@ -709,6 +773,11 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
             Provider("quack", _ce_quack),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
+            # the RL log-prob pass (temperature, entropy): fusedkern's and Liger's per-token kernels
+            Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
+            Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
+            Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,
+                     _dist_label_suffix("liger-kernel", "CuTe SM90 log-probs"), accuracy=False),
             # the peers on the valid rows only (masked workloads; dense, the same as without the gather)
             Provider("huggingface_bf16_gather", _gathered(_ce_hf_bf16)),
             Provider("transformers_loss_gather", _gathered(_ce_transformers_loss)),
