@@ -21,6 +21,9 @@ operator's fake implementation and autograd formula sit beside its body.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
 
@@ -38,6 +41,7 @@ from fusedkern.autograd import (
     cast_or_none,
     first_order_only,
     follows_autocast,
+    is_traced,
     or_absent,
     register_op,
     register_op_without_grad,
@@ -73,6 +77,45 @@ def _fused_ops():
     from fusedkern.kernels import fused_ce
 
     return fused_ce
+
+
+#: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: "0" until the Gluon pass's GPU timing beats the tile pass
+GLUON_LOSS_ONLY_DEFAULT = "0"
+
+
+def gluon_loss_only_switch() -> bool:
+    """FUSEDKERN_GLUON_LOSS_ONLY: "1" sends every loss-only call the Gluon pass supports to it (`_gluon_loss_only`),
+    "0" none; unset or empty: `GLUON_LOSS_ONLY_DEFAULT`. Read at each call (a test or a notebook may flip it)."""
+    value = os.environ.get("FUSEDKERN_GLUON_LOSS_ONLY", "").strip() or GLUON_LOSS_ONLY_DEFAULT
+    if value not in ("0", "1"):
+        raise ValueError(f"FUSEDKERN_GLUON_LOSS_ONLY must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
+@functools.cache
+def _gluon_ops():
+    """`fusedkern.kernels.gluon_logits_stats`, or None where this Triton cannot import it (no Gluon, another API)."""
+    try:
+        from fusedkern.kernels import gluon_logits_stats
+    except (ImportError, AttributeError):
+        return None
+    return gluon_logits_stats
+
+
+def plain_loss_options(b, class_weight, opts: LossOptions) -> bool:
+    """The options the Gluon pass computes: none (no bias, class weights, label smoothing, z-loss, softcap, scale)."""
+    return (b is None and class_weight is None and opts.label_smoothing == 0.0 and opts.z_loss == 0.0
+            and opts.softcap is None and opts.logit_scale == 1.0)
+
+
+def _gluon_loss_only(x2d, w, b, class_weight, opts: LossOptions) -> bool:
+    """Whether a loss-only call (no gradient wanted, the chunked strategy) runs on the Gluon pass
+    (`kernels/gluon_logits_stats.py`) instead of the tile pass: plain options, the switch on, eager (fake tensors
+    have no address to check for TMA's alignment), and operands the kernel supports (bf16, H % 64 = 0, sm_90)."""
+    if not (plain_loss_options(b, class_weight, opts) and gluon_loss_only_switch() and x2d.is_cuda):
+        return False
+    gluon = None if is_traced(x2d, w) else _gluon_ops()
+    return gluon is not None and gluon.is_supported(x2d, w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,14 +221,17 @@ def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target:
                count_int: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
     recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
-    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call.
-    forward_chunk_tokens: whole-row chunks of the loss-only pass (None: its 64 MiB tiles); chunk_tokens:
-    the backward's chunks."""
+    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call; impl='gluon' is the loss-only
+    call `_gluon_loss_only` routes to `kernels/gluon_logits_stats.py`.
+    forward_chunk_tokens: whole-row chunks of the loss-only pass (None: its 64 MiB tiles; the Gluon pass: at most
+    that many tokens a launch); chunk_tokens: the backward's chunks."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
     if impl == "fused":
         loss_tok, stats = _fused_ops().fused_ce_forward(
             x, w, b, target, class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, return_stats=True)
+    elif impl == "gluon":  # loss only, plain options (`_gluon_loss_only`); a backward would recompute as "chunked"
+        loss_tok, stats = _gluon_ops().loss_only(x, w, target, ignore_index, forward_chunk_tokens)
     else:
         loss_tok, stats = chunked_loss(x, w, b, target, class_weight,
                                        LossOptions(ignore_index, label_smoothing, z_loss, softcap), forward_chunk_tokens)
@@ -404,6 +450,8 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
         return loss, lse
     if rows is not None:
         x2d = x2d.index_select(0, rows)
+    if impl == "chunked" and not wants_grad and _gluon_loss_only(x2d, w, b, class_weight, opts):
+        impl = "gluon"
     loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
                               chunk_tokens, None if wants_grad else chunk_tokens, *checks)
     lse = lse_of(stats)

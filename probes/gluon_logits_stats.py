@@ -124,6 +124,11 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkern, without an install
+# the grouped tile order and the TMA producer are the library's (fusedkern/kernels/gluon_logits_stats.py holds the
+# cooperative kernel alone); ping-pong, one consumer and the logits store stay here
+from fusedkern.kernels.gluon_logits_stats import _producer, _tile_coords  # noqa: E402
+
 LOG2E = gl.constexpr(1.4426950408889634)
 SMEM_LIMIT = 232448  # sm_90: 227 KiB of dynamic shared memory per block
 #: priority order of the next GPU run: cooperative at GROUP_M 16 and 8, ping-pong (fixed), one consumer
@@ -139,42 +144,6 @@ CHECK_SHAPES = ((300, 512, 5000, 0), (300, 512, 5000, CHECK_CTAS), (4096, 4096, 
 
 
 # --------------------------------------------------------------------------------------------------- kernel
-
-
-@gluon.jit
-def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
-    """Grouped order: GROUP_M row tiles per group, row index fastest inside the group."""
-    per_group = GROUP_M * num_n
-    group = t // per_group
-    first_m = group * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    inner = t % per_group
-    return first_m + inner % size_m, inner // size_m
-
-
-@gluon.jit
-def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
-    pid = gl.program_id(0)
-    grid = gl.num_programs(0)
-    count = 0
-    for t in range(pid, num_m * num_n, grid):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        for k in range(k_tiles):
-            slot = count % STAGES
-            phase = (count // STAGES) & 1
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first lap passes
-            mbarrier.wait(empty.index(slot), phase ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, k * BLOCK_K], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [off_n, k * BLOCK_K], ready.index(slot), b_bufs.index(slot))
-            count += 1
 
 
 @gluon.jit

@@ -10,7 +10,9 @@ first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptx
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
   wide/narrow pair and dW's three epilogues;
 - the distillation row kernel (`distill_rows`, bf16 student and teacher) for each divergence, options off and on,
-  and loss only.
+  and loss only;
+- the Gluon logits-partials kernel of the loss-only pass (`gluon_logits_stats`, sm_90a, int64 and int32 targets):
+  its lines start "sm_90a ok: gluon" (warp-specialized; checked by tests/test_gluon_loss_only.py).
 Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
 constants; pointers, strides and sizes multiples of 16).
 Prints one line per kernel with its registers per thread, stack bytes (spills) and shared memory from
@@ -152,6 +154,39 @@ def distill_cases() -> list:
     return cases
 
 
+def gluon_cases() -> list:
+    """(name, target dtype) of the Gluon loss-only kernel; empty when this Triton has no Gluon."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton.experimental.gluon") is None:
+        return []
+    return [("gluon_partials", "i64"), ("gluon_partials", "i32")]
+
+
+def compile_gluon(target_type: str):
+    """The Gluon kernel at its launch parameters, lowered to sm_90a (wgmma, setmaxnreg): a launch at the study's
+    shapes gives 16-divisible pointers, H and partial_stride."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fusedkern.kernels import gluon_logits_stats as g
+
+    a, b = g.shared_layouts()
+    signature = {
+        "x_desc": f"tensordesc<bf16[{g.BLOCK_M}, {g.BLOCK_K}],{a!r}>",
+        "w_desc": f"tensordesc<bf16[{g.BLOCK_N}, {g.BLOCK_K}],{b!r}>",
+        "part_max_ptr": "*fp32", "part_rest_ptr": "*fp32", "target_ptr": f"*{target_type}",
+        "target_logit_ptr": "*fp32", "T": "i32", "V": "i32", "H": "i32", "partial_stride": "i32",
+    }
+    constexprs = dict(GROUP_M=g.GROUP_M, STAGES=g.STAGES, CONSUMER_REGS=g.CONSUMER_REGS,
+                      PRODUCER_REGS=g.PRODUCER_REGS)
+    signature.update({k: "constexpr" for k in constexprs})
+    names = g._logits_partials_kernel.arg_names
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]]
+             for n in ("part_max_ptr", "part_rest_ptr", "target_ptr", "target_logit_ptr", "H", "partial_stride")}
+    source = GluonASTSource(fn=g._logits_partials_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": g.NUM_WARPS, "maxnreg": g.MAXNREG})
+
+
 def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config):
     jit_fn = jit_function(kernel)
     constexprs = {**constexprs, **config.kwargs}
@@ -251,6 +286,18 @@ def main() -> int:
         info = f" :: {ptxas_info(compiled)}" if with_info else ""
         fingerprint = fingerprints(compiled, jit_function(kernel).__name__)
         print(f"sm_90 ok: {line} {resources(compiled)} {fingerprint}{info}", flush=True)
+    for name, target_type in gluon_cases():
+        line = f"{name} target={target_type}"
+        if only not in line:
+            continue
+        try:
+            compiled = compile_gluon(target_type)
+        except Exception as error:  # noqa: BLE001  (report which variant, then fail)
+            print(f"FAILED {line}: {type(error).__name__}: {error}", flush=True)
+            return 1
+        # ptxas's spill report always: a warp-specialized kernel's registers are set by setmaxnreg, not at launch
+        fingerprint = fingerprints(compiled, "_logits_partials_kernel")
+        print(f"sm_90a ok: {line} {resources(compiled)} {fingerprint} :: {ptxas_info(compiled)}", flush=True)
     return 0
 
 

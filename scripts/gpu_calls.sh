@@ -73,7 +73,7 @@ suite() {  # suite NAME [pytest args]
     shift
     step "$name" "${SUITE_CAP_S:-480}" python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider \
         -W ignore::DeprecationWarning -n 3 --dist loadfile -q -rfE --durations=30 --continue-on-collection-errors \
-        --junitxml="$res/$name.xml" "$@" tests/
+        --junitxml="$res/$name.xml" "$@"
 }
 
 timing="--warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress"
@@ -82,8 +82,8 @@ gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cu
 fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
 # the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
 # rows and over the valid rows (issue 31 item 3)
-loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_logprobs
-    fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
+loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_gluon
+    fusedkern_gluon_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
 gluon_configs=128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
@@ -101,9 +101,9 @@ if [ "$part" = cold ]; then
         --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" \
         --configs 128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2,128x128x64s6c1,128x256x64s4coopg4
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite"
-    SUITE_CAP_S=400 suite gpu_suite_cold
+    SUITE_CAP_S=400 suite gpu_suite_cold tests/
     # the quick selection on the cache the suite filled: its time with a carried cache
-    SUITE_CAP_S=80 suite gpu_quick_warm --gpu-quick
+    SUITE_CAP_S=80 suite gpu_quick_warm --gpu-quick tests/
     # fusedkern alone (no peer needs QuACK's second half): the counted paths' peak memory against the dense
     # path's on Gemma-2's head (issue 31 item 2)
     # shellcheck disable=SC2086
@@ -112,13 +112,17 @@ if [ "$part" = cold ]; then
         --out "$res/ce_gemma2_counted.csv"
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
     triton_cache_restore "${TMPDIR:-/tmp}/tc_quick"
-    SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick
+    SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick tests/
 elif [ "$part" = probe ]; then
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_gluon"
     step gluon_logits_stats 170 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
         --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" --configs "$gluon_configs"
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
-    SUITE_CAP_S=100 suite gpu_quick_warm --gpu-quick
+    # the library's Gluon loss-only pass (off by default until timed): its GPU tests, then the table at 4096 and
+    # 32768 tokens with it beside the tile pass
+    SUITE_CAP_S=90 suite gpu_gluon_loss_only tests/test_gluon_loss_only.py
+    loss_only_step 4096 100
+    SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick tests/
     loss_only_step 32768 120
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
@@ -127,8 +131,8 @@ elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
 else
     triton_cache_restore "${TMPDIR:-/tmp}/tc_warm" >> "$res/steps.log"  # not in a pipe: it exports
     if [ "$part" = warm ]; then
-        SUITE_CAP_S=300 suite gpu_suite_warm
-        SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick
+        SUITE_CAP_S=300 suite gpu_suite_warm tests/
+        SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick tests/
     fi
 fi
 if [ "$part" = table ] || [ "$part" = rest ]; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ import torch
 from fusedkern.reference import logits_to_mean_ce_grad_, softcap_with_derivative_
 from fusedkern.study.workloads import IGNORE_INDEX, Inputs
 
+GLUON_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY"
 FLOORS_NOTE = (
     "cublas_1gemm and cublas_3gemm are the dense all-token floors whatever the workload: the logits GEMM "
     "and the three GEMMs over every one of the T tokens, with an N(0, 1) logits gradient G, the floor the "
@@ -185,6 +187,36 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
             return loss_steps(lambda: linear_cross_entropy(
                 inp.x, inp.w, inp.target, num_valid_tokens=(inp.target != IGNORE_INDEX).sum(), **kwargs))
         return loss_steps(lambda: linear_cross_entropy(inp.x, inp.w, inp.target, **kwargs))
+
+    return build
+
+
+def _ce_fusedkern_gluon(counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
+    """The loss-only pass on the Gluon statistics kernel (`kernels/gluon_logits_stats.py`): `_ce_fusedkern`'s call
+    with FUSEDKERN_GLUON_LOSS_ONLY=1 set inside the timed step (the library reads the switch at each call, and the
+    other providers of the same rounds must see it unset); loss only, where the kernel supports the operands."""
+    inner = _ce_fusedkern(counted=counted, impl="chunked")
+
+    def build(inp: Inputs) -> dict[str, Step]:
+        from fusedkern.kernels import gluon_logits_stats
+
+        reason = gluon_logits_stats.unsupported_reason(inp.x2d(), inp.w)
+        if reason is not None or inp.softcap is not None:
+            raise ProviderUnavailable(f"the Gluon loss-only pass: {reason or 'no softcap'}")
+        step = inner(inp)["loss_only"]
+
+        def switched(state):
+            previous = os.environ.get(GLUON_SWITCH)
+            os.environ[GLUON_SWITCH] = "1"
+            try:
+                return step.run(state)
+            finally:
+                if previous is None:
+                    del os.environ[GLUON_SWITCH]
+                else:
+                    os.environ[GLUON_SWITCH] = previous
+
+        return {"loss_only": Step(switched, step.setup)}
 
     return build
 
@@ -773,6 +805,8 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
             Provider("quack", _ce_quack),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
+            Provider("fusedkern_gluon", _ce_fusedkern_gluon(), accuracy=False),
+            Provider("fusedkern_gluon_counted", _ce_fusedkern_gluon(counted="host"), accuracy=False),
             # the RL log-prob pass (temperature, entropy): fusedkern's and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),

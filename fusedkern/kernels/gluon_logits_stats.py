@@ -1,0 +1,342 @@
+"""Gluon (Triton 3.6's `triton.experimental.gluon`, Hopper sm_90a): the LM-head logits GEMM X[T, H]·W[V, H]ᵀ (bf16,
+fp32 accumulation) whose epilogue reduces each 128 × 256 tile to per-row partial statistics in `ce_rows`' format
+(tile max, Σ exp(s − max) − 1, the target's logit), so the loss-only pass never writes the [T, V] logits.
+
+Design: the cooperative kernel of `probes/gluon_logits_stats.py` (issue 31 item 5). Persistent grid in grouped tile
+order; a one-warp TMA producer fills a 4-stage shared-memory ring (mbarriers ready / empty); two consumer warpgroups
+split each 128 × 256 tile by rows (64 × 256 accumulators, async wgmma from shared memory) and reduce it in registers.
+Trade-off: cuBLAS's tile shape and L2 feed, but the epilogue is not hidden behind the other warpgroup's main loop
+(only the producer keeps prefetching through it); Gluon 3.6 has no TMA multicast across a 2-CTA cluster.
+Measured (H100, probe, statistics without the merge, × cuBLAS's `torch.mm` of the same logits): 0.997× at 4096
+tokens, 1.035× at 8192, correct against torch; the library's tile pass ran at 1.147× one GEMM (H100, 4096 tokens,
+`ce_llama3_loss_only.csv`). The epilogue here differs from the probe's by one reduction (the max's own 1 left out of
+Σ exp, ties counted exactly: the precision `ce_rows` keeps for confident predictions): not yet timed on a GPU.
+
+`loss_only` (what `linear_cross_entropy` runs under no_grad when `FUSEDKERN_GLUON_LOSS_ONLY=1`, see
+`linear_cross_entropy._gluon_loss_only`) merges the partials with `ce_rows.merge_row_stats`, the tile pass's own
+merge, so its loss and statistics mean exactly what the tile pass's do. This module imports Gluon at import time:
+import it only where `is_supported` can hold (the dispatch imports it lazily, on CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from fusedkern._runtime import interpreting, sm_count
+from fusedkern.chunk_plan import LOSS_CHUNK_BUDGET_BYTES
+from fusedkern.kernels.ce_rows import merge_row_stats
+
+LOG2E = gl.constexpr(1.4426950408889634)
+# the probe's "128x256x64s4coop": the tile two consumer warpgroups share, K step, ring depth (4 × 48 KiB of H100's
+# 227 KiB of shared memory per block)
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 256, 64, 4
+#: tile rows per group of the grouped order; 16 measured, 8 pending (docs/design.md: the 8192-token gap)
+GROUP_M = 16
+# registers: 3 warpgroups (the producer's warp padded to 4) start at 168 (3 × 168 × 128 = 64.5K); setmaxnreg then
+# gives the producer 40 and each consumer 232 (accumulator 128 + the epilogue's temporaries): 0 spills on sm_90a
+MAXNREG, CONSUMER_REGS, PRODUCER_REGS, NUM_WARPS = 168, 232, 40, 4
+#: the Triton this kernel was written, compiled and measured with (Gluon's API moves between releases)
+TRITON_TESTED = "3.6."
+#: partial slots per row: max, rest, and the label-smoothing sum `merge_row_stats` reads (0 here), fp32
+PART_BYTES = 3 * 4
+
+
+# --------------------------------------------------------------------------------------------------- kernel
+
+
+@gluon.jit
+def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
+    """Grouped order: GROUP_M row tiles per group, row index fastest inside the group."""
+    per_group = GROUP_M * num_n
+    group = t // per_group
+    first_m = group * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    inner = t % per_group
+    return first_m + inner % size_m, inner // size_m
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    count = 0
+    for t in range(pid, num_m * num_n, grid):
+        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for k in range(k_tiles):
+            slot = count % STAGES
+            phase = (count // STAGES) & 1
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first lap passes
+            mbarrier.wait(empty.index(slot), phase ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BLOCK_K], ready.index(slot), b_bufs.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
+              target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr):
+    """Consumer CONSUMER (0 or 1) of every tile of this CTA: rows [CONSUMER·BM/2, (CONSUMER+1)·BM/2) of the X slot
+    (a shared-memory row slice) against the whole W slot, then the epilogue of those rows."""
+    TILE_M: gl.constexpr = x_desc.block_type.shape[0]  # rows the producer loads per tile
+    BLOCK_M: gl.constexpr = TILE_M // 2  # this warpgroup's rows
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    i = 0  # the CTA-local index of the tile
+    for t in range(pid, num_m * num_n, grid):
+        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        off_m = pid_m * TILE_M + CONSUMER * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        base = i * k_tiles  # ring position of this tile's first K block (the producer's count)
+        # 1. main loop: wait for the slot, async wgmma from shared memory (W permuted to K-major [BK, BN]), one
+        # wgmma group in flight; the previous one is done, so its slot goes back to the producer (2 arrivals free it)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)  # (BLOCK_M, BLOCK_N)
+        prev = 0
+        for k in range(k_tiles):
+            count = base + k
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a = a_bufs.index(slot).slice(CONSUMER * BLOCK_M, BLOCK_M)
+            b = b_bufs.index(slot)
+            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
+            mbarrier.arrive(empty.index(prev), pred=k > 0)
+            prev = slot
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev))
+        i += 1
+
+        # 2. the target's logit, from the accumulator registers, by the one tile that holds its column (rows past
+        # T, ignored and out-of-range targets match no column: nothing is stored for them)
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)  # (BLOCK_M,)
+        row_ok = rows < T
+        local_col = gl.arange(0, BLOCK_N, layout=col_layout)  # (BLOCK_N,)
+        target = gl.load(target_ptr + rows, mask=row_ok, other=-1)
+        local_target = gl.where((target >= off_n) & (target < off_n + BLOCK_N), target - off_n, -1).to(gl.int32)
+        match = gl.expand_dims(local_col, 0) == gl.expand_dims(local_target, 1)  # (BLOCK_M, BLOCK_N)
+        picked = gl.sum(gl.where(match, acc, 0.0), axis=1)
+        gl.store(target_logit_ptr + rows, picked, mask=row_ok & (local_target >= 0))
+        # 3. the tile's max and rest = Σ exp(s − max) − 1 (`ce_rows._merge_mass`'s format: the max's own 1 is never
+        # added, so log Σ = log1p(rest) keeps its digits when one class dominates); ties with the max count exactly.
+        # Columns past V (the ragged last tile; TMA zero-filled W there) carry no mass.
+        acc = gl.where(gl.expand_dims(local_col < V - off_n, 0), acc, float("-inf"))
+        tile_max = gl.max(acc, axis=1)
+        is_max = acc == gl.expand_dims(tile_max, 1)
+        mass = gl.exp2((acc - gl.expand_dims(tile_max, 1)) * LOG2E)
+        tile_rest = gl.sum(gl.where(is_max, 0.0, mass), axis=1) + (gl.sum(is_max.to(gl.float32), axis=1) - 1.0)
+        # int64: rows · partial_stride passes 2³¹ for a big chunk at a big vocabulary
+        part = rows.to(gl.int64) * partial_stride + pid_n
+        gl.store(part_max_ptr + part, tile_max, mask=row_ok)
+        gl.store(part_rest_ptr + part, tile_rest, mask=row_ok)
+
+
+@gluon.jit
+def _consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
+                     target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
+              target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES, 1)
+
+
+@gluon.jit
+def _logits_partials_kernel(
+    x_desc, w_desc,  # TMA descriptors: X [T, H] in [BLOCK_M, BLOCK_K] boxes, W [V, H] in [BLOCK_N, BLOCK_K]
+    part_max_ptr, part_rest_ptr,  # (T, partial_stride) fp32 out: slot pid_n of each row = column tile pid_n
+    target_ptr,  # (T,) int32/int64 class indices
+    target_logit_ptr,  # (T,) fp32 out: the target's logit, where the target is a column in [0, V)
+    T, V, H, partial_stride,  # shapes; partials per row (≥ the column tiles)
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    fence_async_shared()
+
+    num_m = gl.cdiv(T, BLOCK_M)
+    num_n = gl.cdiv(V, BLOCK_N)
+    k_tiles = gl.cdiv(H, BLOCK_K)
+    gl.warp_specialize([
+        (_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
+                     target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES, 0)),
+        (_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
+                            target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+        (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------- host
+
+
+@functools.cache
+def shared_layouts():
+    """The NVMMA shared-memory layouts of the X and W boxes (bf16, 128-byte swizzle at BLOCK_K = 64)."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_reason(device: torch.device) -> str | None:
+    """Why this kernel cannot run on `device` (None when it can): a CUDA device of compute capability 9.0 (the
+    wgmma / setmaxnreg / TMA code is sm_90a's), compiled rather than interpreted, with the Triton it was tested on."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, not {device.type}"
+    if interpreting():
+        return "Triton's interpreter cannot run Gluon kernels"
+    if not triton.__version__.startswith(TRITON_TESTED):
+        return f"written and measured with Triton {TRITON_TESTED}x, not {triton.__version__}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _capability(index) != (9, 0):
+        return f"needs compute capability 9.0 (sm_90a), not {_capability(index)}"
+    return None
+
+
+def unsupported_reason(x2d: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why `loss_only` cannot take these operands (None when it can): bf16 X [T, H] and W [V, H], contiguous,
+    16-byte aligned (TMA), H a multiple of BLOCK_K = 64 (the K loop is checked only there; ragged T and V are
+    handled: TMA zero-fills and the epilogue masks), on one supported device (`device_reason`). fp16 would need
+    its own GPU check, so it is refused."""
+    if x2d.dim() != 2 or w.dim() != 2 or x2d.shape[1] != w.shape[1]:
+        return "needs X [T, H] and W [V, H]"
+    if x2d.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"needs bf16 operands, not {x2d.dtype} and {w.dtype}"
+    (T, H), V = x2d.shape, w.shape[0]
+    if T == 0 or V == 0 or H % BLOCK_K:
+        return f"needs T, V > 0 and H a multiple of {BLOCK_K}, not T={T}, V={V}, H={H}"
+    if max(T, V) >= 2**31:
+        return "T and V are 32-bit TMA coordinates"
+    if not (x2d.is_contiguous() and w.is_contiguous()):
+        return "needs contiguous X and W"
+    if x2d.data_ptr() % 16 or w.data_ptr() % 16:
+        return "TMA needs 16-byte aligned X and W"
+    if w.device != x2d.device:
+        return "X and W on different devices"
+    return device_reason(x2d.device)
+
+
+def is_supported(x2d: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `loss_only` can take these operands (see `unsupported_reason`)."""
+    return unsupported_reason(x2d, w) is None
+
+
+def partial_slots(vocab: int) -> int:
+    """Partials per row: the column tiles, rounded up to a power of two (`merge_row_stats` loads a row's partials
+    as one vector; the unused slots carry no mass)."""
+    return triton.next_power_of_2(triton.cdiv(vocab, BLOCK_N))
+
+
+def chunk_rows(n_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per launch: the partials of one launch within the loss-only pass's 64 MiB (8192 tokens at
+    V = 128256: 512 slots × 12 bytes a token), at most `chunk_tokens` when given, balanced over the launches."""
+    most = max(BLOCK_M, LOSS_CHUNK_BUDGET_BYTES // (partial_slots(vocab) * PART_BYTES) // BLOCK_M * BLOCK_M)
+    if chunk_tokens:
+        most = min(most, chunk_tokens)
+    launches = triton.cdiv(n_tokens, most)
+    return triton.cdiv(n_tokens, launches)
+
+
+def empty_partials(n_tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """parts [3, C, P] fp32 for `launch_partials` / `merge_row_stats`: the kernel writes parts[0] (max) and parts[1]
+    (rest) in the first ⌈V / BLOCK_N⌉ slots of every row; the others hold no mass (max −inf, rest 0), and parts[2]
+    (Σ w·s of label smoothing, not computed here) is 0."""
+    P, n_tiles = partial_slots(vocab), triton.cdiv(vocab, BLOCK_N)
+    parts = torch.empty((3, n_tokens, P), device=device, dtype=torch.float32)
+    parts[0, :, n_tiles:].fill_(float("-inf"))
+    parts[1, :, n_tiles:].zero_()
+    parts[2].zero_()
+    return parts
+
+
+def launch_partials(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, parts: torch.Tensor,
+                    target_logit: torch.Tensor, *, group_m: int = GROUP_M, max_ctas: int = 0) -> None:
+    """One launch: parts[0][t, j], parts[1][t, j] = the max and Σ exp(s − max) − 1 of row t's column tile j of
+    s = X·Wᵀ (fp32), for t < T and j < ⌈V / BLOCK_N⌉; target_logit[t] = s[t, target[t]] where 0 ≤ target[t] < V
+    (left alone elsewhere). parts: [≥ 2, T, P] fp32, rows contiguous (`empty_partials`); max_ctas caps the grid."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    (T, H), V = x2d.shape, w.shape[0]
+    assert parts.dtype == torch.float32 and parts.shape[1] == T and parts.stride(2) == 1
+    assert parts.shape[2] >= triton.cdiv(V, BLOCK_N) and target.shape == (T, ) and target.is_contiguous()
+    a_layout, b_layout = shared_layouts()
+    x_desc = TensorDescriptor.from_tensor(x2d, [BLOCK_M, BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K], b_layout)
+    tiles = triton.cdiv(T, BLOCK_M) * triton.cdiv(V, BLOCK_N)
+    grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
+    _logits_partials_kernel[grid](
+        x_desc, w_desc, parts[0], parts[1], target, target_logit, T, V, H, parts.stride(1),
+        GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+
+
+def loss_only(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int,
+              chunk_tokens: int | None = None, *, group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked.chunked_loss` without bias, class weights, label smoothing, z-loss or softcap, on this kernel:
+    x2d [T, H] · w [V, H] bf16 · target [T] → (loss_tok [T] fp32, 0 where ignored; stats [2, T] fp32 =
+    (max, log Σ exp(s − max)), `chunked.lse_of`). Launches of `chunk_rows` tokens, each merged by the tile pass's
+    `merge_row_stats`. Caller: `unsupported_reason(x2d, w)` is None."""
+    (T, _), V = x2d.shape, w.shape[0]
+    loss_tok = torch.empty(T, device=x2d.device, dtype=torch.float32)
+    stats = torch.empty((2, T), device=x2d.device, dtype=torch.float32)
+    C = chunk_rows(T, V, chunk_tokens)
+    parts = empty_partials(C, V, x2d.device)
+    target_logit = torch.empty(C, device=x2d.device, dtype=torch.float32)
+    for c0 in range(0, T, C):
+        c1 = min(c0 + C, T)
+        part_c, target_logit_c = parts[:, : c1 - c0], target_logit[: c1 - c0]
+        target_logit_c.zero_()  # as the tile pass: a row whose target matches no column merges a 0 (it raises later)
+        launch_partials(x2d[c0:c1], w, target[c0:c1], part_c, target_logit_c, group_m=group_m)
+        merge_row_stats(part_c, target_logit_c, target[c0:c1], V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
+                        class_weight=None, class_weight_sum=None, ignore_index=ignore_index, label_smoothing=0.0,
+                        z_loss=0.0, softcap=None)
+    return loss_tok, stats
+
+
+def row_lse_and_target_logit(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                             group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse [T] fp32, target_logit [T] fp32, 0 where target == ignore_index) of s = x2d · wᵀ in one launch and one
+    merge, no [T, V] logits: the loss is lse − target_logit. Caller: `unsupported_reason(x2d, w)` is None."""
+    (T, _), V = x2d.shape, w.shape[0]
+    parts = empty_partials(T, V, x2d.device)
+    target_logit = torch.zeros(T, device=x2d.device, dtype=torch.float32)
+    launch_partials(x2d, w, target, parts, target_logit, group_m=group_m)
+    loss = torch.empty(T, device=x2d.device, dtype=torch.float32)
+    stats = torch.empty((2, T), device=x2d.device, dtype=torch.float32)
+    merge_row_stats(parts, target_logit, target, V, loss=loss, stats=stats, class_weight=None, class_weight_sum=None,
+                    ignore_index=ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None)
+    return stats[0] + stats[1], torch.where(target != ignore_index, target_logit, 0.0)

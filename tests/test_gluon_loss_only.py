@@ -1,0 +1,475 @@
+"""The Gluon loss-only pass (fusedkern/kernels/gluon_logits_stats.py) and its dispatch in `linear_cross_entropy`.
+
+CPU: which calls the dispatch sends to it (options, dtypes, shapes, devices, FUSEDKERN_GLUON_LOSS_ONLY), that on CPU
+it is never taken and nothing changes, and its host side (launch chunks, partial slots, the tile pass's merge) on a
+torch emulation of the kernel's partials; the sm_90a compile. GPU (an sm_90 device): the kernel through the public
+functions against float64 within 2× torch's bf16 error, ragged and one-row shapes, ignored rows, extreme logits,
+confident predictions, poisoned buffers, a host `num_valid_tokens`, and that the switch actually launches it."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusedkern
+from fusedkern import reference
+from fusedkern.chunked import LossOptions
+from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy
+from tests.conftest import DEVICE
+
+lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
+ROOT = Path(__file__).resolve().parents[1]
+SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY"
+g = lce._gluon_ops()  # the kernel module, None where this Triton has no Gluon
+needs_gluon = pytest.mark.skipif(g is None, reason="triton.experimental.gluon (Triton 3.6) cannot be imported")
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 (H100/H200) GPU")
+
+
+def make_inputs(T, H, V, *, dtype=torch.bfloat16, ignore_frac=0.2, w_scale=2.0, device=DEVICE, seed=None):
+    """x [T, H], w [V, H] (logits of std ≈ w_scale), targets with `ignore_frac` ignored; a fresh seed unless given
+    (printed, so that a failing draw can be replayed)."""
+    seed = seed if seed is not None else torch.randint(0, 2**31, ()).item()
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w = (torch.randn(V, H, generator=gen) * (w_scale / math.sqrt(H))).to(dtype)
+    y = torch.randint(0, V, (T,), generator=gen)
+    y[torch.rand(T, generator=gen) < ignore_frac] = -100
+    y[0] = V - 1  # the ragged last column tile holds a target
+    return x.to(device), w.to(device), y.to(device)
+
+
+def emulated_partials(x2d, w, target, parts, target_logit, *, group_m=16, max_ctas=0):
+    """`gluon_logits_stats.launch_partials` in torch (fp32 logits): per row and 256-wide column tile the max and
+    Σ exp(s − max) − 1 with ties counted exactly, the target's logit where the target is a column."""
+    s = x2d.float() @ w.float().t()  # (T, V)
+    T, V = s.shape
+    n = -(-V // g.BLOCK_N)
+    tiles = torch.full((T, n * g.BLOCK_N), float("-inf"), dtype=torch.float32, device=s.device)
+    tiles[:, :V] = s
+    tiles = tiles.view(T, n, g.BLOCK_N)
+    m = tiles.max(dim=-1).values
+    is_max = tiles == m[..., None]
+    rest = torch.where(is_max, 0.0, torch.exp(tiles - m[..., None])).sum(-1) + (is_max.sum(-1) - 1.0)
+    parts[0][:, :n] = m
+    parts[1][:, :n] = rest
+    hit = (target >= 0) & (target < V)
+    target_logit[hit] = s[hit, target[hit]]
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch):
+    """Counts the Gluon kernel's launches (the real launcher on the GPU)."""
+    calls = []
+    real = g.launch_partials
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(g, "launch_partials", counting)
+    return calls
+
+
+@pytest.fixture
+def emulated_gluon(monkeypatch):
+    """The Gluon dispatch taken on CPU too, with `emulated_partials` in place of the kernel: the host side end to end.
+    Returns the list of launches (rows of each)."""
+    calls = []
+
+    def launch(x2d, *args, **kwargs):
+        calls.append(x2d.shape[0])
+        emulated_partials(x2d, *args, **kwargs)
+
+    monkeypatch.setattr(g, "launch_partials", launch)
+    monkeypatch.setattr(lce, "_gluon_loss_only", lambda *args: True)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------ CPU: dispatch
+
+
+@pytest.mark.parametrize("value,on", [(None, None), ("", None), ("0", False), ("1", True), (" 1 ", True)])
+def test_switch_reads_0_or_1_and_falls_back_to_the_default(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SWITCH, value)
+    for default in ("0", "1"):
+        monkeypatch.setattr(lce, "GLUON_LOSS_ONLY_DEFAULT", default)
+        assert lce.gluon_loss_only_switch() is (default == "1" if on is None else on)
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true", "on", "01"])
+def test_switch_refuses_other_values(monkeypatch, value):
+    monkeypatch.setenv(SWITCH, value)
+    with pytest.raises(ValueError, match=SWITCH):
+        lce.gluon_loss_only_switch()
+    x, w, y = make_inputs(5, 8, 11, dtype=torch.float32, seed=0)
+    with torch.no_grad(), pytest.raises(ValueError, match=SWITCH):  # a typo is noticed on CPU too
+        fusedkern.linear_cross_entropy(x, w, y)
+
+
+@pytest.mark.parametrize("change,plain", [
+    ({}, True), ({"bias": True}, False), ({"weight": True}, False), ({"label_smoothing": 0.1}, False),
+    ({"z_loss": 1e-4}, False), ({"softcap": 30.0}, False), ({"logit_scale": 1 / 0.7}, False),
+], ids=["plain", "bias", "class-weight", "smoothing", "z-loss", "softcap", "temperature"])
+def test_only_plain_options_are_eligible(change, plain):
+    change = dict(change)
+    b = torch.zeros(3) if change.pop("bias", False) else None
+    cw = torch.ones(3) if change.pop("weight", False) else None
+    assert lce.plain_loss_options(b, cw, LossOptions(-100, **change)) is plain
+    assert lce.plain_loss_options(b, cw, LossOptions(7, **change)) is plain  # any ignore_index
+
+
+@pytest.mark.parametrize("call,grad", [(call, False) for call in ("mean", "sum", "none", "lse", "count", "logprobs")]
+                         + [("mean", True), ("none", True)])
+def test_cpu_never_takes_the_gluon_pass_and_nothing_changes(monkeypatch, call, grad):
+    """FUSEDKERN_GLUON_LOSS_ONLY=1 on CPU tensors: the Gluon module is never asked (it would raise here) and every
+    output is bitwise the one with the switch off."""
+    x, w, y = make_inputs(21, 16, 70, dtype=torch.float32)
+
+    def run():
+        xx = x.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            if call == "logprobs":
+                out = fusedkern.linear_logprobs(xx, w, y)
+            elif call == "lse":
+                out = torch.stack(fusedkern.linear_cross_entropy(xx, w, y, reduction="none", return_lse=True))
+            elif call == "count":
+                out = fusedkern.linear_cross_entropy(xx, w, y, num_valid_tokens=int((y != -100).sum()))
+            else:
+                out = fusedkern.linear_cross_entropy(xx, w, y, reduction=call)
+        return out.detach()
+
+    monkeypatch.setenv(SWITCH, "0")
+    off = run()
+    monkeypatch.setenv(SWITCH, "1")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the Gluon pass was taken on CPU")
+
+    monkeypatch.setattr(lce, "_gluon_ops", never)
+    assert torch.equal(run(), off)
+
+
+@needs_gluon
+def test_kernel_module_refuses_what_it_cannot_run(monkeypatch):
+    """`unsupported_reason`: dtype, rank, H % 64, contiguity, alignment, device; then the device's own rules."""
+    bf = torch.bfloat16
+    x, w = torch.zeros(8, 128, dtype=bf), torch.zeros(300, 128, dtype=bf)
+    assert "CUDA" in g.unsupported_reason(x, w) and not g.is_supported(x, w)
+    assert "bf16" in g.unsupported_reason(x.half(), w.half())
+    assert "bf16" in g.unsupported_reason(x.float(), w.float())
+    assert "bf16" in g.unsupported_reason(x, w.float())
+    assert "multiple of 64" in g.unsupported_reason(torch.zeros(8, 96, dtype=bf), torch.zeros(300, 96, dtype=bf))
+    assert "T, V > 0" in g.unsupported_reason(torch.zeros(0, 128, dtype=bf), w)
+    assert "X [T, H]" in g.unsupported_reason(x[None], w)
+    assert "X [T, H]" in g.unsupported_reason(x, torch.zeros(300, 64, dtype=bf))
+    assert "contiguous" in g.unsupported_reason(torch.zeros(128, 8, dtype=bf).t(), w)
+    shifted = torch.zeros(8 * 128 + 1, dtype=bf)[1:].view(8, 128)  # 2 bytes past a 16-byte boundary
+    assert "aligned" in g.unsupported_reason(shifted, w)
+    # the device: CUDA, compiled (not the interpreter), Triton 3.6, compute capability 9.0
+    cuda = torch.device("cuda", 0)
+    assert "CUDA" in g.device_reason(torch.device("cpu"))
+    monkeypatch.setattr(g, "interpreting", lambda: True)
+    assert "interpreter" in g.device_reason(cuda)
+    monkeypatch.setattr(g, "interpreting", lambda: False)
+    for capability, ok in (((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False), ((12, 0), False)):
+        monkeypatch.setattr(g, "_capability", lambda index, capability=capability: capability)
+        assert (g.device_reason(cuda) is None) is ok, capability
+        assert ok or "9.0" in g.device_reason(cuda)
+    monkeypatch.setattr(g.triton, "__version__", "3.7.0")
+    assert "3.6" in g.device_reason(cuda)
+
+
+@needs_gluon
+def test_launches_keep_the_partials_within_the_loss_only_budget():
+    """Partials per row: the column tiles up to a power of two; tokens per launch: 12 bytes a slot within 64 MiB,
+    balanced, at most chunk_tokens."""
+    assert g.partial_slots(128256) == 512 and g.partial_slots(256) == 1 and g.partial_slots(257) == 2
+    assert g.chunk_rows(4096, 128256) == 4096 and g.chunk_rows(8192, 128256) == 8192
+    assert g.chunk_rows(32768, 128256) == 8192  # 10880 at most: 4 launches of 8192
+    assert g.chunk_rows(12000, 128256) == 6000
+    assert g.chunk_rows(300, 5000, chunk_tokens=128) == 100  # 3 launches, balanced
+    for T, V, chunk in ((1, 1, None), (5, 300, 2), (100_000, 256_000, None), (50_000, 32003, 7000)):
+        C = g.chunk_rows(T, V, chunk)
+        assert 1 <= C <= T and C * g.partial_slots(V) * g.PART_BYTES <= 64 << 20
+        assert chunk is None or C <= chunk
+    parts = g.empty_partials(3, 700, torch.device("cpu"))  # 3 column tiles, 4 slots: one holds no mass
+    assert parts.shape == (3, 3, 4) and (parts[0, :, 3] == -math.inf).all() and (parts[1:, :, 3] == 0).all()
+    assert (parts[2] == 0).all()
+
+
+# ------------------------------------------------------------------------------- CPU: the host side, emulated
+
+
+@needs_gluon
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("T,V,chunk", [(21, 70, None), (23, 700, 8), (1, 257, None)],
+                         ids=["one-tile", "3-tiles-3-launches", "one-row-one-past-a-tile"])
+def test_host_side_matches_fp64(emulated_gluon, reduction, T, V, chunk):
+    """loss (and lse) through the Gluon dispatch with the kernel emulated: launch chunks, unused partial slots and
+    the tile pass's merge give the float64 loss to fp32 rounding."""
+    x, w, y = make_inputs(T, 16, V, dtype=torch.float32)
+    with torch.no_grad():
+        loss, lse = fusedkern.linear_cross_entropy(x, w, y, reduction=reduction, return_lse=True, chunk_tokens=chunk)
+    ref, ref_lse = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, reduction=reduction, return_lse=True)
+    assert emulated_gluon == ([T] if chunk is None else [8, 8, 7])
+    assert rel_err(loss, ref) < 1e-6 and rel_err(lse, ref_lse) < 1e-6
+
+
+@needs_gluon
+def test_host_side_ignored_rows_count_and_logprobs(emulated_gluon):
+    """All targets ignored (NaN mean, 0 sum, zeros), a host num_valid_tokens (only those rows launched), and
+    linear_logprobs at temperature 1, which takes the same path."""
+    x, w, y = make_inputs(19, 16, 300, dtype=torch.float32, ignore_frac=0.4)
+    ignored = torch.full_like(y, -100)
+    with torch.no_grad():
+        assert torch.isnan(fusedkern.linear_cross_entropy(x, w, ignored))
+        assert fusedkern.linear_cross_entropy(x, w, ignored, reduction="sum").item() == 0.0
+        none, lse = fusedkern.linear_cross_entropy(x, w, ignored, reduction="none", return_lse=True)
+        assert torch.equal(none, torch.zeros_like(none))
+        assert rel_err(lse, reference.linear_cross_entropy_fp64(x.double(), w.double(), ignored, reduction="none",
+                                                                return_lse=True)[1]) < 1e-6
+        emulated_gluon.clear()
+        n = int((y != -100).sum())
+        for reduction in ("mean", "none"):
+            counted = fusedkern.linear_cross_entropy(x, w, y, reduction=reduction, num_valid_tokens=n)
+            ref = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, reduction=reduction)
+            assert rel_err(counted, ref) < 1e-6
+        assert emulated_gluon == [n, n]
+        logps = fusedkern.linear_logprobs(x, w, y)
+    assert rel_err(logps, reference.linear_logprobs_fp64(x.double(), w.double(), y)) < 1e-6
+
+
+@needs_gluon
+@pytest.mark.parametrize("margin", [8.0, 16.0, 24.0])
+def test_host_side_keeps_a_confident_loss_to_its_digits(emulated_gluon, margin):
+    """The partials' format (Σ exp − 1, the max's own 1 never added) merged by the tile pass's merge: a target
+    `margin` above the rest gives loss = δ ~ 1e-7 to 1e-5 relative, where lse − s_y in fp32 keeps none of it.
+    All-equal logits (ties in every tile) give log V."""
+    V = 700
+    x = torch.ones(1, 1)
+    w = torch.linspace(-1.0, 0.0, V).reshape(V, 1)
+    w[V - 3] = margin  # in the last, ragged tile
+    y = torch.tensor([V - 3])
+    with torch.no_grad():
+        loss = fusedkern.linear_cross_entropy(x, w, y, reduction="sum")
+        ties, lse = fusedkern.linear_cross_entropy(x, torch.zeros(V, 1), y, reduction="sum", return_lse=True)
+    ref = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
+    assert abs(ties.item() - math.log(V)) <= 1e-6 and abs(lse.item() - math.log(V)) <= 1e-6
+
+
+@needs_gluon
+def test_row_lse_and_target_logit(monkeypatch):
+    monkeypatch.setattr(g, "launch_partials", emulated_partials)
+    x, w, y = make_inputs(13, 16, 600, dtype=torch.float32, ignore_frac=0.3)
+    y[1] = 3
+    lse, target_logit = g.row_lse_and_target_logit(x, w, y, ignore_index=3)
+    s = x.double() @ w.double().t()
+    assert rel_err(lse, torch.logsumexp(s, -1)) < 1e-6
+    picked = torch.where((y >= 0) & (y != 3), s.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
+    assert target_logit[1] == 0 and rel_err(target_logit, picked) < 1e-6
+
+
+# -------------------------------------------------------------------------------------------- sm_90a compile
+
+
+@needs_gluon
+def test_kernel_compiles_for_sm90a_without_spills():
+    """scripts/compile_sm90.py's Gluon cases (int64 and int32 targets): a cubin with no stack frame or spill, in
+    H100's 227 KiB of shared memory, registers moved by setmaxnreg. ~5 s: a fresh process, compiler not interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--only", "gluon"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90a ok: gluon")]
+    assert len(lines) == 2, done.stdout
+    assert all(" stack=0 " in line and "0 bytes spill stores, 0 bytes spill loads" in line for line in lines), lines
+    assert all(int(line.split(" smem=")[1].split()[0]) <= 232448 for line in lines), lines
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+
+def _loss_only(x, w, y, **kwargs):
+    with torch.no_grad():
+        return fusedkern.linear_cross_entropy(x, w, y, **kwargs)
+
+
+def _check_loss_and_lse(x, w, y, reduction):
+    """loss and lse of the no_grad call against float64, each within 2× torch's own error from the same bf16
+    operands (loss: bf16 logits, fp32 softmax; lse: logsumexp of the bf16 logits in fp32)."""
+    loss, lse = _loss_only(x, w, y, reduction=reduction, return_lse=True)
+    ref, ref_lse = reference.linear_cross_entropy_fp64(x, w, y, reduction=reduction, return_lse=True)
+    tch = torch_linear_cross_entropy(x, w, y, reduction=reduction, upcast_logits=True)
+    tch_lse = torch.logsumexp(torch.nn.functional.linear(x, w).float(), dim=-1)
+    assert loss.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_close_to_ref("loss", loss, ref, tch, atol=1e-3)
+    assert_close_to_ref("lse", lse, ref_lse, tch_lse, atol=1e-3)
+    return loss, lse
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gpu_loss_only_bf16_matches_fp64(monkeypatch, gluon_launches, reduction):
+    """The realistic case (bf16, T = 2048, H = 1024, V = 32003: ragged last column tile), switch on: one launch of
+    the Gluon kernel, loss and lse within 2× torch's bf16 error of float64; switch off, explicit impl="fused" or a
+    gradient wanted: never launched, and the tile pass agrees with it."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(2048, 1024, 32003)
+    loss, lse = _check_loss_and_lse(x, w, y, reduction)
+    assert gluon_launches == [2048]
+    monkeypatch.setenv(SWITCH, "0")
+    tile_loss, tile_lse = _loss_only(x, w, y, reduction=reduction, return_lse=True)
+    monkeypatch.setenv(SWITCH, "1")
+    _loss_only(x, w, y, reduction=reduction, impl="fused")
+    fusedkern.linear_cross_entropy(x, w.clone().requires_grad_(), y, reduction=reduction)
+    assert gluon_launches == [2048]
+    # the tile pass rounds its logits to bf16, the Gluon pass keeps them in fp32: close, not equal
+    assert rel_err(loss, tile_loss) < 1e-2 and rel_err(lse, tile_lse) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T,H,V", [(300, 512, 5000), (1, 64, 1000), (129, 128, 257), (5, 192, 100)],
+                         ids=["ragged", "one-row", "one-past-the-tiles", "vocab-under-a-tile"])
+def test_gpu_ragged_shapes(monkeypatch, gluon_launches, T, H, V):
+    """T and V off the 128 × 256 tile (TMA zero-fills past them, the epilogue masks), down to one row and a
+    vocabulary smaller than one tile."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(T, H, V)
+    for reduction in ("mean", "none"):
+        _check_loss_and_lse(x, w, y, reduction)
+    assert gluon_launches == [T, T]
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_ignored_rows_launch_chunks_and_logprobs(monkeypatch, gluon_launches):
+    """All targets ignored (NaN mean like torch, 0 sum, zero per-token loss, lse still every row's); chunk_tokens
+    splits the launches; linear_logprobs at temperature 1 takes the Gluon pass too."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
+    ignored = torch.full_like(y, -100)
+    assert torch.isnan(_loss_only(x, w, ignored))
+    assert _loss_only(x, w, ignored, reduction="sum").item() == 0.0
+    none, lse = _loss_only(x, w, ignored, reduction="none", return_lse=True)
+    assert torch.count_nonzero(none) == 0
+    assert_close_to_ref("lse", lse, reference.linear_cross_entropy_fp64(x, w, ignored, return_lse=True)[1],
+                        torch.logsumexp(torch.nn.functional.linear(x, w).float(), dim=-1), atol=1e-3)
+    gluon_launches.clear()
+    loss = _loss_only(x, w, y, reduction="none", chunk_tokens=1000)
+    assert gluon_launches == [683, 683, 682]
+    assert_close_to_ref("loss", loss, reference.linear_cross_entropy_fp64(x, w, y, reduction="none"),
+                        torch_linear_cross_entropy(x, w, y, reduction="none", upcast_logits=True), atol=1e-3)
+    with torch.no_grad():
+        logps = fusedkern.linear_logprobs(x, w, y)
+    assert len(gluon_launches) == 4
+    assert_close_to_ref("logps", logps, reference.linear_logprobs_fp64(x, w, y),
+                        -torch_linear_cross_entropy(x, w, y, reduction="none", upcast_logits=True), atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_num_valid_tokens_host_int(monkeypatch, gluon_launches):
+    """A host count launches the valid rows only; each row's loss is the dense call's (same K order and merge, so
+    within an fp32 ulp or two), "none" puts zeros back at the ignored rows."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.4)
+    n = int((y != -100).sum())
+    dense = _loss_only(x, w, y, reduction="none")
+    counted = _loss_only(x, w, y, reduction="none", num_valid_tokens=n)
+    mean = _loss_only(x, w, y, num_valid_tokens=n)
+    assert gluon_launches == [2048, n, n]
+    assert torch.allclose(counted, dense, rtol=1e-6, atol=1e-6) and torch.count_nonzero(counted[y == -100]) == 0
+    assert torch.allclose(mean, dense.sum() / n, rtol=1e-6)
+    assert_close_to_ref("loss", mean, reference.linear_cross_entropy_fp64(x, w, y),
+                        torch_linear_cross_entropy(x, w, y, upcast_logits=True), atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_extreme_logits(monkeypatch, gluon_launches):
+    """Weights scaled up until logits reach ~±1e3: finite, and within 2× torch's bf16 error of float64."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(512, 1024, 32003, w_scale=300.0)
+    for reduction in ("sum", "none"):
+        loss, lse = _check_loss_and_lse(x, w, y, reduction)
+        assert torch.isfinite(loss).all() and torch.isfinite(lse).all()
+    assert gluon_launches == [512, 512]
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_confident_prediction_keeps_its_digits(monkeypatch, gluon_launches):
+    """`test_gpu_confident_prediction_gradient_keeps_its_digits`' loss in bf16 (exact logits: one-hot features,
+    bf16 weights): targets 8, 16, 24, 30 above the rest, δ = loss down to ~2e-9, within 1e-5 relative."""
+    monkeypatch.setenv(SWITCH, "1")
+    V, H = 32003, 64
+    x = torch.zeros(4, H, device="cuda", dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    w = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
+    w[:, 0] = torch.linspace(-1.0, 0.0, V, device="cuda")
+    y = torch.tensor([5, 17000, 30001, 123], device="cuda")
+    for t, margin in enumerate([8.0, 16.0, 24.0, 30.0]):
+        w[y[t], t + 1] = margin
+        x[t, t + 1] = 1.0
+    loss = _loss_only(x, w, y, reduction="none")
+    ref = reference.linear_cross_entropy_fp64(x, w, y, reduction="none")
+    assert gluon_launches == [4]
+    assert ((loss.double() - ref).abs() <= 1e-5 * ref).all(), (loss, ref)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_every_output_is_written(monkeypatch, gluon_launches, poison_allocations):
+    """Every buffer the package allocates starts as NaN (`poison_allocations`): the partials' slots the kernel owns,
+    the per-token loss and the statistics must all be overwritten."""
+    monkeypatch.setenv(SWITCH, "1")
+    poison_allocations()
+    x, w, y = make_inputs(300, 512, 5000)
+    loss, lse = _check_loss_and_lse(x, w, y, "none")
+    assert torch.isfinite(loss).all() and torch.isfinite(lse).all()
+    assert gluon_launches == [300]
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_partials_on_a_capped_grid_and_group_m(monkeypatch):
+    """The kernel alone: every owned slot of NaN-poisoned partials written, the target logit written exactly where the
+    target is a column; bitwise the same on 7 CTAs (each walks 8-9 tiles, every ring slot's phase wraps) and with
+    GROUP_M 8 (the pending measurement's other tile order); close to the torch emulation."""
+    T, H, V = 300, 512, 5000
+    x, w, y = make_inputs(T, H, V)
+    n = -(-V // g.BLOCK_N)
+    outputs = []
+    for group_m, max_ctas in ((16, 0), (16, 7), (8, 0), (8, 7)):
+        parts = torch.full((3, T, g.partial_slots(V)), float("nan"), device="cuda")
+        target_logit = torch.full((T,), float("nan"), device="cuda")
+        g.launch_partials(x, w, y, parts, target_logit, group_m=group_m, max_ctas=max_ctas)
+        torch.cuda.synchronize()
+        assert torch.isfinite(parts[:2, :, :n]).all() and torch.isnan(parts[:2, :, n:]).all()
+        assert torch.equal(torch.isfinite(target_logit), y != -100)
+        outputs.append((parts[:2, :, :n], target_logit))
+    for parts, target_logit in outputs[1:]:
+        assert torch.equal(parts, outputs[0][0]) and torch.equal(target_logit.nan_to_num(), outputs[0][1].nan_to_num())
+    ref = torch.zeros(3, T, g.partial_slots(V), device="cuda")
+    ref_target = torch.zeros(T, device="cuda")
+    emulated_partials(x, w, y, ref, ref_target)
+    scale = (x.float() @ w.float().t()).abs().max().item()
+    assert (outputs[0][0][0] - ref[0, :, :n]).abs().max().item() <= 1e-4 * scale + 1e-4
+    assert (outputs[0][0][1] - ref[1, :, :n]).abs().max().item() <= 1e-3 * (1 + ref[1].abs().max().item())
+    valid = y != -100
+    assert (outputs[0][1][valid] - ref_target[valid]).abs().max().item() <= 1e-4 * scale + 1e-4
