@@ -84,7 +84,7 @@ fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_
 # rows and over the valid rows (issue 31 item 3)
 loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_gluon
     fusedkern_gluon_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
-gluon_configs=128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2
+gluon_configs=${GLUON_CONFIGS:-128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
 loss_only_step() {
