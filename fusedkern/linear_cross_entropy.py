@@ -79,8 +79,9 @@ def _fused_ops():
     return fused_ce
 
 
-#: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: "0" until the Gluon pass's GPU timing beats the tile pass
-GLUON_LOSS_ONLY_DEFAULT = "0"
+#: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: on, since the Gluon pass beat the tile pass at every size
+#: measured (H100, 4096-32768 tokens, dense and half-ignored: 1.05-1.10x one GEMM against 1.17-1.22x; docs/design.md)
+GLUON_LOSS_ONLY_DEFAULT = "1"
 
 
 def gluon_loss_only_switch() -> bool:

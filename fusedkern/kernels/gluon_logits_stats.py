@@ -7,12 +7,12 @@ order; a one-warp TMA producer fills a 4-stage shared-memory ring (mbarriers rea
 split each 128 × 256 tile by rows (64 × 256 accumulators, async wgmma from shared memory) and reduce it in registers.
 Trade-off: cuBLAS's tile shape and L2 feed, but the epilogue is not hidden behind the other warpgroup's main loop
 (only the producer keeps prefetching through it); Gluon 3.6 has no TMA multicast across a 2-CTA cluster.
-Measured (H100, probe, statistics without the merge, × cuBLAS's `torch.mm` of the same logits): 0.997× at 4096
-tokens, 1.035× at 8192, correct against torch; the library's tile pass ran at 1.147× one GEMM (H100, 4096 tokens,
-`ce_llama3_loss_only.csv`). The epilogue here differs from the probe's by one reduction (the max's own 1 left out of
-Σ exp, ties counted exactly: the precision `ce_rows` keeps for confident predictions): not yet timed on a GPU.
+Measured (H100, × cuBLAS's logits GEMM in the same shuffled rounds): the probe's kernel, statistics only, 0.997× at
+4096 tokens and 1.035× at 8192; this module's loss-only pass (kernel + merge, one more reduction than the probe's: the
+max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` keeps for confident predictions)
+1.054–1.089× at 4096–32768 tokens against the tile pass's 1.169–1.209× (`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
 
-`loss_only` (what `linear_cross_entropy` runs under no_grad when `FUSEDKERN_GLUON_LOSS_ONLY=1`, see
+`loss_only` (what `linear_cross_entropy` runs under no_grad unless `FUSEDKERN_GLUON_LOSS_ONLY=0`, see
 `linear_cross_entropy._gluon_loss_only`) merges the partials with `ce_rows.merge_row_stats`, the tile pass's own
 merge, so its loss and statistics mean exactly what the tile pass's do. This module imports Gluon at import time:
 import it only where `is_supported` can hold (the dispatch imports it lazily, on CUDA tensors).
