@@ -74,6 +74,13 @@ _STYLES: dict[str, dict] = {
                                            linewidth=2.0),
     "fusedkern_chunked_lean_counted": dict(color="#fdae6b", marker="d", label="fusedkern lean, host count"),
     "fusedkern_fused": dict(color="#9467bd", marker="P", label="fusedkern fused"),
+    # the loss-only pass on the Gluon statistics kernel, and the RL log-prob pass (temperature, entropy)
+    "fusedkern_gluon": dict(color="#2ca02c", marker="h", label="fusedkern loss-only, Gluon", linewidth=2.2),
+    "fusedkern_gluon_counted": dict(color="#2ca02c", marker="h", label="fusedkern loss-only, Gluon, host count",
+                                    linewidth=2.2),
+    "fusedkern_logprobs": dict(color="#9467bd", marker="v", label="fusedkern log-probs, τ 0.7 + entropy"),
+    "fusedkern_logprobs_counted": dict(color="#9467bd", marker="v",
+                                       label="fusedkern log-probs, τ 0.7 + entropy, host count"),
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),
