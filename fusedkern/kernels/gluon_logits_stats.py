@@ -10,7 +10,8 @@ Trade-off: cuBLAS's tile shape and L2 feed, but the epilogue is not hidden behin
 Measured (H100, × cuBLAS's logits GEMM in the same shuffled rounds): the probe's kernel, statistics only, 0.997× at
 4096 tokens and 1.035× at 8192; this module's loss-only pass (kernel + merge, one more reduction than the probe's: the
 max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` keeps for confident predictions)
-1.054–1.089× at 4096–32768 tokens against the tile pass's 1.169–1.209× (`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
+1.054–1.089× at 4096–32768 tokens against the tile pass's 1.169–1.209×
+(`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
 
 `loss_only` (what `linear_cross_entropy` runs under no_grad unless `FUSEDKERN_GLUON_LOSS_ONLY=0`, see
 `linear_cross_entropy._gluon_loss_only`) merges the partials with `ce_rows.merge_row_stats`, the tile pass's own
