@@ -127,7 +127,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkern, without an install
 # the grouped tile order and the TMA producer are the library's (fusedkern/kernels/gluon_logits_stats.py holds the
 # cooperative kernel alone); ping-pong, one consumer and the logits store stay here
-from fusedkern.kernels.gluon_logits_stats import _producer, _tile_coords  # noqa: E402
+from fusedkern.kernels.gluon_logits_stats import tma_producer, tile_coords  # noqa: E402
 
 LOG2E = gl.constexpr(1.4426950408889634)
 SMEM_LIMIT = 232448  # sm_90: 227 KiB of dynamic shared memory per block
@@ -167,7 +167,7 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, orde
     grid = gl.num_programs(0)
     i = FIRST  # the CTA-local index of this consumer's tile
     for t in range(pid + FIRST * grid, num_m * num_n, STEP * grid):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * TILE_M + CONSUMER * BLOCK_M * COOP
         off_n = pid_n * BLOCK_N
         base = i * k_tiles  # ring position of this tile's first K block (the producer's count)
@@ -283,14 +283,14 @@ def _logits_stats_kernel(x_desc, w_desc, c_desc, part_max_ptr, part_sum_ptr, tar
             (_consumer_worker, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr,
                                 part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles,
                                 GROUP_M, STAGES, NUM_CONSUMERS, WRITE_LOGITS, COOP)),
-            (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+            (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, order, part_max_ptr,
                          part_sum_ptr, target_ptr, target_logit_ptr, T, V, n_col_tiles, num_m, num_n, k_tiles, GROUP_M,
                          STAGES, NUM_CONSUMERS, 0, WRITE_LOGITS, COOP)),
-            (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+            (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
         ], [1], [PRODUCER_REGS])
 
 

@@ -82,8 +82,8 @@ gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cu
 fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
 # the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
 # rows and over the valid rows (issue 31 item 3)
-loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_gluon
-    fusedkern_gluon_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
+loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_tile_pass
+    fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
 gluon_configs=${GLUON_CONFIGS:-128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
@@ -118,7 +118,7 @@ elif [ "$part" = probe ]; then
     step gluon_logits_stats 170 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
         --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" --configs "$gluon_configs"
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
-    # the library's Gluon loss-only pass (off by default until timed): its GPU tests, then the table at 4096 and
+    # the library's Gluon loss-only pass (the default on sm_90): its GPU tests, then the table at 4096 and
     # 32768 tokens with it beside the tile pass
     SUITE_CAP_S=90 suite gpu_gluon_loss_only tests/test_gluon_loss_only.py
     loss_only_step 4096 100

@@ -196,12 +196,12 @@ def test_launches_keep_the_partials_within_the_loss_only_budget():
     """Partials per row: the column tiles up to a power of two; tokens per launch: 12 bytes a slot within 64 MiB,
     balanced, at most chunk_tokens."""
     assert g.partial_slots(128256) == 512 and g.partial_slots(256) == 1 and g.partial_slots(257) == 2
-    assert g.chunk_rows(4096, 128256) == 4096 and g.chunk_rows(8192, 128256) == 8192
-    assert g.chunk_rows(32768, 128256) == 8192  # 10880 at most: 4 launches of 8192
-    assert g.chunk_rows(12000, 128256) == 6000
-    assert g.chunk_rows(300, 5000, chunk_tokens=128) == 100  # 3 launches, balanced
+    assert g.tokens_per_launch(4096, 128256) == 4096 and g.tokens_per_launch(8192, 128256) == 8192
+    assert g.tokens_per_launch(32768, 128256) == 8192  # 10880 at most: 4 launches of 8192
+    assert g.tokens_per_launch(12000, 128256) == 6000
+    assert g.tokens_per_launch(300, 5000, chunk_tokens=128) == 100  # 3 launches, balanced
     for T, V, chunk in ((1, 1, None), (5, 300, 2), (100_000, 256_000, None), (50_000, 32003, 7000)):
-        C = g.chunk_rows(T, V, chunk)
+        C = g.tokens_per_launch(T, V, chunk)
         assert 1 <= C <= T and C * g.partial_slots(V) * g.PART_BYTES <= 64 << 20
         assert chunk is None or C <= chunk
     parts = g.empty_partials(3, 700, torch.device("cpu"))  # 3 column tiles, 4 slots: one holds no mass
@@ -268,18 +268,6 @@ def test_host_side_keeps_a_confident_loss_to_its_digits(emulated_gluon, margin):
     ref = reference.linear_cross_entropy_fp64(x.double(), w.double(), y, reduction="sum")
     assert abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
     assert abs(ties.item() - math.log(V)) <= 1e-6 and abs(lse.item() - math.log(V)) <= 1e-6
-
-
-@needs_gluon
-def test_row_lse_and_target_logit(monkeypatch):
-    monkeypatch.setattr(g, "launch_partials", emulated_partials)
-    x, w, y = make_inputs(13, 16, 600, dtype=torch.float32, ignore_frac=0.3)
-    y[1] = 3
-    lse, target_logit = g.row_lse_and_target_logit(x, w, y, ignore_index=3)
-    s = x.double() @ w.double().t()
-    assert rel_err(lse, torch.logsumexp(s, -1)) < 1e-6
-    picked = torch.where((y >= 0) & (y != 3), s.gather(1, y.clamp(min=0)[:, None])[:, 0], 0.0)
-    assert target_logit[1] == 0 and rel_err(target_logit, picked) < 1e-6
 
 
 # -------------------------------------------------------------------------------------------- sm_90a compile

@@ -58,7 +58,7 @@ PART_BYTES = 3 * 4
 
 
 @gluon.jit
-def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
+def tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
     """Grouped order: GROUP_M row tiles per group, row index fastest inside the group."""
     per_group = GROUP_M * num_n
     group = t // per_group
@@ -69,7 +69,7 @@ def _tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles,
+def tma_producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -79,7 +79,7 @@ def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tile
     grid = gl.num_programs(0)
     count = 0
     for t in range(pid, num_m * num_n, grid):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for k in range(k_tiles):
@@ -110,7 +110,7 @@ def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_r
     grid = gl.num_programs(0)
     i = 0  # the CTA-local index of the tile
     for t in range(pid, num_m * num_n, grid):
-        pid_m, pid_n = _tile_coords(t, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * TILE_M + CONSUMER * BLOCK_M
         off_n = pid_n * BLOCK_N
         base = i * k_tiles  # ring position of this tile's first K block (the producer's count)
@@ -194,7 +194,7 @@ def _logits_partials_kernel(
                      target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES, 0)),
         (_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
                             target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES)),
-        (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+        (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -262,7 +262,7 @@ def partial_slots(vocab: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, BLOCK_N))
 
 
-def chunk_rows(n_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
+def tokens_per_launch(n_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
     """Tokens per launch: the partials of one launch within the loss-only pass's 64 MiB (8192 tokens at
     V = 128256: 512 slots × 12 bytes a token), at most `chunk_tokens` when given, balanced over the launches."""
     most = max(BLOCK_M, LOSS_CHUNK_BUDGET_BYTES // (partial_slots(vocab) * PART_BYTES) // BLOCK_M * BLOCK_M)
@@ -309,12 +309,12 @@ def loss_only(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_i
               chunk_tokens: int | None = None, *, group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked.chunked_loss` without bias, class weights, label smoothing, z-loss or softcap, on this kernel:
     x2d [T, H] · w [V, H] bf16 · target [T] → (loss_tok [T] fp32, 0 where ignored; stats [2, T] fp32 =
-    (max, log Σ exp(s − max)), `chunked.lse_of`). Launches of `chunk_rows` tokens, each merged by the tile pass's
+    (max, log Σ exp(s − max)), `chunked.lse_of`). Launches of `tokens_per_launch` tokens, each merged by the tile pass's
     `merge_row_stats`. Caller: `unsupported_reason(x2d, w)` is None."""
     (T, _), V = x2d.shape, w.shape[0]
     loss_tok = torch.empty(T, device=x2d.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x2d.device, dtype=torch.float32)
-    C = chunk_rows(T, V, chunk_tokens)
+    C = tokens_per_launch(T, V, chunk_tokens)
     parts = empty_partials(C, V, x2d.device)
     target_logit = torch.empty(C, device=x2d.device, dtype=torch.float32)
     for c0 in range(0, T, C):
@@ -326,18 +326,3 @@ def loss_only(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_i
                         class_weight=None, class_weight_sum=None, ignore_index=ignore_index, label_smoothing=0.0,
                         z_loss=0.0, softcap=None)
     return loss_tok, stats
-
-
-def row_lse_and_target_logit(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                             group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse [T] fp32, target_logit [T] fp32, 0 where target == ignore_index) of s = x2d · wᵀ in one launch and one
-    merge, no [T, V] logits: the loss is lse − target_logit. Caller: `unsupported_reason(x2d, w)` is None."""
-    (T, _), V = x2d.shape, w.shape[0]
-    parts = empty_partials(T, V, x2d.device)
-    target_logit = torch.zeros(T, device=x2d.device, dtype=torch.float32)
-    launch_partials(x2d, w, target, parts, target_logit, group_m=group_m)
-    loss = torch.empty(T, device=x2d.device, dtype=torch.float32)
-    stats = torch.empty((2, T), device=x2d.device, dtype=torch.float32)
-    merge_row_stats(parts, target_logit, target, V, loss=loss, stats=stats, class_weight=None, class_weight_sum=None,
-                    ignore_index=ignore_index, label_smoothing=0.0, z_loss=0.0, softcap=None)
-    return stats[0] + stats[1], torch.where(target != ignore_index, target_logit, 0.0)

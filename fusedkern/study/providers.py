@@ -10,11 +10,13 @@ instead of breaking the module.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -191,30 +193,24 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
-def _ce_fusedkern_gluon(counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
-    """The loss-only pass on the Gluon statistics kernel (`kernels/gluon_logits_stats.py`): `_ce_fusedkern`'s call
-    with FUSEDKERN_GLUON_LOSS_ONLY=1 set inside the timed step (the library reads the switch at each call, and the
-    other providers of the same rounds must see it unset); loss only, where the kernel supports the operands."""
+def _ce_fusedkern_switched(switch: str, counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
+    """`_ce_fusedkern`'s loss-only call with FUSEDKERN_GLUON_LOSS_ONLY=switch set inside the timed step (the library
+    reads it at each call, and the other providers of the same rounds must not see it): "1" the Gluon statistics
+    kernel (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile pass."""
     inner = _ce_fusedkern(counted=counted, impl="chunked")
 
     def build(inp: Inputs) -> dict[str, Step]:
-        from fusedkern.kernels import gluon_logits_stats
+        if switch == "1":
+            from fusedkern.kernels import gluon_logits_stats
 
-        reason = gluon_logits_stats.unsupported_reason(inp.x2d(), inp.w)
-        if reason is not None or inp.softcap is not None:
-            raise ProviderUnavailable(f"the Gluon loss-only pass: {reason or 'no softcap'}")
+            reason = gluon_logits_stats.unsupported_reason(inp.x2d(), inp.w)
+            if reason is not None or inp.softcap is not None:
+                raise ProviderUnavailable(f"the Gluon loss-only pass: {reason or 'no softcap'}")
         step = inner(inp)["loss_only"]
 
         def switched(state):
-            previous = os.environ.get(GLUON_SWITCH)
-            os.environ[GLUON_SWITCH] = "1"
-            try:
+            with mock.patch.dict(os.environ, {GLUON_SWITCH: switch}):
                 return step.run(state)
-            finally:
-                if previous is None:
-                    del os.environ[GLUON_SWITCH]
-                else:
-                    os.environ[GLUON_SWITCH] = previous
 
         return {"loss_only": Step(switched, step.setup)}
 
@@ -239,6 +235,21 @@ def _ce_liger(inp: Inputs) -> dict[str, Step]:
     return loss_steps(lambda: loss_module(inp.w, inp.x, inp.target))
 
 
+def _liger_cute_import(module: str, name: str):
+    """`name` of `liger_kernel.ops.cutedsl.ops.<module>` (Liger ≥ 0.8.5's CuTe DSL kernels for Hopper): Liger not
+    installed raises ImportError (skipped, like the other optional providers); a CuTe DSL that cannot load here
+    raises ProviderUnavailable."""
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.ops.cutedsl.ops.{module}"), name)
+    except ImportError as error:
+        if error.name == "liger_kernel":
+            raise
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import ({error}): it needs nvidia-cutlass-dsl") \
+            from error
+    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
+        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
+
+
 def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     """Liger-Kernel's CuTe DSL kernel for Hopper (`liger_kernel.ops.cutedsl`, ≥ 0.8.5): sm_90, bf16, mean,
     no bias, no softcap; it writes the [T, V] bf16 logits once. Needs `nvidia-cutlass-dsl` (as QuACK)."""
@@ -246,16 +257,8 @@ def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     _no_softcap(inp, "Liger's CuTe SM90 kernel")
     if torch.cuda.get_device_capability(inp.x.device) != (9, 0):
         raise ProviderUnavailable("Liger's CuTe SM90 kernel runs on compute capability 9.0 only")
-    try:
-        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
-            liger_fused_linear_cross_entropy_sm90)
-    except ImportError as error:
-        if error.name == "liger_kernel":
-            raise  # not installed: skipped, like the other optional providers
-        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import ({error}): it needs nvidia-cutlass-dsl") \
-            from error
-    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
-        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
+    liger_fused_linear_cross_entropy_sm90 = _liger_cute_import("fused_linear_cross_entropy_sm90",
+                                                                "liger_fused_linear_cross_entropy_sm90")
     rows = inp.target.numel()
     if rows % 128 or inp.w.shape[0] % 128 or inp.x.dtype != torch.bfloat16:
         raise ProviderUnavailable("Liger's CuTe SM90 kernel needs bf16 and tokens and vocab multiples of 128")
@@ -300,20 +303,11 @@ def _logprobs_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     _no_softcap(inp, "Liger's CuTe SM90 scaled cross-entropy")
     if torch.cuda.get_device_capability(inp.x.device) != (9, 0) or inp.x.dtype != torch.bfloat16:
         raise ProviderUnavailable("Liger's CuTe SM90 scaled cross-entropy needs compute capability 9.0 and bf16")
-    try:
-        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
-            LigerFusedScaledCrossEntropySM90Function)
-    except ImportError as error:
-        if error.name == "liger_kernel":
-            raise
-        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import ({error}): it needs nvidia-cutlass-dsl") \
-            from error
-    except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
-        raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
+    scaled_ce = _liger_cute_import("fused_scaled_cross_entropy_sm90", "LigerFusedScaledCrossEntropySM90Function")
     x2d, target = inp.x.reshape(-1, inp.x.shape[-1]), inp.target.reshape(-1)
 
     def loss():
-        nll, entropy = LigerFusedScaledCrossEntropySM90Function.apply(
+        nll, entropy = scaled_ce.apply(
             x2d, inp.w, target, LOGPROB_TEMPERATURE, IGNORE_INDEX, 1, True)
         return _logprob_objective(-nll, entropy, target)
 
@@ -805,8 +799,11 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
             Provider("quack", _ce_quack),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
-            Provider("fusedkern_gluon", _ce_fusedkern_gluon(), accuracy=False),
-            Provider("fusedkern_gluon_counted", _ce_fusedkern_gluon(counted="host"), accuracy=False),
+            # the loss-only pass pinned to either kernel (fusedkern_chunked takes the library's default)
+            Provider("fusedkern_gluon", _ce_fusedkern_switched("1"), accuracy=False),
+            Provider("fusedkern_gluon_counted", _ce_fusedkern_switched("1", counted="host"), accuracy=False),
+            Provider("fusedkern_tile_pass", _ce_fusedkern_switched("0"), accuracy=False),
+            Provider("fusedkern_tile_pass_counted", _ce_fusedkern_switched("0", counted="host"), accuracy=False),
             # the RL log-prob pass (temperature, entropy): fusedkern's and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
