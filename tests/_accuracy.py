@@ -3,8 +3,6 @@ reference is at most twice the error of PyTorch's own same-dtype computation, pl
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -19,28 +17,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-_FLOORS: dict[str, float] = {}  # name → floor of torch's error, while `floored_yardstick` is on
-
-
-def assert_close_to_ref(name: str, out, ref, torch_same_dtype, factor: float = 2.0, atol: float = 1e-6):
-    err, err_torch = rel_err(out, ref), max(rel_err(torch_same_dtype, ref), _FLOORS.get(name, 0.0))
+def assert_close_to_ref(name: str, out, ref, torch_same_dtype, factor: float = 2.0, atol: float = 1e-6,
+                        floor: float = 0.0):
+    """out's error against ref at most factor × max(torch's same-dtype error, floor) + atol (floor: an error no
+    same-dtype computation avoids, for results that hinge on a few roundings: `few_roundings_floors`)."""
+    err, err_torch = rel_err(out, ref), max(rel_err(torch_same_dtype, ref), floor)
     if not err <= factor * err_torch + atol:
         o, r = out.detach().double().cpu().flatten(), ref.detach().double().cpu().flatten()
         worst = (o - r).abs().argsort(descending=True)[:5].tolist()
-        floor = f" (floored at {_FLOORS[name]:.3e})" if name in _FLOORS else ""
-        raise AssertionError(f"{name}: error {err:.3e} > {factor}×torch {err_torch:.3e}{floor} + {atol:g}; "
+        floored = f" (floored at {floor:.3e})" if floor else ""
+        raise AssertionError(f"{name}: error {err:.3e} > {factor}×torch {err_torch:.3e}{floored} + {atol:g}; "
                              f"worst elements (index, out, ref): {[(i, o[i].item(), r[i].item()) for i in worst]}")
-
-
-@contextlib.contextmanager
-def floored_yardstick(floors: dict[str, float]):
-    """Within it, `assert_close_to_ref(name, ...)` takes max(torch's error, floors[name]) as the yardstick."""
-    _FLOORS.update(floors)
-    try:
-        yield
-    finally:
-        for name in floors:
-            _FLOORS.pop(name, None)
 
 
 def few_roundings_floors(x, w, y, *, b=None, **loss_kw) -> dict[str, float]:
