@@ -80,7 +80,7 @@ def _fused_ops():
 
 
 #: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: on, since the Gluon pass beat the tile pass at every size
-#: measured (H100, 4096-32768 tokens, dense and half-ignored: 1.05-1.10x one GEMM against 1.17-1.22x; docs/design.md)
+#: measured (H100, 4096-32768 tokens, dense and half-ignored: 1.05-1.10x one GEMM against 1.17-1.23x; docs/design.md)
 GLUON_LOSS_ONLY_DEFAULT = "1"
 
 
