@@ -15,9 +15,9 @@
 #   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the same at 32768, then 16384
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
-#                                       # cold suite is measured): the Gluon probe, the quick selection on the
-#                                       # carried cache, the loss-only and log-prob pass at 32768 tokens; table
-#                                       # follows it on the same warm machine
+#                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
+#                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
+#                                       # GLUON_CONFIGS when set); table follows it on the same warm machine
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
 # in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
@@ -84,7 +84,7 @@ fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_
 # rows and over the valid rows (issue 31 item 3)
 loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_tile_pass
     fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
-gluon_configs=${GLUON_CONFIGS:-128x256x64s4coop,128x256x64s4coopg8,128x128x64s6c2}
+gluon_configs=${GLUON_CONFIGS:-}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
 loss_only_step() {
@@ -115,15 +115,19 @@ if [ "$part" = cold ]; then
     SUITE_CAP_S=200 suite gpu_quick_cold --gpu-quick tests/
 elif [ "$part" = probe ]; then
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_gluon"
-    step gluon_logits_stats 170 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
-        --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" --configs "$gluon_configs"
+    if [ -n "${GLUON_CONFIGS:-}" ]; then
+        step gluon_logits_stats 170 env TRITON_INTERPRET=0 python3 probes/gluon_logits_stats.py --bench \
+            --tokens 4096,8192 --out "$res/gluon_logits_stats.csv" --configs "$gluon_configs"
+    fi
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
-    # the library's Gluon loss-only pass (the default on sm_90): its GPU tests, then the table at 4096 and
-    # 32768 tokens with it beside the tile pass
-    SUITE_CAP_S=90 suite gpu_gluon_loss_only tests/test_gluon_loss_only.py
+    # the whole GPU suite on the carried cache (the Gluon loss-only pass is the default on sm_90), the counted
+    # paths' peak memory on Gemma-2's head, then the loss-only table at 4096 tokens; table follows on this machine
+    SUITE_CAP_S=330 suite gpu_suite_warm tests/
+    # shellcheck disable=SC2086
+    step ce_gemma2_counted 80 python3 -m fusedkern.bench ce --head gemma2 --tokens 6144 $timing --modes full \
+        --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
+        --out "$res/ce_gemma2_counted.csv"
     loss_only_step 4096 100
-    SUITE_CAP_S=90 suite gpu_quick_warm --gpu-quick tests/
-    loss_only_step 32768 120
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there
@@ -143,6 +147,7 @@ if [ "$part" = table ] || [ "$part" = rest ]; then
     # (CUTE_DSL_CACHE_DIR, set at the top). table: 8192 tokens; rest (the next call): 32768, then 16384.
     sizes="8192"
     [ "$part" = rest ] && sizes="32768 16384"
+    sizes="${TABLE_SIZES:-$sizes}"
     for tokens in $sizes; do
         # shellcheck disable=SC2086
         step "ce_dense_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
