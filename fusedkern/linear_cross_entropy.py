@@ -85,7 +85,7 @@ GLUON_LOSS_ONLY_DEFAULT = "1"
 
 
 def gluon_loss_only_switch() -> bool:
-    """FUSEDKERN_GLUON_LOSS_ONLY: "1" sends every loss-only call the Gluon pass supports to it (`_gluon_loss_only`),
+    """FUSEDKERN_GLUON_LOSS_ONLY: "1" sends every loss-only call the Gluon pass supports to it (`takes_gluon_pass`),
     "0" none; unset or empty: `GLUON_LOSS_ONLY_DEFAULT`. Read at each call (a test or a notebook may flip it)."""
     value = os.environ.get("FUSEDKERN_GLUON_LOSS_ONLY", "").strip() or GLUON_LOSS_ONLY_DEFAULT
     if value not in ("0", "1"):
@@ -103,17 +103,19 @@ def _gluon_ops():
     return gluon_logits_stats
 
 
-def plain_loss_options(b, class_weight, opts: LossOptions) -> bool:
-    """The options the Gluon pass computes: none (no bias, class weights, label smoothing, z-loss, softcap, scale)."""
+def gluon_pass_options(b, class_weight, opts: LossOptions) -> bool:
+    """The options the Gluon pass computes: a logit scale (a temperature) and nothing else (no bias, class weights,
+    label smoothing, z-loss, softcap)."""
     return (b is None and class_weight is None and opts.label_smoothing == 0.0 and opts.z_loss == 0.0
-            and opts.softcap is None and opts.logit_scale == 1.0)
+            and opts.softcap is None)
 
 
-def _gluon_loss_only(x2d, w, b, class_weight, opts: LossOptions) -> bool:
-    """Whether a loss-only call (no gradient wanted, the chunked strategy) runs on the Gluon pass
-    (`kernels/gluon_logits_stats.py`) instead of the tile pass: plain options, the switch on, eager (fake tensors
-    have no address to check for TMA's alignment), and operands the kernel supports (bf16, H % 64 = 0, sm_90)."""
-    if not (plain_loss_options(b, class_weight, opts) and gluon_loss_only_switch() and x2d.is_cuda):
+def takes_gluon_pass(x2d, w, b, class_weight, opts: LossOptions) -> bool:
+    """Whether a loss-only call (no gradient wanted, the chunked strategy: cross-entropy, or log-probs at a
+    temperature with or without the entropy) runs on the Gluon pass (`kernels/gluon_logits_stats.py`) instead of
+    the tile pass: options it computes, the switch on, eager (fake tensors have no address to check for TMA's
+    alignment), and operands the kernel supports (bf16, H % 64 = 0, sm_90)."""
+    if not (gluon_pass_options(b, class_weight, opts) and gluon_loss_only_switch() and x2d.is_cuda):
         return False
     gluon = None if is_traced(x2d, w) else _gluon_ops()
     return gluon is not None and gluon.is_supported(x2d, w)
@@ -223,7 +225,7 @@ def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target:
     """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
     recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
     by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call; impl='gluon' is the loss-only
-    call `_gluon_loss_only` routes to `kernels/gluon_logits_stats.py`.
+    call `takes_gluon_pass` routes to `kernels/gluon_logits_stats.py`.
     forward_chunk_tokens: whole-row chunks of the loss-only pass (None: its 64 MiB tiles; the Gluon pass: at most
     that many tokens a launch); chunk_tokens: the backward's chunks."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
@@ -231,7 +233,7 @@ def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target:
         loss_tok, stats = _fused_ops().fused_ce_forward(
             x, w, b, target, class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, return_stats=True)
-    elif impl == "gluon":  # loss only, plain options (`_gluon_loss_only`); a backward would recompute as "chunked"
+    elif impl == "gluon":  # loss only, plain options (`takes_gluon_pass`); a backward would recompute as "chunked"
         loss_tok, stats = _gluon_ops().loss_only(x, w, target, ignore_index, forward_chunk_tokens)
     else:
         loss_tok, stats = chunked_loss(x, w, b, target, class_weight,
@@ -307,16 +309,21 @@ def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
                       ignore_index: int, softcap: float | None, logit_scale: float, with_entropy: bool,
                       weight_grad_accum: str, chunk_tokens: int | None, forward_chunk_tokens: int | None,
                       check_target: torch.Tensor | None, count: torch.Tensor | None,
-                      count_int: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      count_int: int, impl: str = "chunked") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_per_token` for `linear_logprobs` at a temperature (chunked, no class weights, ε = z-loss = 0):
     s = softcap(z)·logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy
     H_t of softmax(s) [T] fp32 (0 where ignored; else [0]) from one more row statistic of the same pass.
+    impl: "chunked", or "gluon" for a forward no backward follows that `logprobs_impl` sent to the Gluon pass.
     The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
     entropy = torch.empty(x.shape[0] if with_entropy else 0, device=x.device, dtype=torch.float32)
-    loss_tok, stats = chunked_loss(x, w, b, target, None, LossOptions(ignore_index, softcap=softcap,
-                                                                      logit_scale=logit_scale),
-                                   forward_chunk_tokens, entropy=entropy if with_entropy else None)
+    if impl == "gluon":
+        loss_tok, stats = _gluon_ops().loss_only(x, w, target, ignore_index, forward_chunk_tokens,
+                                                 logit_scale=logit_scale, entropy=entropy if with_entropy else None)
+    else:
+        loss_tok, stats = chunked_loss(x, w, b, target, None, LossOptions(ignore_index, softcap=softcap,
+                                                                          logit_scale=logit_scale),
+                                       forward_chunk_tokens, entropy=entropy if with_entropy else None)
     finish_checks(checks)
     return loss_tok, stats, entropy
 
@@ -327,7 +334,7 @@ logprobs_entropy = torch.library.custom_op("fusedkern::logprobs_entropy", _logpr
 
 @logprobs_entropy.register_fake
 def _(x, w, b, target, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
-      forward_chunk_tokens, check_target, count, count_int):
+      forward_chunk_tokens, check_target, count, count_int, impl="chunked"):
     T = x.shape[0]
     f32 = torch.float32
     return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
@@ -347,7 +354,7 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and b is not None
     if grad_loss_tok is None and grad_entropy is None:
-        return (None,) * 14
+        return (None,) * len(ctx.needs_input_grad)
     # an output nothing flowed into has no gradient (set_materialize_grads(False)): the log-probs' weight is 0,
     # an entropy used only as a metric passes [0] and the row kernel compiles its term out
     grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
@@ -355,7 +362,15 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
     grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
     dx, dw, db = call_op(logprobs_entropy_backward, x, w, b, target, stats, entropy if with_entropy else grad_h,
                          grad_tok, grad_h, *ctx.options, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 11))
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+            *([None] * (len(ctx.needs_input_grad) - 3)))
+
+
+def logprobs_impl(x2d, w, b, softcap: float | None, logit_scale: float, wants_grad: bool) -> str:
+    """The `logprobs_entropy` operator's impl for these operands: "gluon" for a forward no backward follows that the
+    Gluon pass takes (`takes_gluon_pass`: no bias or softcap, bf16, sm_90, the switch on), else "chunked"."""
+    opts = LossOptions(-100, softcap=softcap, logit_scale=logit_scale)
+    return "gluon" if not wants_grad and takes_gluon_pass(x2d, w, b, None, opts) else "chunked"
 
 
 register_op(logprobs_entropy, _logprobs_entropy, _setup_logprobs_entropy, _backward_logprobs_entropy)
@@ -451,7 +466,7 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
         return loss, lse
     if rows is not None:
         x2d = x2d.index_select(0, rows)
-    if impl == "chunked" and not wants_grad and _gluon_loss_only(x2d, w, b, class_weight, opts):
+    if impl == "chunked" and not wants_grad and takes_gluon_pass(x2d, w, b, class_weight, opts):
         impl = "gluon"
     loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
                               chunk_tokens, None if wants_grad else chunk_tokens, *checks)

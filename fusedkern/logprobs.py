@@ -23,7 +23,8 @@ from fusedkern.chunked import LossOptions
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern._validation import validate_call
 from fusedkern.autograd import call_op, follows_autocast
-from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens, resolve_impl, valid_rows_first
+from fusedkern.linear_cross_entropy import (logprobs_entropy, logprobs_impl, loss_over_tokens, resolve_impl,
+                                           valid_rows_first)
 
 
 @follows_autocast
@@ -101,23 +102,26 @@ def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_inde
 def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
               num_valid_tokens):
     """(logps [T], entropy [T] or [0]) through the `logprobs_entropy` operator (fp32 scale 1/τ in the row
-    kernels). A host count gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back
-    among zeros; a device count is checked and the rows computed densely."""
+    kernels, or in the Gluon pass's epilogue for a forward no backward follows: `logprobs_impl`). A host count
+    gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back among zeros; a device count
+    is checked and the rows computed densely."""
     # as `linear_cross_entropy`: a forward that a backward follows runs in 64 MiB tiles, a loss-only one in
     # the caller's chunks when given
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, w, b))
     forward_chunk = None if wants_grad else chunk_tokens
     common = (ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens, forward_chunk)
+    impl_for = lambda rows_x: logprobs_impl(rows_x, w, b, softcap, logit_scale, wants_grad)  # noqa: E731
     if isinstance(num_valid_tokens, torch.Tensor):
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1)
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1, impl_for(x2d))
         return -nll, entropy
     count_int = -1 if num_valid_tokens is None else num_valid_tokens
     if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int)
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int, impl_for(x2d))
         return -nll, entropy
     rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
-    nll, _, entropy = call_op(logprobs_entropy, x2d.index_select(0, rows), w, b, y.index_select(0, rows), *common,
-                              y, None, count_int)
+    x_valid = x2d.index_select(0, rows)
+    nll, _, entropy = call_op(logprobs_entropy, x_valid, w, b, y.index_select(0, rows), *common, y, None, count_int,
+                              impl_for(x_valid))
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy
 
@@ -146,9 +150,11 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, linear_weight,
                                                                                               linear_bias))
     forward_chunk = None if wants_grad else chunk_tokens
+    logit_scale = 1.0 / float(temperature)
+    impl = logprobs_impl(x2d, linear_weight, linear_bias, softcap, logit_scale, wants_grad)
     nll, stats, entropy = call_op(logprobs_entropy, x2d, linear_weight, linear_bias, y, ignore_index, softcap,
-                                  1.0 / float(temperature), return_entropy, weight_grad_accum, chunk_tokens,
-                                  forward_chunk, None, None, -1)
+                                  logit_scale, return_entropy, weight_grad_accum, chunk_tokens, forward_chunk, None,
+                                  None, -1, impl)
     lead = input.shape[:-1]
     stats = stats.detach()
     return (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),

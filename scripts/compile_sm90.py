@@ -11,7 +11,8 @@ first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptx
   wide/narrow pair and dW's three epilogues;
 - the distillation row kernel (`distill_rows`, bf16 student and teacher) for each divergence, options off and on,
   and loss only;
-- the Gluon logits-partials kernel of the loss-only pass (`gluon_logits_stats`, sm_90a, int64 and int32 targets):
+- the Gluon logits-partials kernel of the loss-only pass (`gluon_logits_stats`, sm_90a, int64 and int32 targets, and
+  with the entropy's statistic):
   its lines start "sm_90a ok: gluon" (warp-specialized; checked by tests/test_gluon_loss_only.py).
 Every kernel gets the specialization a launch at the study's shapes gives it (unit inner strides as
 constants; pointers, strides and sizes multiples of 16).
@@ -155,15 +156,15 @@ def distill_cases() -> list:
 
 
 def gluon_cases() -> list:
-    """(name, target dtype) of the Gluon loss-only kernel; empty when this Triton has no Gluon."""
+    """(name, target dtype, entropy) of the Gluon loss-only kernel; empty when this Triton has no Gluon."""
     import importlib.util
 
     if importlib.util.find_spec("triton.experimental.gluon") is None:
         return []
-    return [("gluon_partials", "i64"), ("gluon_partials", "i32")]
+    return [("gluon_partials", "i64", False), ("gluon_partials", "i32", False), ("gluon_partials", "i64", True)]
 
 
-def compile_gluon(target_type: str):
+def compile_gluon(target_type: str, with_entropy: bool):
     """The Gluon kernel at its launch parameters, lowered to sm_90a (wgmma, setmaxnreg): a launch at the study's
     shapes gives 16-divisible pointers, H and partial_stride."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -174,15 +175,17 @@ def compile_gluon(target_type: str):
     signature = {
         "x_desc": f"tensordesc<bf16[{g.BLOCK_M}, {g.BLOCK_K}],{a!r}>",
         "w_desc": f"tensordesc<bf16[{g.BLOCK_N}, {g.BLOCK_K}],{b!r}>",
-        "part_max_ptr": "*fp32", "part_rest_ptr": "*fp32", "target_ptr": f"*{target_type}",
+        "part_max_ptr": "*fp32", "part_rest_ptr": "*fp32", "part_ent_ptr": "*fp32", "target_ptr": f"*{target_type}",
         "target_logit_ptr": "*fp32", "T": "i32", "V": "i32", "H": "i32", "partial_stride": "i32",
+        "logit_scale": "fp32",
     }
-    constexprs = dict(GROUP_M=g.GROUP_M, STAGES=g.STAGES, CONSUMER_REGS=g.CONSUMER_REGS,
+    constexprs = dict(GROUP_M=g.GROUP_M, STAGES=g.STAGES, HAS_ENTROPY=with_entropy, CONSUMER_REGS=g.CONSUMER_REGS,
                       PRODUCER_REGS=g.PRODUCER_REGS)
     signature.update({k: "constexpr" for k in constexprs})
     names = g._logits_partials_kernel.arg_names
     attrs = {(names.index(n), ): [["tt.divisibility", 16]]
-             for n in ("part_max_ptr", "part_rest_ptr", "target_ptr", "target_logit_ptr", "H", "partial_stride")}
+             for n in ("part_max_ptr", "part_rest_ptr", "part_ent_ptr", "target_ptr", "target_logit_ptr", "H",
+                       "partial_stride")}
     source = GluonASTSource(fn=g._logits_partials_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": g.NUM_WARPS, "maxnreg": g.MAXNREG})
 
@@ -286,12 +289,12 @@ def main() -> int:
         info = f" :: {ptxas_info(compiled)}" if with_info else ""
         fingerprint = fingerprints(compiled, jit_function(kernel).__name__)
         print(f"sm_90 ok: {line} {resources(compiled)} {fingerprint}{info}", flush=True)
-    for name, target_type in gluon_cases():
-        line = f"{name} target={target_type}"
+    for name, target_type, with_entropy in gluon_cases():
+        line = f"{name} target={target_type}" + (" entropy" if with_entropy else "")
         if only not in line:
             continue
         try:
-            compiled = compile_gluon(target_type)
+            compiled = compile_gluon(target_type, with_entropy)
         except Exception as error:  # noqa: BLE001  (report which variant, then fail)
             print(f"FAILED {line}: {type(error).__name__}: {error}", flush=True)
             return 1

@@ -14,6 +14,8 @@
 #                                       # workload a process
 #   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the same at 32768, then 16384
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
+#   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085: the Gluon log-prob pass's GPU tests,
+#                                       # the loss-only table at 8192, 32768, 4096, 16384 tokens, the whole suite
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
@@ -24,9 +26,9 @@
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -83,7 +85,8 @@ fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_
 # the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
 # rows and over the valid rows (issue 31 item 3)
 loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_tile_pass
-    fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
+    fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted fusedkern_logprobs_tile_pass
+    fusedkern_logprobs_tile_pass_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
 gluon_configs=${GLUON_CONFIGS:-}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV
@@ -128,6 +131,14 @@ elif [ "$part" = probe ]; then
         --workload dense masked_50 --providers cublas_3gemm cublas_3gemm_valid $fk_masked \
         --out "$res/ce_gemma2_counted.csv"
     loss_only_step 4096 100
+    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
+elif [ "$part" = logprobs ]; then
+    # the Gluon log-prob pass (temperature, entropy): its GPU tests, the loss-only table at every size (Liger's CuTe
+    # kernel only where QuACK's parts were carried), then the whole suite
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
+    SUITE_CAP_S=120 suite gpu_gluon_loss_only tests/test_gluon_loss_only.py
+    for tokens in 8192 32768 4096 16384; do loss_only_step "$tokens" 60; done
+    SUITE_CAP_S=150 suite gpu_suite_warm tests/
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there

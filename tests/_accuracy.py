@@ -76,3 +76,17 @@ def torch_linear_cross_entropy(x, w, y, *, b=None, weight=None, reduction="mean"
     valid = flat_y != ignore_index
     denom = valid.sum() if cw is None else (cw[torch.where(valid, flat_y, 0)] * valid).sum()
     return loss.sum() / denom
+
+
+def torch_logprobs_entropy(x, w, y, b, *, softcap, temperature, upcast=False):
+    """PyTorch's own computation in the inputs' dtype (upcast: the logits GEMM in that dtype, the rest fp32)."""
+    s = F.linear(x, w, b)
+    if upcast:
+        s = s.float()
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    log_p = torch.log_softmax(s / temperature, dim=-1)
+    valid = y != -100
+    logp = log_p.gather(-1, torch.where(valid, y, 0)[:, None])[:, 0]
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return torch.where(valid, logp, 0), torch.where(valid, entropy, 0)

@@ -1,10 +1,12 @@
-"""The Gluon loss-only pass (fusedkern/kernels/gluon_logits_stats.py) and its dispatch in `linear_cross_entropy`.
+"""The Gluon loss-only pass (fusedkern/kernels/gluon_logits_stats.py) and its dispatch in `linear_cross_entropy` and
+`linear_logprobs` (cross-entropy, and log-probs at a temperature with or without the entropy, under no_grad).
 
 CPU: which calls the dispatch sends to it (options, dtypes, shapes, devices, FUSEDKERN_GLUON_LOSS_ONLY), that on CPU
 it is never taken and nothing changes, and its host side (launch chunks, partial slots, the tile pass's merge) on a
 torch emulation of the kernel's partials; the sm_90a compile. GPU (an sm_90 device): the kernel through the public
 functions against float64 within 2× torch's bf16 error, ragged and one-row shapes, ignored rows, extreme logits,
-confident predictions, poisoned buffers, a host `num_valid_tokens`, and that the switch actually launches it."""
+confident predictions, poisoned buffers, a host and a device `num_valid_tokens`, temperature and entropy, and that
+the switch actually launches it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 import fusedkern
 from fusedkern import reference
 from fusedkern.chunked import LossOptions
-from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy
+from fusedkern.logprobs import linear_logprobs_with_stats
+from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy, torch_logprobs_entropy
 from tests.conftest import DEVICE
 
 lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
@@ -47,10 +50,11 @@ def make_inputs(T, H, V, *, dtype=torch.bfloat16, ignore_frac=0.2, w_scale=2.0, 
     return x.to(device), w.to(device), y.to(device)
 
 
-def emulated_partials(x2d, w, target, parts, target_logit, *, group_m=16, max_ctas=0):
-    """`gluon_logits_stats.launch_partials` in torch (fp32 logits): per row and 256-wide column tile the max and
-    Σ exp(s − max) − 1 with ties counted exactly, the target's logit where the target is a column."""
-    s = x2d.float() @ w.float().t()  # (T, V)
+def emulated_partials(x2d, w, target, parts, target_logit, *, logit_scale=1.0, group_m=16, max_ctas=0):
+    """`gluon_logits_stats.launch_partials` in torch (fp32 logits s = logit_scale·X·Wᵀ): per row and 256-wide column
+    tile the max and Σ exp(s − max) − 1 with ties counted exactly (and with 4 planes Σ exp(s − max)·(s − max)), the
+    target's logit where the target is a column."""
+    s = (x2d.float() @ w.float().t()) * logit_scale  # (T, V)
     T, V = s.shape
     n = -(-V // g.BLOCK_N)
     tiles = torch.full((T, n * g.BLOCK_N), float("-inf"), dtype=torch.float32, device=s.device)
@@ -61,6 +65,9 @@ def emulated_partials(x2d, w, target, parts, target_logit, *, group_m=16, max_ct
     rest = torch.where(is_max, 0.0, torch.exp(tiles - m[..., None])).sum(-1) + (is_max.sum(-1) - 1.0)
     parts[0][:, :n] = m
     parts[1][:, :n] = rest
+    if parts.shape[0] == 4:
+        shifted = tiles - m[..., None]
+        parts[3][:, :n] = torch.where(shifted > -math.inf, torch.exp(shifted) * shifted, 0.0).sum(-1)
     hit = (target >= 0) & (target < V)
     target_logit[hit] = s[hit, target[hit]]
 
@@ -90,7 +97,7 @@ def emulated_gluon(monkeypatch):
         emulated_partials(x2d, *args, **kwargs)
 
     monkeypatch.setattr(g, "launch_partials", launch)
-    monkeypatch.setattr(lce, "_gluon_loss_only", lambda *args: True)
+    monkeypatch.setattr(lce, "takes_gluon_pass", lambda *args: True)
     return calls
 
 
@@ -120,17 +127,32 @@ def test_switch_refuses_other_values(monkeypatch, value):
 
 @pytest.mark.parametrize("change,plain", [
     ({}, True), ({"bias": True}, False), ({"weight": True}, False), ({"label_smoothing": 0.1}, False),
-    ({"z_loss": 1e-4}, False), ({"softcap": 30.0}, False), ({"logit_scale": 1 / 0.7}, False),
+    ({"z_loss": 1e-4}, False), ({"softcap": 30.0}, False), ({"logit_scale": 1 / 0.7}, True),
 ], ids=["plain", "bias", "class-weight", "smoothing", "z-loss", "softcap", "temperature"])
-def test_only_plain_options_are_eligible(change, plain):
+def test_only_the_options_it_computes_are_eligible(change, plain):
     change = dict(change)
     b = torch.zeros(3) if change.pop("bias", False) else None
     cw = torch.ones(3) if change.pop("weight", False) else None
-    assert lce.plain_loss_options(b, cw, LossOptions(-100, **change)) is plain
-    assert lce.plain_loss_options(b, cw, LossOptions(7, **change)) is plain  # any ignore_index
+    assert lce.gluon_pass_options(b, cw, LossOptions(-100, **change)) is plain
+    assert lce.gluon_pass_options(b, cw, LossOptions(7, **change)) is plain  # any ignore_index
 
 
-@pytest.mark.parametrize("call,grad", [(call, False) for call in ("mean", "sum", "none", "lse", "count", "logprobs")]
+@pytest.mark.parametrize("softcap,bias,grad,impl", [
+    (None, False, False, "gluon"), (None, False, True, "chunked"), (30.0, False, False, "chunked"),
+    (None, True, False, "chunked"),
+], ids=["no-grad", "grad-wanted", "softcap", "bias"])
+def test_logprobs_take_the_gluon_pass_only_without_a_backward_softcap_or_bias(monkeypatch, softcap, bias, grad, impl):
+    """`logprobs_impl` with the kernel's own checks passing (stubbed: this is CPU): a temperature is fine, a gradient
+    wanted, a softcap or a bias are not."""
+    monkeypatch.setattr(lce, "_gluon_ops", lambda: type("Stub", (), {"is_supported": staticmethod(lambda x, w: True)}))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    b = torch.zeros(5) if bias else None
+    x, w = torch.zeros(3, 4), torch.zeros(5, 4)
+    assert lce.logprobs_impl(x, w, b, softcap, 1 / 0.7, grad) == impl
+
+
+@pytest.mark.parametrize("call,grad", [(call, False) for call in ("mean", "sum", "none", "lse", "count", "logprobs",
+                                                                  "logprobs-tau-entropy")]
                          + [("mean", True), ("none", True)])
 def test_cpu_never_takes_the_gluon_pass_and_nothing_changes(monkeypatch, call, grad):
     """FUSEDKERN_GLUON_LOSS_ONLY=1 on CPU tensors: the Gluon module is never asked (it would raise here) and every
@@ -142,6 +164,8 @@ def test_cpu_never_takes_the_gluon_pass_and_nothing_changes(monkeypatch, call, g
         with torch.set_grad_enabled(grad):
             if call == "logprobs":
                 out = fusedkern.linear_logprobs(xx, w, y)
+            elif call == "logprobs-tau-entropy":
+                out = torch.stack(fusedkern.linear_logprobs(xx, w, y, temperature=0.7, return_entropy=True))
             elif call == "lse":
                 out = torch.stack(fusedkern.linear_cross_entropy(xx, w, y, reduction="none", return_lse=True))
             elif call == "count":
@@ -200,13 +224,18 @@ def test_launches_keep_the_partials_within_the_loss_only_budget():
     assert g.tokens_per_launch(32768, 128256) == 8192  # 10880 at most: 4 launches of 8192
     assert g.tokens_per_launch(12000, 128256) == 6000
     assert g.tokens_per_launch(300, 5000, chunk_tokens=128) == 100  # 3 launches, balanced
+    # the entropy's plane: 16 bytes a slot, 8192 tokens at most at V = 128256 (10880 without)
+    assert g.tokens_per_launch(10000, 128256) == 10000 and g.tokens_per_launch(10000, 128256, with_entropy=True) == 5000
     for T, V, chunk in ((1, 1, None), (5, 300, 2), (100_000, 256_000, None), (50_000, 32003, 7000)):
-        C = g.tokens_per_launch(T, V, chunk)
-        assert 1 <= C <= T and C * g.partial_slots(V) * g.PART_BYTES <= 64 << 20
-        assert chunk is None or C <= chunk
+        for with_entropy, part_bytes in ((False, g.PART_BYTES), (True, g.PART_BYTES + g.ENTROPY_PART_BYTES)):
+            C = g.tokens_per_launch(T, V, chunk, with_entropy=with_entropy)
+            assert 1 <= C <= T and C * g.partial_slots(V) * part_bytes <= 64 << 20
+            assert chunk is None or C <= chunk
     parts = g.empty_partials(3, 700, torch.device("cpu"))  # 3 column tiles, 4 slots: one holds no mass
     assert parts.shape == (3, 3, 4) and (parts[0, :, 3] == -math.inf).all() and (parts[1:, :, 3] == 0).all()
     assert (parts[2] == 0).all()
+    parts = g.empty_partials(3, 700, torch.device("cpu"), with_entropy=True)
+    assert parts.shape == (4, 3, 4) and (parts[0, :, 3] == -math.inf).all() and (parts[1:, :, 3] == 0).all()
 
 
 # ------------------------------------------------------------------------------- CPU: the host side, emulated
@@ -270,19 +299,74 @@ def test_host_side_keeps_a_confident_loss_to_its_digits(emulated_gluon, margin):
     assert abs(ties.item() - math.log(V)) <= 1e-6 and abs(lse.item() - math.log(V)) <= 1e-6
 
 
+@needs_gluon
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+@pytest.mark.parametrize("count", ["dense", "host", "device"])
+def test_host_side_logprobs_at_a_temperature_with_entropy(emulated_gluon, temperature, count):
+    """linear_logprobs under no_grad through the Gluon dispatch, kernel emulated: the scale and the entropy's plane
+    through the tile pass's merge give float64's log-probs and entropy to fp32 rounding, dense and with either count
+    (a host count launches the valid rows only); without the entropy the same log-probs; with a gradient wanted the
+    pass is not taken."""
+    x, w, y = make_inputs(23, 16, 700, dtype=torch.float32, ignore_frac=0.3)
+    n = int((y != -100).sum())
+    kw = {"dense": {}, "host": {"num_valid_tokens": n}, "device": {"num_valid_tokens": torch.tensor(n)}}[count]
+    with torch.no_grad():
+        logps, entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True,
+                                                   chunk_tokens=8, **kw)
+        alone = fusedkern.linear_logprobs(x, w, y, temperature=temperature, chunk_tokens=8, **kw)
+    rows = n if count == "host" else 23
+    C = -(-rows // -(-rows // 8))  # balanced launches of at most 8 rows, for each of the two calls
+    assert emulated_gluon == [min(C, rows - r) for r in range(0, rows, C)] * 2
+    ref_logps, ref_entropy = reference.linear_logprobs_entropy_fp64(x.double(), w.double(), y, temperature=temperature)
+    assert rel_err(logps, ref_logps) < 1e-6 and rel_err(entropy, ref_entropy) < 1e-6
+    assert rel_err(alone, ref_logps) < 1e-6
+    assert torch.count_nonzero(entropy[y == -100]) == 0 and torch.count_nonzero(logps[y == -100]) == 0
+    emulated_gluon.clear()
+    xx = x.clone().requires_grad_()
+    fusedkern.linear_logprobs(xx, w, y, temperature=temperature, return_entropy=True, **kw)[1].sum().backward()
+    assert emulated_gluon == []
+
+
+@needs_gluon
+def test_host_side_logprobs_with_stats_and_extreme_entropies(emulated_gluon):
+    """linear_logprobs_with_stats (row max and lse of s/τ) through the same pass; equal logits give log V at any
+    temperature, a one-hot-dominated row an entropy that keeps its relative digits (the entropy's statistic
+    summed in tiles with the max's own term exactly 0)."""
+    x, w, y = make_inputs(9, 16, 300, dtype=torch.float32, ignore_frac=0.0)
+    with torch.no_grad():
+        logps, entropy, row_max, row_lse = linear_logprobs_with_stats(x, w, y, temperature=0.5,
+                                                                                return_entropy=True)
+        flat = fusedkern.linear_logprobs(x, torch.zeros_like(w), y, temperature=0.3, return_entropy=True)[1]
+    s = (x.double() @ w.double().t()) / 0.5
+    ref_logps, ref_entropy = reference.linear_logprobs_entropy_fp64(x.double(), w.double(), y, temperature=0.5)
+    assert rel_err(logps, ref_logps) < 1e-6 and rel_err(entropy, ref_entropy) < 1e-6
+    assert rel_err(row_max, s.max(-1).values) < 1e-6 and rel_err(row_lse, torch.logsumexp(s, -1)) < 1e-6
+    assert torch.allclose(flat.double(), torch.full((9,), math.log(300), dtype=torch.float64), rtol=1e-6)
+    V = 700
+    peaked = torch.linspace(-1.0, 0.0, V).reshape(V, 1)
+    peaked[V - 3] = 12.0  # in the last, ragged tile
+    with torch.no_grad():
+        sharp = fusedkern.linear_logprobs(torch.ones(1, 1), peaked, torch.tensor([V - 3]), temperature=0.8,
+                                          return_entropy=True)[1]
+    expected = reference.linear_logprobs_entropy_fp64(torch.ones(1, 1, dtype=torch.float64), peaked.double(),
+                                                      torch.tensor([V - 3]), temperature=0.8)[1]
+    assert 0 < expected.item() < 1e-2 and abs(sharp.item() - expected.item()) <= 1e-5 * expected.item()
+
+
 # -------------------------------------------------------------------------------------------- sm_90a compile
 
 
 @needs_gluon
 def test_kernel_compiles_for_sm90a_without_spills():
-    """scripts/compile_sm90.py's Gluon cases (int64 and int32 targets): a cubin with no stack frame or spill, in
-    H100's 227 KiB of shared memory, registers moved by setmaxnreg. ~5 s: a fresh process, compiler not interpreter."""
+    """scripts/compile_sm90.py's Gluon cases (int64 and int32 targets, with the entropy): a cubin with no stack frame
+    or spill, in H100's 227 KiB of shared memory, registers moved by setmaxnreg. ~7 s: a fresh process, compiler not
+    interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--only", "gluon"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90a ok: gluon")]
-    assert len(lines) == 2, done.stdout
+    assert len(lines) == 3, done.stdout  # int64 and int32 targets, and the entropy's variant
     assert all(" stack=0 " in line and "0 bytes spill stores, 0 bytes spill loads" in line for line in lines), lines
     assert all(int(line.split(" smem=")[1].split()[0]) <= 232448 for line in lines), lines
 
@@ -461,3 +545,92 @@ def test_gpu_partials_on_a_capped_grid_and_group_m(monkeypatch):
     assert (outputs[0][0][1] - ref[1, :, :n]).abs().max().item() <= 1e-3 * (1 + ref[1].abs().max().item())
     valid = y != -100
     assert (outputs[0][1][valid] - ref_target[valid]).abs().max().item() <= 1e-4 * scale + 1e-4
+
+
+def _check_logprobs_entropy(x, w, y, temperature, **kwargs):
+    """log-probs and entropy of the no_grad call against float64, each within 2× torch's own error from the same
+    bf16 operands (bf16 logits, fp32 softmax at the temperature)."""
+    with torch.no_grad():
+        logps, entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True, **kwargs)
+    ref_logps, ref_entropy = reference.linear_logprobs_entropy_fp64(x, w, y, temperature=temperature)
+    tch_logps, tch_entropy = torch_logprobs_entropy(x, w, y, None, softcap=None, temperature=temperature, upcast=True)
+    assert logps.dtype == torch.float32 and entropy.dtype == torch.float32
+    assert_close_to_ref("logps", logps, ref_logps, tch_logps, atol=1e-3)
+    assert_close_to_ref("entropy", entropy, ref_entropy, tch_entropy, atol=1e-3)
+    return logps, entropy
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+def test_gpu_logprobs_temperature_entropy_match_fp64(monkeypatch, gluon_launches, temperature):
+    """The RL log-prob pass (bf16, T = 2048, H = 1024, V = 32003), switch on: one launch with the scale and the
+    entropy's plane, log-probs and entropy within 2× torch's bf16 error of float64; a gradient wanted or the switch
+    off: never launched, and the tile pass agrees with it."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
+    logps, entropy = _check_logprobs_entropy(x, w, y, temperature)
+    assert gluon_launches == [2048]
+    assert torch.count_nonzero(logps[y == -100]) == 0 and torch.count_nonzero(entropy[y == -100]) == 0
+    monkeypatch.setenv(SWITCH, "0")
+    with torch.no_grad():
+        tile_logps, tile_entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True)
+    monkeypatch.setenv(SWITCH, "1")
+    fusedkern.linear_logprobs(x, w.clone().requires_grad_(), y, temperature=temperature, return_entropy=True)
+    assert gluon_launches == [2048]
+    # the tile pass rounds its logits to bf16, the Gluon pass keeps them in fp32: close, not equal
+    assert rel_err(logps, tile_logps) < 1e-2 and rel_err(entropy, tile_entropy) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_logprobs_counts_extremes_and_with_stats(monkeypatch, gluon_launches):
+    """A host count (valid rows only launched) and a device count give the dense call's values; logits to ~±1e3 at
+    τ 0.5 stay finite and within the 2× rule; `linear_logprobs_with_stats` (row max, lse) takes the same pass."""
+    monkeypatch.setenv(SWITCH, "1")
+    x, w, y = make_inputs(1024, 1024, 32003, ignore_frac=0.4)
+    n = int((y != -100).sum())
+    dense = _check_logprobs_entropy(x, w, y, 0.7)
+    host = _check_logprobs_entropy(x, w, y, 0.7, num_valid_tokens=n)
+    device = _check_logprobs_entropy(x, w, y, 0.7, num_valid_tokens=torch.tensor(n, device="cuda"))
+    assert gluon_launches == [1024, n, 1024]
+    for counted in (host, device):
+        for a, b in zip(counted, dense):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    big_x, big_w, big_y = make_inputs(512, 1024, 32003, w_scale=300.0)
+    logps, entropy = _check_logprobs_entropy(big_x, big_w, big_y, 0.5)
+    assert torch.isfinite(logps).all() and torch.isfinite(entropy).all()
+    with torch.no_grad():
+        s_logps, s_entropy, row_max, row_lse = linear_logprobs_with_stats(x, w, y, temperature=0.7, return_entropy=True)
+    assert torch.equal(s_logps, dense[0]) and torch.equal(s_entropy, dense[1])
+    s = torch.nn.functional.linear(x, w).double() / 0.7
+    assert rel_err(row_max, s.max(-1).values) < 1e-5 and rel_err(row_lse, torch.logsumexp(s, -1)) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_entropy_plane_and_scale_leave_the_loss_partials_alone(poison_allocations):
+    """The kernel alone, NaN-poisoned: with the entropy's plane every owned slot of the four planes is written, and
+    planes 0-1 and the target logit are bitwise those of the entropy-free launch; at a scale the max and the target
+    logit are the unscaled ones times the scale (exactly: one fp32 product) and the entropy's plane matches the torch
+    emulation."""
+    T, H, V = 300, 512, 5000
+    x, w, y = make_inputs(T, H, V)
+    n = -(-V // g.BLOCK_N)
+    outputs = {}
+    for planes, scale in ((3, 1.0), (4, 1.0), (4, 1 / 0.7)):
+        parts = torch.full((planes, T, g.partial_slots(V)), float("nan"), device="cuda")
+        target_logit = torch.full((T,), float("nan"), device="cuda")
+        g.launch_partials(x, w, y, parts, target_logit, logit_scale=scale)
+        torch.cuda.synchronize()
+        owned = [0, 1, 3][: planes - 1]
+        assert torch.isfinite(parts[owned, :, :n]).all() and torch.isnan(parts[owned, :, n:]).all()
+        assert torch.equal(torch.isfinite(target_logit), y != -100)
+        outputs[planes, scale] = parts, target_logit.nan_to_num()
+    (p3, t3), (p4, t4), (p_scaled, t_scaled) = outputs.values()
+    assert torch.equal(p3[:2, :, :n], p4[:2, :, :n]) and torch.equal(t3, t4)
+    assert torch.equal(p_scaled[0, :, :n], p4[0, :, :n] * (1 / 0.7)) and torch.equal(t_scaled, t4 * (1 / 0.7))
+    for (parts, _), scale in ((outputs[4, 1.0], 1.0), (outputs[4, 1 / 0.7], 1 / 0.7)):
+        ref = torch.zeros(4, T, g.partial_slots(V), device="cuda")
+        emulated_partials(x, w, y, ref, torch.zeros(T, device="cuda"), logit_scale=scale)
+        assert (parts[3, :, :n] - ref[3, :, :n]).abs().max().item() <= 1e-3 * ref[3, :, :n].abs().max().item()

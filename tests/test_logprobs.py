@@ -16,7 +16,7 @@ import fusedkern
 from fusedkern import reference
 from fusedkern.chunked import LossOptions, chunked_loss
 from fusedkern.linear_cross_entropy import logprobs_entropy, logprobs_entropy_backward
-from tests._accuracy import assert_close_to_ref, rel_err
+from tests._accuracy import assert_close_to_ref, rel_err, torch_logprobs_entropy
 from tests.conftest import DEVICE
 
 T, H, V = 13, 16, 83  # V > 64: two slices per row in the interpreter, masked tails at BLOCK_V = 32
@@ -33,20 +33,6 @@ def make_inputs(dtype, *, bias=False, ignore_frac=0.25, seed=0, scale=1.0):
     b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
     move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
     return move(x), move(w), move(y), move(b)
-
-
-def torch_logprobs_entropy(x, w, y, b, *, softcap, temperature, upcast=False):
-    """PyTorch's own computation in the inputs' dtype (upcast: the logits GEMM in that dtype, the rest fp32)."""
-    s = F.linear(x, w, b)
-    if upcast:
-        s = s.float()
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    log_p = torch.log_softmax(s / temperature, dim=-1)
-    valid = y != -100
-    logp = log_p.gather(-1, torch.where(valid, y, 0)[:, None])[:, 0]
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    return torch.where(valid, logp, 0), torch.where(valid, entropy, 0)
 
 
 def _leaves(ts, dtype=None):

@@ -50,8 +50,9 @@ GROUP_M = 16
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS, NUM_WARPS = 168, 232, 40, 4
 #: the Triton this kernel was written, compiled and measured with (Gluon's API moves between releases)
 TRITON_TESTED = "3.6."
-#: partial slots per row: max, rest, and the label-smoothing sum `merge_row_stats` reads (0 here), fp32
-PART_BYTES = 3 * 4
+#: partial slots per row: max, rest, and the label-smoothing sum `merge_row_stats` reads (0 here), fp32; the
+#: entropy's statistic adds one
+PART_BYTES, ENTROPY_PART_BYTES = 3 * 4, 4
 
 
 # --------------------------------------------------------------------------------------------------- kernel
@@ -94,11 +95,11 @@ def tma_producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_t
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
-              target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr):
+def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr, target_ptr,
+              target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
     """Consumer CONSUMER (0 or 1) of every tile of this CTA: rows [CONSUMER·BM/2, (CONSUMER+1)·BM/2) of the X slot
-    (a shared-memory row slice) against the whole W slot, then the epilogue of those rows."""
+    (a shared-memory row slice) against the whole W slot, then the epilogue of those rows on s = logit_scale·acc."""
     TILE_M: gl.constexpr = x_desc.block_type.shape[0]  # rows the producer loads per tile
     BLOCK_M: gl.constexpr = TILE_M // 2  # this warpgroup's rows
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -141,37 +142,50 @@ def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_r
         local_target = gl.where((target >= off_n) & (target < off_n + BLOCK_N), target - off_n, -1).to(gl.int32)
         match = gl.expand_dims(local_col, 0) == gl.expand_dims(local_target, 1)  # (BLOCK_M, BLOCK_N)
         picked = gl.sum(gl.where(match, acc, 0.0), axis=1)
-        gl.store(target_logit_ptr + rows, picked, mask=row_ok & (local_target >= 0))
+        gl.store(target_logit_ptr + rows, picked * logit_scale, mask=row_ok & (local_target >= 0))
         # 3. the tile's max and rest = Σ exp(s − max) − 1 (`ce_rows._merge_mass`'s format: the max's own 1 is never
         # added, so log Σ = log1p(rest) keeps its digits when one class dominates); ties with the max count exactly.
-        # Columns past V (the ragged last tile; TMA zero-filled W there) carry no mass.
-        acc = gl.where(gl.expand_dims(local_col < V - off_n, 0), acc, float("-inf"))
+        # Columns past V (the ragged last tile; TMA zero-filled W there) carry no mass. The scale (1/τ > 0) keeps
+        # the max where it is, so it multiplies per-row values only: s − max(s) = scale·(acc − max(acc)), and at
+        # scale 1 every value is bitwise the unscaled pass's.
+        col_ok = gl.expand_dims(local_col < V - off_n, 0)  # (1, BLOCK_N)
+        acc = gl.where(col_ok, acc, float("-inf"))
         tile_max = gl.max(acc, axis=1)
         is_max = acc == gl.expand_dims(tile_max, 1)
-        mass = gl.exp2((acc - gl.expand_dims(tile_max, 1)) * LOG2E)
+        shifted = acc - gl.expand_dims(tile_max, 1)  # ≤ 0; −inf past V
+        mass = gl.exp2(shifted * (logit_scale * LOG2E))
         tile_rest = gl.sum(gl.where(is_max, 0.0, mass), axis=1) + (gl.sum(is_max.to(gl.float32), axis=1) - 1.0)
         # int64: rows · partial_stride passes 2³¹ for a big chunk at a big vocabulary
         part = rows.to(gl.int64) * partial_stride + pid_n
-        gl.store(part_max_ptr + part, tile_max, mask=row_ok)
+        gl.store(part_max_ptr + part, tile_max * logit_scale, mask=row_ok)
         gl.store(part_rest_ptr + part, tile_rest, mask=row_ok)
+        if HAS_ENTROPY:
+            # the entropy's statistic in `ce_rows._merge_entropy`'s format, A = Σ exp(s − max)·(s − max); past V
+            # mass·shifted is 0·(−inf): left out
+            tile_ent = gl.sum(gl.where(col_ok, mass * shifted, 0.0), axis=1) * logit_scale
+            gl.store(part_ent_ptr + part, tile_ent, mask=row_ok)
 
 
 @gluon.jit
-def _consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
-                     target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
-              target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES, 1)
+def _consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr,
+                     target_ptr, target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENTROPY: gl.constexpr):
+    _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr, target_ptr,
+              target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles, GROUP_M, STAGES,
+              HAS_ENTROPY, 1)
 
 
 @gluon.jit
 def _logits_partials_kernel(
     x_desc, w_desc,  # TMA descriptors: X [T, H] in [BLOCK_M, BLOCK_K] boxes, W [V, H] in [BLOCK_N, BLOCK_K]
     part_max_ptr, part_rest_ptr,  # (T, partial_stride) fp32 out: slot pid_n of each row = column tile pid_n
+    part_ent_ptr,  # (T, partial_stride) fp32 out: the entropy's statistic (HAS_ENTROPY)
     target_ptr,  # (T,) int32/int64 class indices
-    target_logit_ptr,  # (T,) fp32 out: the target's logit, where the target is a column in [0, V)
+    target_logit_ptr,  # (T,) fp32 out: the target's logit s, where the target is a column in [0, V)
     T, V, H, partial_stride,  # shapes; partials per row (≥ the column tiles)
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    logit_scale,  # fp32: s = logit_scale·(X·Wᵀ), 1/τ of a sampling temperature (1.0: the logits themselves)
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENTROPY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -190,10 +204,12 @@ def _logits_partials_kernel(
     num_n = gl.cdiv(V, BLOCK_N)
     k_tiles = gl.cdiv(H, BLOCK_K)
     gl.warp_specialize([
-        (_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
-                     target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES, 0)),
-        (_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, target_ptr,
-                            target_logit_ptr, T, V, partial_stride, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+        (_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr,
+                     target_ptr, target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles, GROUP_M,
+                     STAGES, HAS_ENTROPY, 0)),
+        (_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr,
+                            target_ptr, target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles,
+                            GROUP_M, STAGES, HAS_ENTROPY)),
         (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -262,67 +278,81 @@ def partial_slots(vocab: int) -> int:
     return triton.next_power_of_2(triton.cdiv(vocab, BLOCK_N))
 
 
-def tokens_per_launch(n_tokens: int, vocab: int, chunk_tokens: int | None = None) -> int:
+def tokens_per_launch(n_tokens: int, vocab: int, chunk_tokens: int | None = None, *, with_entropy: bool = False) -> int:
     """Tokens per launch: the partials of one launch within the loss-only pass's 64 MiB (8192 tokens at
-    V = 128256: 512 slots × 12 bytes a token), at most `chunk_tokens` when given, balanced over the launches."""
-    most = max(BLOCK_M, LOSS_CHUNK_BUDGET_BYTES // (partial_slots(vocab) * PART_BYTES) // BLOCK_M * BLOCK_M)
+    V = 128256: 512 slots × 12 bytes a token, 16 with the entropy's), at most `chunk_tokens` when given, balanced
+    over the launches."""
+    bytes_per_slot = PART_BYTES + (ENTROPY_PART_BYTES if with_entropy else 0)
+    most = max(BLOCK_M, LOSS_CHUNK_BUDGET_BYTES // (partial_slots(vocab) * bytes_per_slot) // BLOCK_M * BLOCK_M)
     if chunk_tokens:
         most = min(most, chunk_tokens)
     launches = triton.cdiv(n_tokens, most)
     return triton.cdiv(n_tokens, launches)
 
 
-def empty_partials(n_tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """parts [3, C, P] fp32 for `launch_partials` / `merge_row_stats`: the kernel writes parts[0] (max) and parts[1]
-    (rest) in the first ⌈V / BLOCK_N⌉ slots of every row; the others hold no mass (max −inf, rest 0), and parts[2]
-    (Σ w·s of label smoothing, not computed here) is 0."""
+def empty_partials(n_tokens: int, vocab: int, device: torch.device, *, with_entropy: bool = False) -> torch.Tensor:
+    """parts [3, C, P] fp32 (with_entropy: [4, C, P]) for `launch_partials` / `merge_row_stats`: the kernel writes
+    parts[0] (max), parts[1] (rest) and parts[3] (the entropy's statistic) in the first ⌈V / BLOCK_N⌉ slots of every
+    row; the others hold no mass (max −inf, rest 0, entropy 0), and parts[2] (Σ w·s of label smoothing, not
+    computed here) is 0."""
     P, n_tiles = partial_slots(vocab), triton.cdiv(vocab, BLOCK_N)
-    parts = torch.empty((3, n_tokens, P), device=device, dtype=torch.float32)
+    parts = torch.empty((4 if with_entropy else 3, n_tokens, P), device=device, dtype=torch.float32)
     parts[0, :, n_tiles:].fill_(float("-inf"))
-    parts[1, :, n_tiles:].zero_()
+    parts[1:, :, n_tiles:].zero_()
     parts[2].zero_()
     return parts
 
 
 def launch_partials(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, parts: torch.Tensor,
-                    target_logit: torch.Tensor, *, group_m: int = GROUP_M, max_ctas: int = 0) -> None:
-    """One launch: parts[0][t, j], parts[1][t, j] = the max and Σ exp(s − max) − 1 of row t's column tile j of
-    s = X·Wᵀ (fp32), for t < T and j < ⌈V / BLOCK_N⌉; target_logit[t] = s[t, target[t]] where 0 ≤ target[t] < V
-    (left alone elsewhere). parts: [≥ 2, T, P] fp32, rows contiguous (`empty_partials`); max_ctas caps the grid."""
+                    target_logit: torch.Tensor, *, logit_scale: float = 1.0, group_m: int = GROUP_M,
+                    max_ctas: int = 0) -> None:
+    """One launch over s = logit_scale·X·Wᵀ (fp32): parts[0][t, j], parts[1][t, j] = the max and Σ exp(s − max) − 1
+    of row t's column tile j, for t < T and j < ⌈V / BLOCK_N⌉, and when parts has 4 planes parts[3][t, j] =
+    Σ exp(s − max)·(s − max) (the entropy's); target_logit[t] = s[t, target[t]] where 0 ≤ target[t] < V (left alone
+    elsewhere). parts: [3 or 4, T, P] fp32, rows contiguous (`empty_partials`); max_ctas caps the grid."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     (T, H), V = x2d.shape, w.shape[0]
-    assert parts.dtype == torch.float32 and parts.shape[1] == T and parts.stride(2) == 1
+    assert parts.dtype == torch.float32 and parts.shape[0] in (3, 4) and parts.shape[1] == T and parts.stride(2) == 1
     assert parts.shape[2] >= triton.cdiv(V, BLOCK_N) and target.shape == (T, ) and target.is_contiguous()
+    assert logit_scale > 0, "a positive scale keeps each row's max where it is"
+    has_entropy = parts.shape[0] == 4
     a_layout, b_layout = shared_layouts()
     x_desc = TensorDescriptor.from_tensor(x2d, [BLOCK_M, BLOCK_K], a_layout)
     w_desc = TensorDescriptor.from_tensor(w, [BLOCK_N, BLOCK_K], b_layout)
     tiles = triton.cdiv(T, BLOCK_M) * triton.cdiv(V, BLOCK_N)
     grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
     _logits_partials_kernel[grid](
-        x_desc, w_desc, parts[0], parts[1], target, target_logit, T, V, H, parts.stride(1),
-        GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        x_desc, w_desc, parts[0], parts[1], parts[3] if has_entropy else parts[0], target, target_logit, T, V, H,
+        parts.stride(1), float(logit_scale),
+        GROUP_M=group_m, STAGES=STAGES, HAS_ENTROPY=has_entropy, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
 
 
 def loss_only(x2d: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int,
-              chunk_tokens: int | None = None, *, group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk_tokens: int | None = None, *, logit_scale: float = 1.0, entropy: torch.Tensor | None = None,
+              group_m: int = GROUP_M) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked.chunked_loss` without bias, class weights, label smoothing, z-loss or softcap, on this kernel:
-    x2d [T, H] · w [V, H] bf16 · target [T] → (loss_tok [T] fp32, 0 where ignored; stats [2, T] fp32 =
-    (max, log Σ exp(s − max)), `chunked.lse_of`). Launches of `tokens_per_launch` tokens, each merged by the tile pass's
-    `merge_row_stats`. Caller: `unsupported_reason(x2d, w)` is None."""
+    x2d [T, H] · w [V, H] bf16 · target [T] → (loss_tok [T] fp32 = −log softmax(s)[target], 0 where ignored;
+    stats [2, T] fp32 = (max, log Σ exp(s − max)) of s = logit_scale·X·Wᵀ, `chunked.lse_of`). entropy: a [T] fp32
+    buffer that receives each row's entropy of softmax(s) (0 where ignored), as `chunked_loss`'s. Launches of
+    `tokens_per_launch` tokens, each merged by the tile pass's `merge_row_stats`. Caller: `unsupported_reason(x2d, w)`
+    is None."""
     (T, _), V = x2d.shape, w.shape[0]
+    with_entropy = entropy is not None
     loss_tok = torch.empty(T, device=x2d.device, dtype=torch.float32)
     stats = torch.empty((2, T), device=x2d.device, dtype=torch.float32)
-    C = tokens_per_launch(T, V, chunk_tokens)
-    parts = empty_partials(C, V, x2d.device)
+    C = tokens_per_launch(T, V, chunk_tokens, with_entropy=with_entropy)
+    parts = empty_partials(C, V, x2d.device, with_entropy=with_entropy)
     target_logit = torch.empty(C, device=x2d.device, dtype=torch.float32)
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
         part_c, target_logit_c = parts[:, : c1 - c0], target_logit[: c1 - c0]
         target_logit_c.zero_()  # as the tile pass: a row whose target matches no column merges a 0 (it raises later)
-        launch_partials(x2d[c0:c1], w, target[c0:c1], part_c, target_logit_c, group_m=group_m)
+        launch_partials(x2d[c0:c1], w, target[c0:c1], part_c, target_logit_c, logit_scale=logit_scale,
+                        group_m=group_m)
         merge_row_stats(part_c, target_logit_c, target[c0:c1], V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
                         class_weight=None, class_weight_sum=None, ignore_index=ignore_index, label_smoothing=0.0,
-                        z_loss=0.0, softcap=None)
+                        z_loss=0.0, softcap=None, entropy=entropy[c0:c1] if with_entropy else None,
+                        logit_scale=logit_scale)
     return loss_tok, stats

@@ -193,11 +193,10 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
-def _ce_fusedkern_switched(switch: str, counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
-    """`_ce_fusedkern`'s loss-only call with FUSEDKERN_GLUON_LOSS_ONLY=switch set inside the timed step (the library
-    reads it at each call, and the other providers of the same rounds must not see it): "1" the Gluon statistics
-    kernel (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile pass."""
-    inner = _ce_fusedkern(counted=counted, impl="chunked")
+def _gluon_switched(switch: str, inner: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
+    """`inner`'s loss-only step with FUSEDKERN_GLUON_LOSS_ONLY=switch set inside the timed step (the library reads it
+    at each call, and the other providers of the same rounds must not see it): "1" the Gluon statistics kernel
+    (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile pass."""
 
     def build(inp: Inputs) -> dict[str, Step]:
         if switch == "1":
@@ -800,13 +799,19 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("quack", _ce_quack),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
             # the loss-only pass pinned to either kernel (fusedkern_chunked takes the library's default)
-            Provider("fusedkern_gluon", _ce_fusedkern_switched("1"), accuracy=False),
-            Provider("fusedkern_gluon_counted", _ce_fusedkern_switched("1", counted="host"), accuracy=False),
-            Provider("fusedkern_tile_pass", _ce_fusedkern_switched("0"), accuracy=False),
-            Provider("fusedkern_tile_pass_counted", _ce_fusedkern_switched("0", counted="host"), accuracy=False),
-            # the RL log-prob pass (temperature, entropy): fusedkern's and Liger's per-token kernels
+            Provider("fusedkern_gluon", _gluon_switched("1", _ce_fusedkern(impl="chunked")), accuracy=False),
+            Provider("fusedkern_gluon_counted", _gluon_switched("1", _ce_fusedkern(counted="host", impl="chunked")),
+                     accuracy=False),
+            Provider("fusedkern_tile_pass", _gluon_switched("0", _ce_fusedkern(impl="chunked")), accuracy=False),
+            Provider("fusedkern_tile_pass_counted",
+                     _gluon_switched("0", _ce_fusedkern(counted="host", impl="chunked")), accuracy=False),
+            # the RL log-prob pass (temperature, entropy): fusedkern's (the library's default, and pinned to the tile
+            # pass) and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass", _gluon_switched("0", _logprobs_fusedkern()), accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass_counted", _gluon_switched("0", _logprobs_fusedkern(counted="host")),
+                     accuracy=False),
             Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,
                      _dist_label_suffix("liger-kernel", "CuTe SM90 log-probs"), accuracy=False),
             # the peers on the valid rows only (masked workloads; dense, the same as without the gather)
