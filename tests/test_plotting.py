@@ -358,3 +358,57 @@ def test_floor_summary_reads_the_pivot():
     assert lines[1:3] == [f"  {'FUSEDKERN_CHUNKED':<32}  1.05×  (21.0 ms)", f"  {'LIGER':<32}  2.20×  (44.0 ms)"]
     assert lines[3:] == ["FUSEDKERN_CHUNKED: 1.05–1.10× the floor over 4096–8192 tokens",
                          "FUSEDKERN_FUSED: 1.20–1.20× the floor over 4096–4096 tokens"]
+
+
+def test_a_sidecar_of_several_runs_reads_as_one_record(tmp_path):
+    """A device call that ran each size in its own bench process leaves {"runs": [...]}: the reader keeps what the
+    runs agree on, the newest date (load_measured_runs orders files by it) and the runs themselves."""
+    import json
+
+    df = _results()
+    df.assign(loss=float("nan"), note="").to_csv(tmp_path / "peers.csv", index=False)
+    runs = [{"gpu_name": "NVIDIA H100", "torch": "2.11", "git_commit": "abc", "date_utc": date, "command": cmd}
+            for date, cmd in (("2026-12-06T23:16:10+00:00", "bench --tokens 8192"),
+                              ("2026-12-06T23:21:59+00:00", "bench --tokens 16384"))]
+    (tmp_path / "peers.json").write_text(json.dumps({"runs": runs}))
+    meta = results.load_results(tmp_path / "peers.csv").attrs["meta"]
+    assert meta["date_utc"] == "2026-12-06T23:21:59+00:00" and meta["git_commit"] == "abc"
+    assert "command" not in meta and meta["runs"] == runs
+    assert "NVIDIA H100" in results.provenance(meta) and "commit abc" in results.provenance(meta)
+    assert results.runs_meta({"date_utc": "x", "runs": []}) == {"date_utc": "x", "runs": []}  # an ordinary sidecar
+
+
+def test_gathered_peers_look_like_their_parent_dashed():
+    for gathered, parent in (("quack_gather", "quack"), ("liger-kernel 0.8.5 CuTe SM90 +gather",
+                                                           "liger-kernel 0.8.5 CuTe SM90"),
+                             ("huggingface_bf16_gather", "huggingface_bf16")):
+        style, base = plotting.style_for(gathered), plotting.style_for(parent)
+        assert style["color"] == base["color"] and style["linestyle"] == "--"
+        assert style["label"] == base["label"] + " + gather"
+    assert tables.sort_providers(["quack_gather", "fusedkern_chunked", "quack"]) == [
+        "quack", "quack_gather", "fusedkern_chunked"]
+
+
+def test_ahead_of_lists_the_lower_ratios_and_skips_missing_cells():
+    ratio = pd.DataFrame({8192: [1.10, 1.05, 1.20], 16384: [1.10, np.nan, 1.02]}, index=["ours", "a", "b"])
+    assert tables.ahead_of(ratio, "ours") == {8192: ["a"], 16384: ["b"]}
+
+
+def test_ratio_panels_name_points_above_the_axis_and_mark_another_call(tmp_path):
+    df = _results()
+    ratios = tables.ratio_to(df, "cublas_3gemm")
+    panel = plotting.RatioPanel(ratios, ["fusedkern_chunked", "some_new_provider", "liger-kernel 0.8.5"], "panel",
+                                "× floor", "floor (= 1)", annotate=["fusedkern_chunked", "liger-kernel 0.8.5"],
+                                ylim=(0.97, 1.6), other_call={4096: "another call"})
+    fig = plotting.ratio_panels_figure([panel], title="t", caption="c")
+    ax = fig.axes[0]
+    assert ax.get_title() == "panel\nabove the axis: some_new_provider " + ", ".join(
+        f"2.00× at {x}" for x in (4096, 8192, 16384, 32768))
+    texts = [t.get_text() for t in ax.texts]
+    assert "another call" in texts
+    assert not any(t.startswith("some_new_provider") for t in texts)  # no line-end label for a line off the axis
+    # the higher of two annotated providers is labelled above its points, the lower below
+    above = [t for t in ax.texts if t.get_text() == "1.40×"]
+    below = [t for t in ax.texts if t.get_text() == "1.10×"]
+    assert above and below and {t.get_va() for t in above} == {"bottom"} and {t.get_va() for t in below} == {"top"}
+    plotting.save_figure(fig, tmp_path / "panels")

@@ -64,6 +64,13 @@ _STYLES: dict[str, dict] = {
     "liger-kernel 0.8.5 ref-free": dict(color="#1f77b4", marker="^", label="Liger 0.8.5 (reference-free)"),
     "trl_fp32": dict(color="#8c564b", marker="s", label="TRL, fp32-upcast logits"),
     "cut_cross_entropy": dict(color="#2ca02c", marker="v", label="Cut Cross-Entropy"),
+    # 2026's peers on Hopper (the H100 table): QuACK's and Liger's CuTe DSL kernels, Transformers' own loss (its
+    # models' bf16 logits upcast to fp32: the fp32-upcast brown)
+    "quack": dict(color="#00897b", marker="P", label="QuACK 0.6.1"),
+    "liger-kernel 0.8.5 CuTe SM90": dict(color="#08306b", marker="<", label="Liger 0.8.5 CuTe SM90"),
+    "liger-kernel 0.8.5 CuTe SM90 log-probs": dict(color="#08306b", marker="<",
+                                                   label="Liger 0.8.5 CuTe SM90 log-probs, τ 0.7 + entropy"),
+    "transformers_loss": dict(color="#8c564b", marker="s", label="Transformers' loss (fp32 upcast)"),
     "fusedkern_chunked": dict(color="#d62728", marker="o", label="fusedkern chunked", linewidth=2.2),
     "fusedkern_chunked_lean": dict(color="#ff9896", marker="o", label="fusedkern chunked (lean dW)"),
     # num_valid_tokens passed: as a host int (only the valid rows are computed) or as a device tensor
@@ -87,6 +94,9 @@ _STYLES: dict[str, dict] = {
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),
+    "cublas_1gemm_valid": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM on the valid rows"),
+    "cublas_3gemm_valid": dict(color="black", marker="", linestyle="-.",
+                               label="floor: 3 cuBLAS GEMMs on the valid rows"),
     "cublas_3gemm_real_grad": dict(color="#555555", marker="", linestyle="-.",
                                    label="3 cuBLAS GEMMs on the true ∂L/∂z"),
     "torch_linear_cross_entropy": dict(color="#ff7f0e", marker="X", label="torch F.linear_cross_entropy"),
@@ -101,6 +111,11 @@ def use_style() -> None:
     matplotlib.rcParams.update(_RC)
 
 
+# A peer called on the valid rows only (`x[target != -100]` first): its parent's look, dashed. The bench names
+# them `<key>_gather`, or `<label> +gather` where a provider's name is its distribution's label (Liger).
+_GATHERED = re.compile(r"(.+?)(?:_gather| \+gather)")
+
+
 def style_for(provider: str) -> dict:
     """Line style of `provider` (color, marker, linestyle, linewidth, label): the same in every figure.
 
@@ -109,6 +124,10 @@ def style_for(provider: str) -> dict:
     base = dict(marker="o", linestyle="-", linewidth=1.5, label=provider)
     if provider in _STYLES:
         return {**base, **_STYLES[provider]}
+    gathered = _GATHERED.fullmatch(provider)
+    if gathered and gathered.group(1) in _STYLES:
+        parent = {**base, **_STYLES[gathered.group(1)]}
+        return {**parent, "linestyle": "--", "label": f"{parent['label']} + gather"}
     variant = re.fullmatch(r"(.+)_c(\d+)", provider)  # a chunk-size variant, e.g. fusedkern_chunked_c2048
     if variant and variant.group(1) in _STYLES:
         parent = {**base, **_STYLES[variant.group(1)]}
@@ -266,7 +285,8 @@ def draw_floor(ax, xs: Sequence[float], ys: Sequence[float], *, label: str = "fl
 def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str = "floor (= 1)",
                 annotate: Sequence[str] | bool = True, skip: Sequence[str] = (), log_y: bool = True,
                 direct_labels: bool = True, guides: Mapping[str, float] | None = None,
-                ylim: tuple[float, float] | None = None, labels: Mapping[str, str] | None = None) -> None:
+                ylim: tuple[float, float] | None = None, labels: Mapping[str, str] | None = None,
+                percent_x: str | None = None) -> None:
     """Ratio to the baseline vs x per provider, a line at 1 with the region below shaded.
 
     annotate: providers whose every point gets its ratio written next to it (True: all).
@@ -277,15 +297,17 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
     a workload that ignores half the targets); the y range includes them.
     ylim: fixed y limits (panels that should compare at a glance share them).
     labels: {provider: label} for this panel only (e.g. "fusedkern, no count" where counts matter).
+    percent_x: x holds percentages (a share of ignored targets, say): a linear axis with this label instead of
+    the log₂ size axis.
     """
     shown = ratios[~ratios["provider"].isin(skip) & ratios["ratio"].notna()]
     if shown.empty:
         return
     check_one_row_each(shown, ("provider", x), "plot_ratios")
     guides = dict(guides or {})
-    # successive annotated providers alternate above / below their points so close lines stay legible
-    offsets = [(0, 6, "bottom"), (0, -8, "top")]
-    n_annotated = 0
+    # at each x the highest annotated point is labelled above, the others below: two close lines stay legible
+    annotated = shown if annotate is True else shown[shown["provider"].isin(annotate or ())]
+    highest = annotated.groupby(x)["ratio"].max().to_dict()
     ends = []
     for provider in sort_providers(shown["provider"]):
         part = shown[shown["provider"] == provider].sort_values(x)
@@ -296,10 +318,9 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
                 linestyle=style["linestyle"], linewidth=style["linewidth"], label=style["label"], markersize=5)
         ends.append((float(part[x].iloc[-1]), float(part["ratio"].iloc[-1]), style))
         if annotate is True or provider in (annotate or ()):
-            dx, dy, va = offsets[n_annotated % len(offsets)]
-            n_annotated += 1
             for xv, r in zip(part[x], part["ratio"]):
-                ax.annotate(f"{r:.2f}×", (xv, r), textcoords="offset points", xytext=(dx, dy), fontsize=7.5,
+                dy, va = (6, "bottom") if r >= highest[xv] else (-8, "top")
+                ax.annotate(f"{r:.2f}×", (xv, r), textcoords="offset points", xytext=(0, dy), fontsize=7.5,
                             ha="center", va=va, color=style["color"], fontweight="bold")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label=baseline_label)
     lo = min(0.95, float(shown["ratio"].min()) * 0.97, *(g * 0.97 for g in guides.values()))
@@ -320,7 +341,10 @@ def plot_ratios(ax, ratios: pd.DataFrame, *, x: str = "x", baseline_label: str =
         ax.yaxis.set_major_formatter(FixedFormatter([f"{t:g}×" for t in ticks]))
         ax.yaxis.set_minor_locator(NullLocator())
     ax.set_ylim(lo, hi)
-    size_axis(ax, shown[x], label=str(shown["x_name"].iloc[0]) if "x_name" in shown else None)
+    if percent_x is not None:
+        _percent_axis(ax, shown[x] / 100, percent_x)
+    else:
+        size_axis(ax, shown[x], label=str(shown["x_name"].iloc[0]) if "x_name" in shown else None)
     ax.set_ylabel("× the baseline (median ms)")
     if direct_labels:
         _label_line_ends(ax, ends)
@@ -340,10 +364,14 @@ def label_line_ends(ax, df: pd.DataFrame, *, x: str = "x", value: str, fmt="{:.2
 
 
 def _label_line_ends(ax, ends: list, min_gap: float = 0.052, fmt: str = "{:.2f}×") -> None:
-    """Write each line's label and last value just right of the axes, nudged apart vertically."""
+    """Write each line's label and last value just right of the axes, nudged apart vertically. A line whose last
+    point lies outside the y range gets none (matplotlib would hide the label with its point)."""
     to_axes = ax.transAxes.inverted()
     placed = []
+    y_lo, y_hi = sorted(ax.get_ylim())
     for xv, yv, style in ends:
+        if not y_lo <= yv <= y_hi:
+            continue
         ya = float(to_axes.transform(ax.transData.transform((xv, yv)))[1])
         placed.append([ya, xv, yv, style])
     placed.sort(key=lambda item: item[0])
@@ -707,6 +735,65 @@ def ignored_share_figure(ratios: pd.DataFrame, *, tokens: Sequence[int], caption
         ax.set_title(f"{n} tokens")
         _label_line_ends(ax, ends, min_gap=0.045)
     axes[0][0].set_ylabel("forward + backward ÷ the dense 3-GEMM floor (lower is better)")
+    fig.suptitle(title)
+    add_caption(fig, caption)
+    return fig
+
+
+@dataclass(frozen=True)
+class RatioPanel:
+    """One panel of `ratio_panels_figure`: `ratios` (`tables.ratio_to` rows) of `providers`, drawn by
+    `plot_ratios` in that panel's words.
+
+    other_call: {x: note} for points that come from another device call than the rest of the line (ratios are
+    formed inside each call; the points are shaded and the note written above them). ylim: the y range, so that
+    one provider several times slower does not flatten the rest; its points above the range are named, with
+    their ratios, at the top of the panel. labels, annotate, guides, percent_x: as in `plot_ratios`."""
+
+    ratios: pd.DataFrame
+    providers: Sequence[str]
+    title: str
+    ylabel: str
+    baseline_label: str
+    x: str = "x"
+    labels: Mapping[str, str] | None = None
+    annotate: Sequence[str] = ()
+    other_call: Mapping[float, str] | None = None
+    ylim: tuple[float, float] | None = None
+    guides: Mapping[str, float] | None = None
+    percent_x: str | None = None
+
+
+def ratio_panels_figure(panels: Sequence[RatioPanel], *, title: str, caption: str, height: float = 5.4):
+    """Side by side, each panel's providers as ratio lines (`plot_ratios`, log y, each line named at its end);
+    panels may have different floors and x axes. Providers without a row in a panel are left out of it."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(8.2 * len(panels), height), layout="constrained",
+                             squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        shown = panel.ratios[panel.ratios["provider"].isin(panel.providers)]
+        if shown.empty:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
+        plot_ratios(ax, shown, x=panel.x, baseline_label=panel.baseline_label, annotate=panel.annotate,
+                    labels=panel.labels, percent_x=panel.percent_x, ylim=panel.ylim, guides=panel.guides)
+        panel_title = panel.title
+        if panel.ylim is not None:
+            above = shown[shown["ratio"] > panel.ylim[1]]
+            unit = " %" if panel.percent_x else ""
+            notes = [f"{(panel.labels or {}).get(p, label_for(p))} "
+                     + ", ".join(f"{r:.2f}× at {v:g}{unit}" for v, r in zip(part[panel.x], part["ratio"]))
+                     for p in sort_providers(above["provider"])
+                     for part in [above[above["provider"] == p].sort_values(panel.x)]]
+            if notes:
+                panel_title += "\nabove the axis: " + "; ".join(notes)
+        for xv, note in sorted((panel.other_call or {}).items()):
+            # 0.35 of a log₂ step either side (size axes): the band covers the point, clear of its neighbours
+            ax.axvspan(xv / 2**0.35, xv * 2**0.35, color="0.92", linewidth=0, zorder=0)
+            ax.annotate(note, (xv / 2**0.35, 1.0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                        xytext=(3, -4), ha="left", va="top", fontsize=7, color="0.35")
+        ax.set_ylabel(panel.ylabel)
+        ax.set_title(panel_title, fontsize=10)
     fig.suptitle(title)
     add_caption(fig, caption)
     return fig

@@ -10,6 +10,9 @@ with sorted keys. Writing the same rows with the same provenance twice gives ide
 a re-run that changed nothing leaves no diff. Reading back (`load_results`) needs pandas; writing
 does not, so the benchmark runs where pandas is absent (pandas is imported inside the readers).
 
+A sidecar may also hold `{"runs": [...]}`, one record per bench process of a device call that ran each size
+in its own process; `load_results` reads it as one record (`runs_meta`).
+
 The notebooks' side: `load_measured` (a missing file is said, not raised), `load_measured_runs`
 (several device calls merged so that a ratio never mixes two runs), the workload/protocol selection
 every table and figure goes through, and `provenance` lines naming GPU, stack, commit and file.
@@ -45,6 +48,7 @@ __all__ = [
     "write_results",
     "read_rows",
     "load_results",
+    "runs_meta",
     "sidecar_path",
     "WORKLOAD_COLUMNS",
     "LOSS_TYPE_COLUMN",
@@ -378,8 +382,26 @@ def load_results(csv_path: str | os.PathLike):
     for column in _STR_COLUMNS & set(df.columns):
         df[column] = df[column].fillna("")
     json_path = sidecar_path(csv_path)
-    df.attrs["meta"] = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
+    meta = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
+    df.attrs["meta"] = runs_meta(meta)
     return df
+
+
+def runs_meta(meta: Mapping) -> dict:
+    """A sidecar as one record. `{"runs": [record, ...]}` (one record per bench process, as a device call that ran
+    each size in its own process leaves them) becomes the keys every run agrees on (GPU, stack, commit, ...), the
+    newest run's `date_utc` (what `load_measured_runs` orders files by) and `runs` itself; any other sidecar is
+    returned as it is."""
+    runs = meta.get("runs")
+    if not isinstance(runs, list) or not runs or set(meta) != {"runs"}:
+        return dict(meta)
+    shared = {k: v for k, v in runs[0].items() if all(k in r and r[k] == v for r in runs[1:])}
+    dates = [str(r["date_utc"]) for r in runs if r.get("date_utc")]
+    if dates:
+        shared["date_utc"] = max(dates)
+    shared["runs"] = runs
+    return shared
+
 
 # ----------------------------------------------------------------------------------------------
 # Reading measured files for the notebooks (pandas), and where their numbers come from

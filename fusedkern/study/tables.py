@@ -20,11 +20,20 @@ from fusedkern.study.results import (ALL_LOSS_TYPES, LOSS_TYPE_COLUMN, WORKLOAD_
 PROVIDER_ORDER = (
     "huggingface",
     "huggingface_bf16",
+    "huggingface_bf16_gather",
     "huggingface_fp32",
     "torch_fp32_upcast",
+    "transformers_loss",
+    "transformers_loss_gather",
     "liger",
     "liger-kernel 0.4.2",
     "liger-kernel 0.8.5",
+    "liger-kernel 0.8.5 +gather",
+    "liger-kernel 0.8.5 CuTe SM90",
+    "liger-kernel 0.8.5 CuTe SM90 +gather",
+    "liger-kernel 0.8.5 CuTe SM90 log-probs",
+    "quack",
+    "quack_gather",
     "cut_cross_entropy",
     "fusedkern_chunked",
     "fusedkern_chunked_counted",
@@ -33,9 +42,17 @@ PROVIDER_ORDER = (
     "fusedkern_chunked_lean_counted",
     "fusedkern_fused",
     "fusedkern_generic",
+    "fusedkern_gluon",
+    "fusedkern_gluon_counted",
+    "fusedkern_tile_pass",
+    "fusedkern_tile_pass_counted",
+    "fusedkern_logprobs",
+    "fusedkern_logprobs_counted",
     "torch_linear_cross_entropy",
     "cublas_1gemm",
+    "cublas_1gemm_valid",
     "cublas_3gemm",
+    "cublas_3gemm_valid",
     "cublas_3gemm_real_grad",
 )
 
@@ -165,6 +182,16 @@ def floor_summary(full: pd.DataFrame, ours: Sequence[str], label_for: Callable[[
             lines.append(f"{label_for(provider)}: {row.min():.2f}–{row.max():.2f}× the floor over "
                          f"{span(int(row.index.min()), int(row.index.max()))}")
     return lines
+
+
+def ahead_of(ratio: pd.DataFrame, provider: str) -> dict:
+    """{x: the providers of a provider × x table (a ratio or ms pivot) with a lower value than `provider` at x,
+    lowest first}; NaN cells (not measured) are never ahead."""
+    out = {}
+    for x in ratio.columns:
+        column = ratio[x].drop(index=provider).dropna()
+        out[x] = list(column[column < ratio.loc[provider, x]].sort_values().index)
+    return out
 
 
 def failed_rows(df: pd.DataFrame) -> pd.DataFrame:
