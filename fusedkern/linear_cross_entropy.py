@@ -82,15 +82,29 @@ def _fused_ops():
 #: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: on, since the Gluon pass beat the tile pass at every size
 #: measured (H100, 4096-32768 tokens, dense and half-ignored: 1.05-1.10x one GEMM against 1.17-1.23x; docs/design.md)
 GLUON_LOSS_ONLY_DEFAULT = "1"
+#: FUSEDKERN_GLUON_LOGPROBS's value when it is unset: off until the pass's GPU tests (tests/test_gluon_loss_only.py)
+#: have run on an sm_90 device and it is timed against the tile pass (docs/design.md: the log-prob pass)
+GLUON_LOGPROBS_DEFAULT = "0"
+
+
+def _switch(name: str, default: str) -> bool:
+    value = os.environ.get(name, "").strip() or default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def gluon_loss_only_switch() -> bool:
     """FUSEDKERN_GLUON_LOSS_ONLY: "1" sends every loss-only call the Gluon pass supports to it (`takes_gluon_pass`),
     "0" none; unset or empty: `GLUON_LOSS_ONLY_DEFAULT`. Read at each call (a test or a notebook may flip it)."""
-    value = os.environ.get("FUSEDKERN_GLUON_LOSS_ONLY", "").strip() or GLUON_LOSS_ONLY_DEFAULT
-    if value not in ("0", "1"):
-        raise ValueError(f"FUSEDKERN_GLUON_LOSS_ONLY must be 0 or 1, not {value!r}")
-    return value == "1"
+    return _switch("FUSEDKERN_GLUON_LOSS_ONLY", GLUON_LOSS_ONLY_DEFAULT)
+
+
+def gluon_logprobs_switch() -> bool:
+    """FUSEDKERN_GLUON_LOGPROBS: "1" also sends the log-prob calls at a temperature or with the entropy to the Gluon
+    pass (`logprobs_impl`; FUSEDKERN_GLUON_LOSS_ONLY must be on too), "0" none; unset or empty:
+    `GLUON_LOGPROBS_DEFAULT`. Read at each call."""
+    return _switch("FUSEDKERN_GLUON_LOGPROBS", GLUON_LOGPROBS_DEFAULT)
 
 
 @functools.cache
@@ -368,9 +382,11 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
 
 def logprobs_impl(x2d, w, b, softcap: float | None, logit_scale: float, wants_grad: bool) -> str:
     """The `logprobs_entropy` operator's impl for these operands: "gluon" for a forward no backward follows that the
-    Gluon pass takes (`takes_gluon_pass`: no bias or softcap, bf16, sm_90, the switch on), else "chunked"."""
+    Gluon pass takes (`gluon_logprobs_switch` and `takes_gluon_pass`: no bias or softcap, bf16, sm_90), else
+    "chunked"."""
     opts = LossOptions(-100, softcap=softcap, logit_scale=logit_scale)
-    return "gluon" if not wants_grad and takes_gluon_pass(x2d, w, b, None, opts) else "chunked"
+    on = not wants_grad and gluon_logprobs_switch()
+    return "gluon" if on and takes_gluon_pass(x2d, w, b, None, opts) else "chunked"
 
 
 register_op(logprobs_entropy, _logprobs_entropy, _setup_logprobs_entropy, _backward_logprobs_entropy)

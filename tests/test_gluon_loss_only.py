@@ -29,7 +29,7 @@ from tests.conftest import DEVICE
 
 lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
 ROOT = Path(__file__).resolve().parents[1]
-SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY"
+SWITCH, LOGPROBS_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY", "FUSEDKERN_GLUON_LOGPROBS"
 g = lce._gluon_ops()  # the kernel module, None where this Triton has no Gluon
 needs_gluon = pytest.mark.skipif(g is None, reason="triton.experimental.gluon (Triton 3.6) cannot be imported")
 ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
@@ -98,31 +98,41 @@ def emulated_gluon(monkeypatch):
 
     monkeypatch.setattr(g, "launch_partials", launch)
     monkeypatch.setattr(lce, "takes_gluon_pass", lambda *args: True)
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (off by default until GPU-tested)
     return calls
 
 
 # ------------------------------------------------------------------------------------------------ CPU: dispatch
 
 
+SWITCHES = [(SWITCH, "GLUON_LOSS_ONLY_DEFAULT", "gluon_loss_only_switch"),
+            (LOGPROBS_SWITCH, "GLUON_LOGPROBS_DEFAULT", "gluon_logprobs_switch")]
+
+
+@pytest.mark.parametrize("name,default_name,reader", SWITCHES, ids=["loss-only", "logprobs"])
 @pytest.mark.parametrize("value,on", [(None, None), ("", None), ("0", False), ("1", True), (" 1 ", True)])
-def test_switch_reads_0_or_1_and_falls_back_to_the_default(monkeypatch, value, on):
+def test_switch_reads_0_or_1_and_falls_back_to_the_default(monkeypatch, name, default_name, reader, value, on):
     if value is None:
-        monkeypatch.delenv(SWITCH, raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv(SWITCH, value)
+        monkeypatch.setenv(name, value)
     for default in ("0", "1"):
-        monkeypatch.setattr(lce, "GLUON_LOSS_ONLY_DEFAULT", default)
-        assert lce.gluon_loss_only_switch() is (default == "1" if on is None else on)
+        monkeypatch.setattr(lce, default_name, default)
+        assert getattr(lce, reader)() is (default == "1" if on is None else on)
 
 
+@pytest.mark.parametrize("name,default_name,reader", SWITCHES, ids=["loss-only", "logprobs"])
 @pytest.mark.parametrize("value", ["2", "yes", "true", "on", "01"])
-def test_switch_refuses_other_values(monkeypatch, value):
-    monkeypatch.setenv(SWITCH, value)
-    with pytest.raises(ValueError, match=SWITCH):
-        lce.gluon_loss_only_switch()
+def test_switch_refuses_other_values(monkeypatch, name, default_name, reader, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        getattr(lce, reader)()
     x, w, y = make_inputs(5, 8, 11, dtype=torch.float32, seed=0)
-    with torch.no_grad(), pytest.raises(ValueError, match=SWITCH):  # a typo is noticed on CPU too
-        fusedkern.linear_cross_entropy(x, w, y)
+    with torch.no_grad(), pytest.raises(ValueError, match=name):  # a typo is noticed on CPU too
+        if name == SWITCH:
+            fusedkern.linear_cross_entropy(x, w, y)
+        else:
+            fusedkern.linear_logprobs(x, w, y, temperature=0.7, return_entropy=True)
 
 
 @pytest.mark.parametrize("change,plain", [
@@ -137,15 +147,23 @@ def test_only_the_options_it_computes_are_eligible(change, plain):
     assert lce.gluon_pass_options(b, cw, LossOptions(7, **change)) is plain  # any ignore_index
 
 
-@pytest.mark.parametrize("softcap,bias,grad,impl", [
-    (None, False, False, "gluon"), (None, False, True, "chunked"), (30.0, False, False, "chunked"),
-    (None, True, False, "chunked"),
-], ids=["no-grad", "grad-wanted", "softcap", "bias"])
-def test_logprobs_take_the_gluon_pass_only_without_a_backward_softcap_or_bias(monkeypatch, softcap, bias, grad, impl):
+@pytest.mark.parametrize("softcap,bias,grad,switches,impl", [
+    (None, False, False, "11", "gluon"), (None, False, True, "11", "chunked"), (30.0, False, False, "11", "chunked"),
+    (None, True, False, "11", "chunked"), (None, False, False, "10", "chunked"), (None, False, False, "01", "chunked"),
+    (None, False, False, "1", "chunked"),
+], ids=["no-grad", "grad-wanted", "softcap", "bias", "logprobs-switch-off", "loss-only-switch-off", "by-default"])
+def test_logprobs_take_the_gluon_pass_only_without_a_backward_softcap_or_bias(monkeypatch, softcap, bias, grad,
+                                                                              switches, impl):
     """`logprobs_impl` with the kernel's own checks passing (stubbed: this is CPU): a temperature is fine, a gradient
-    wanted, a softcap or a bias are not."""
+    wanted, a softcap or a bias are not; both switches must be on (switches: FUSEDKERN_GLUON_LOSS_ONLY's value,
+    then FUSEDKERN_GLUON_LOGPROBS's, unset when missing), and the log-prob one is off by default."""
     monkeypatch.setattr(lce, "_gluon_ops", lambda: type("Stub", (), {"is_supported": staticmethod(lambda x, w: True)}))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for name, value in zip((SWITCH, LOGPROBS_SWITCH), (switches + "-")[:2]):
+        if value == "-":
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     b = torch.zeros(5) if bias else None
     x, w = torch.zeros(3, 4), torch.zeros(5, 4)
     assert lce.logprobs_impl(x, w, b, softcap, 1 / 0.7, grad) == impl
@@ -177,6 +195,7 @@ def test_cpu_never_takes_the_gluon_pass_and_nothing_changes(monkeypatch, call, g
     monkeypatch.setenv(SWITCH, "0")
     off = run()
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
 
     def never(*args, **kwargs):
         raise AssertionError("the Gluon pass was taken on CPU")
@@ -568,6 +587,7 @@ def test_gpu_logprobs_temperature_entropy_match_fp64(monkeypatch, gluon_launches
     entropy's plane, log-probs and entropy within 2× torch's bf16 error of float64; a gradient wanted or the switch
     off: never launched, and the tile pass agrees with it."""
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
     x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
     logps, entropy = _check_logprobs_entropy(x, w, y, temperature)
     assert gluon_launches == [2048]
@@ -588,6 +608,7 @@ def test_gpu_logprobs_counts_extremes_and_with_stats(monkeypatch, gluon_launches
     """A host count (valid rows only launched) and a device count give the dense call's values; logits to ~±1e3 at
     τ 0.5 stay finite and within the 2× rule; `linear_logprobs_with_stats` (row max, lse) takes the same pass."""
     monkeypatch.setenv(SWITCH, "1")
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
     x, w, y = make_inputs(1024, 1024, 32003, ignore_frac=0.4)
     n = int((y != -100).sum())
     dense = _check_logprobs_entropy(x, w, y, 0.7)

@@ -23,7 +23,7 @@ import torch
 from fusedkern.reference import logits_to_mean_ce_grad_, softcap_with_derivative_
 from fusedkern.study.workloads import IGNORE_INDEX, Inputs
 
-GLUON_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY"
+GLUON_SWITCH, GLUON_LOGPROBS_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY", "FUSEDKERN_GLUON_LOGPROBS"
 FLOORS_NOTE = (
     "cublas_1gemm and cublas_3gemm are the dense all-token floors whatever the workload: the logits GEMM "
     "and the three GEMMs over every one of the T tokens, with an N(0, 1) logits gradient G, the floor the "
@@ -194,9 +194,10 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
 
 
 def _gluon_switched(switch: str, inner: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
-    """`inner`'s loss-only step with FUSEDKERN_GLUON_LOSS_ONLY=switch set inside the timed step (the library reads it
-    at each call, and the other providers of the same rounds must not see it): "1" the Gluon statistics kernel
-    (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile pass."""
+    """`inner`'s loss-only step with FUSEDKERN_GLUON_LOSS_ONLY and FUSEDKERN_GLUON_LOGPROBS = switch set inside the
+    timed step (the library reads them at each call, and the other providers of the same rounds must not see them):
+    "1" the Gluon statistics kernel (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile
+    pass."""
 
     def build(inp: Inputs) -> dict[str, Step]:
         if switch == "1":
@@ -208,7 +209,7 @@ def _gluon_switched(switch: str, inner: Callable[[Inputs], dict[str, Step]]) -> 
         step = inner(inp)["loss_only"]
 
         def switched(state):
-            with mock.patch.dict(os.environ, {GLUON_SWITCH: switch}):
+            with mock.patch.dict(os.environ, {GLUON_SWITCH: switch, GLUON_LOGPROBS_SWITCH: switch}):
                 return step.run(state)
 
         return {"loss_only": Step(switched, step.setup)}
@@ -805,12 +806,12 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_tile_pass", _gluon_switched("0", _ce_fusedkern(impl="chunked")), accuracy=False),
             Provider("fusedkern_tile_pass_counted",
                      _gluon_switched("0", _ce_fusedkern(counted="host", impl="chunked")), accuracy=False),
-            # the RL log-prob pass (temperature, entropy): fusedkern's (the library's default, and pinned to the tile
+            # the RL log-prob pass (temperature, entropy): fusedkern's (the library's default, and pinned to the Gluon
             # pass) and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
-            Provider("fusedkern_logprobs_tile_pass", _gluon_switched("0", _logprobs_fusedkern()), accuracy=False),
-            Provider("fusedkern_logprobs_tile_pass_counted", _gluon_switched("0", _logprobs_fusedkern(counted="host")),
+            Provider("fusedkern_logprobs_gluon", _gluon_switched("1", _logprobs_fusedkern()), accuracy=False),
+            Provider("fusedkern_logprobs_gluon_counted", _gluon_switched("1", _logprobs_fusedkern(counted="host")),
                      accuracy=False),
             Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,
                      _dist_label_suffix("liger-kernel", "CuTe SM90 log-probs"), accuracy=False),
