@@ -12,10 +12,13 @@
 #                                       # Triton, Transformers' loss, the seed baseline, peers +gather, both
 #                                       # floors), the loss-only and log-prob pass, masked 30/70; one size and
 #                                       # workload a process
-#   scripts/gpu_calls.sh OUTDIR rest    # right after table (QuACK still unpacked): the same at 32768, then 16384
+#   scripts/gpu_calls.sh OUTDIR rest    # carry .whl/liger085 .whl/trl, right after table (QuACK still unpacked): the
+#                                       # same at 32768, then 16384 (TABLE_SIZES overrides), with TRL's fused LM
+#                                       # head (its wheels do not fit beside QuACK's halves in one call's 64 MiB)
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
-#   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085: the Gluon log-prob pass's GPU tests,
-#                                       # the loss-only table at 8192, 32768, 4096, 16384 tokens, the whole suite
+#   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085 .whl/trl: the Gluon log-prob pass's GPU
+#                                       # tests, the loss-only table at 8192, 32768, 4096, 16384 tokens (TRL's head
+#                                       # beside it), the whole suite
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
@@ -35,7 +38,7 @@ export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
 res="${TMPDIR:-/tmp}/gpu_results_$part"
 rm -rf "$res" && mkdir -p "$res"
 site="${TMPDIR:-/tmp}"/site_gpu
-install_wheels "$site" .whl/liger085
+install_wheels "$site" .whl/liger085 .whl/trl  # TRL's fused LM head (trl 1.16, transformers 5.25) where carried
 install_quack
 
 pack() { tar czf "$outdir/results_$part.tgz" -C "$res" . ; }
@@ -79,14 +82,14 @@ suite() {  # suite NAME [pytest args]
 }
 
 timing="--warmup 2 --reps 12 --min-reps 5 --max-case-s 1.0 --protocol shuffled --no-progress"
-peers="huggingface_bf16 transformers_loss liger liger_cute_sm90 quack"
+peers="huggingface_bf16 transformers_loss liger liger_cute_sm90 quack trl_fused_lm_head"
 gathered="huggingface_bf16_gather transformers_loss_gather liger_gather liger_cute_sm90_gather quack_gather"
 fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_count"
 # the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
 # rows and over the valid rows (issue 31 item 3)
 loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_tile_pass
     fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted fusedkern_logprobs_gluon
-    fusedkern_logprobs_gluon_counted liger_cute_sm90_logprobs huggingface_bf16 transformers_loss"
+    fusedkern_logprobs_gluon_counted liger_cute_sm90_logprobs trl_logprobs huggingface_bf16 transformers_loss"
 gluon_configs=${GLUON_CONFIGS:-}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV

@@ -751,3 +751,25 @@ def test_cli_on_cpu_needs_out_and_leaves_nothing_in_the_working_directory(tmp_pa
                                           ("a/data/other/h200/ce.csv", None)])
 def test_measured_folder_device(path, folder):
     assert bench.measured_folder_device(Path(path)) == folder
+
+
+def test_trl_fused_lm_head_providers_match_fp64():
+    """TRL's fused LM head (trl ≥ 1.16, its torch fold on CPU) as the bench calls it: the SFT loss equals the seed
+    baseline's (the mean over the labelled tokens), dense, half ignored and softcapped, with and without a
+    gradient; the log-prob objective at τ 0.7 with the entropy equals fusedkern's; the vocabulary tile is the one
+    `add_fused_lm_head` uses."""
+    pytest.importorskip("trl.kernels")
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    assert getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", prov.TRL_VOCAB_TILE) == prov.TRL_VOCAB_TILE
+    pair = ["huggingface_bf16", "trl_fused_lm_head"]
+    for options in ({"workloads": ["dense", "masked_50"], "modes": ["full", "loss_only"]},
+                    {"modes": ["full"], "softcap": SOFTCAP}):
+        rows = sweeps.run_sweep("ce", [16], providers=pair, seq=8, **options, **CPU_ONE_REP)
+        assert len(rows) == 2 * len(options.get("workloads", [1])) * len(options["modes"])
+        for key in {(r["workload"], r["mode"]) for r in rows}:
+            case = [r for r in rows if (r["workload"], r["mode"]) == key]
+            assert [r["note"] for r in case] == ["", ""] and any(r["provider"].startswith("trl ") for r in case)
+            assert case[0]["loss"] == pytest.approx(case[1]["loss"], rel=1e-5), case
+    logprobs = sweeps.run_sweep("ce", [16], providers=["fusedkern_logprobs", "trl_logprobs"], seq=8,
+                                workloads=["masked_50"], modes=["loss_only"], **CPU_ONE_REP)
+    assert len(logprobs) == 2 and logprobs[0]["loss"] == pytest.approx(logprobs[1]["loss"], rel=1e-5)

@@ -71,6 +71,10 @@ _STYLES: dict[str, dict] = {
     "liger-kernel 0.8.5 CuTe SM90 log-probs": dict(color="#08306b", marker="<",
                                                    label="Liger 0.8.5 CuTe SM90 log-probs, τ 0.7 + entropy"),
     "transformers_loss": dict(color="#8c564b", marker="s", label="Transformers' loss (fp32 upcast)"),
+    # TRL's own fused LM head (SFTTrainer's and GRPOTrainer's default since trl 1.16): the labelled rows only
+    "trl 1.16.0 fused LM head": dict(color="#bcbd22", marker="p", label="TRL 1.16 fused LM head"),
+    "trl 1.16.0 fused LM head log-probs": dict(color="#bcbd22", marker="p",
+                                               label="TRL 1.16 fused LM head log-probs, τ 0.7 + entropy"),
     "fusedkern_chunked": dict(color="#d62728", marker="o", label="fusedkern chunked", linewidth=2.2),
     "fusedkern_chunked_lean": dict(color="#ff9896", marker="o", label="fusedkern chunked (lean dW)"),
     # num_valid_tokens passed: as a host int (only the valid rows are computed) or as a device tensor
@@ -91,6 +95,10 @@ _STYLES: dict[str, dict] = {
     "fusedkern_logprobs": dict(color="#9467bd", marker="v", label="fusedkern log-probs, τ 0.7 + entropy"),
     "fusedkern_logprobs_counted": dict(color="#9467bd", marker="v",
                                        label="fusedkern log-probs, τ 0.7 + entropy, host count"),
+    "fusedkern_logprobs_gluon": dict(color="#2ca02c", marker="v",
+                                     label="fusedkern log-probs on Gluon, τ 0.7 + entropy"),
+    "fusedkern_logprobs_gluon_counted": dict(color="#2ca02c", marker="v",
+                                             label="fusedkern log-probs on Gluon, τ 0.7 + entropy, host count"),
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),

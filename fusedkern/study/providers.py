@@ -295,6 +295,49 @@ def _logprobs_fusedkern(counted: str | None = None) -> Callable[[Inputs], dict[s
     return build
 
 
+#: the vocabulary width of the tiles `trl.trainer.utils.add_fused_lm_head` projects (trl 1.16; tests/test_bench.py
+#: checks it against the installed TRL's)
+TRL_VOCAB_TILE = 32768
+
+
+def _trl_fused_lm_head(temperature: float = 1.0, with_entropy: bool = False) -> Callable[[Inputs], dict[str, Step]]:
+    """TRL's fused LM head (`trl.kernels.ChunkedLogProbFunction`, trl ≥ 1.16: what SFTTrainer's default
+    `loss_type="nll"` and GRPOTrainer run through `add_fused_lm_head`), called as that head's forward calls it after
+    the backbone: on a CUDA device only the rows with a label (`x[mask]`, the host sync included in the step), a
+    softcap as the model's `final_logit_softcapping`, the per-token outputs scattered back among zeros; the loss
+    −Σ log p / count (its SFT loss), or with the entropy `_logprob_objective` at `temperature`."""
+
+    def build(inp: Inputs) -> dict[str, Step]:
+        try:
+            from trl.kernels import ChunkedLogProbFunction
+        except ImportError as error:
+            if error.name in ("trl", "transformers"):
+                raise  # not installed: skipped, like the other optional providers
+            raise ProviderUnavailable(f"trl has no kernels.ChunkedLogProbFunction ({error})") from error
+        x2d, target = inp.x.reshape(-1, inp.x.shape[-1]), inp.target.reshape(-1)
+        outputs = ("log_probs", "entropy") if with_entropy else ("log_probs", )
+
+        def loss():
+            mask = target != IGNORE_INDEX
+            compact = x2d.is_cuda  # as TRL: compacted on Triton devices, every row scored elsewhere
+            rows_x, rows_y = (x2d[mask], target[mask]) if compact else (x2d, target.clamp(min=0))
+            log_probs, entropy, *_ = ChunkedLogProbFunction.apply(rows_x, inp.w, None, rows_y, temperature,
+                                                                  TRL_VOCAB_TILE, inp.softcap, 1.0, outputs)
+
+            def back(values):
+                if compact:
+                    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+                return values.masked_fill(~mask, 0)
+
+            if with_entropy:
+                return _logprob_objective(back(log_probs), back(entropy), target)
+            return -back(log_probs).sum() / mask.sum().clamp(min=1)
+
+        return loss_steps(loss)
+
+    return build
+
+
 def _logprobs_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     """Liger-Kernel's CuTe DSL fused scaled cross-entropy for Hopper (≥ 0.8.5): per-token NLL at a temperature
     and the entropy (bf16), no logits in HBM; sm_90, bf16, no bias, no softcap; validates the targets' range
@@ -799,6 +842,9 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
             Provider("quack", _ce_quack),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
+            # TRL's own fused LM head: what SFTTrainer and GRPOTrainer use by default since trl 1.16 (it scores the
+            # labelled rows only, so on a masked workload it is its own "+gather")
+            Provider("trl_fused_lm_head", _trl_fused_lm_head(), _dist_label_suffix("trl", "fused LM head")),
             # the loss-only pass pinned to either kernel (fusedkern_chunked takes the library's default)
             Provider("fusedkern_gluon", _gluon_switched("1", _ce_fusedkern(impl="chunked")), accuracy=False),
             Provider("fusedkern_gluon_counted", _gluon_switched("1", _ce_fusedkern(counted="host", impl="chunked")),
@@ -813,6 +859,8 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_logprobs_gluon", _gluon_switched("1", _logprobs_fusedkern()), accuracy=False),
             Provider("fusedkern_logprobs_gluon_counted", _gluon_switched("1", _logprobs_fusedkern(counted="host")),
                      accuracy=False),
+            Provider("trl_logprobs", _trl_fused_lm_head(LOGPROB_TEMPERATURE, with_entropy=True),
+                     _dist_label_suffix("trl", "fused LM head log-probs"), accuracy=False),
             Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,
                      _dist_label_suffix("liger-kernel", "CuTe SM90 log-probs"), accuracy=False),
             # the peers on the valid rows only (masked workloads; dense, the same as without the gather)
