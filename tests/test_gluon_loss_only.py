@@ -405,10 +405,15 @@ def _check_loss_and_lse(x, w, y, reduction):
     ref, ref_lse = reference.linear_cross_entropy_fp64(x, w, y, reduction=reduction, return_lse=True)
     tch = torch_linear_cross_entropy(x, w, y, reduction=reduction, upcast_logits=True)
     tch_lse = torch.logsumexp(torch.nn.functional.linear(x, w).float(), dim=-1)
-    assert loss.dtype == torch.float32 and lse.dtype == torch.float32
-    assert_close_to_ref("loss", loss, ref, tch, atol=1e-3)
-    assert_close_to_ref("lse", lse, ref_lse, tch_lse, atol=1e-3)
+    _assert_fp32_within_2x_torch({"loss": (loss, ref, tch), "lse": (lse, ref_lse, tch_lse)})
     return loss, lse
+
+
+def _assert_fp32_within_2x_torch(outputs: dict) -> None:
+    """{name: (ours, float64 reference, torch's same-dtype result)}: fp32, within 2× torch's error (atol 1e-3)."""
+    for name, (ours, ref, tch) in outputs.items():
+        assert ours.dtype == torch.float32, name
+        assert_close_to_ref(name, ours, ref, tch, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -573,9 +578,8 @@ def _check_logprobs_entropy(x, w, y, temperature, **kwargs):
         logps, entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True, **kwargs)
     ref_logps, ref_entropy = reference.linear_logprobs_entropy_fp64(x, w, y, temperature=temperature)
     tch_logps, tch_entropy = torch_logprobs_entropy(x, w, y, None, softcap=None, temperature=temperature, upcast=True)
-    assert logps.dtype == torch.float32 and entropy.dtype == torch.float32
-    assert_close_to_ref("logps", logps, ref_logps, tch_logps, atol=1e-3)
-    assert_close_to_ref("entropy", entropy, ref_entropy, tch_entropy, atol=1e-3)
+    _assert_fp32_within_2x_torch({"logps": (logps, ref_logps, tch_logps),
+                                  "entropy": (entropy, ref_entropy, tch_entropy)})
     return logps, entropy
 
 
