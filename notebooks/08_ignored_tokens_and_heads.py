@@ -455,6 +455,44 @@ if peers is not None:
           + ".")
 
 # %% [markdown]
+# ## How far the floor moves between processes (8192 tokens)
+#
+# Each size and workload of the table above ran in its own bench process, and every ratio is formed inside one
+# process. But two steps whose work is the same in every process, the three cuBLAS GEMMs over all 8192 rows
+# (`cublas_3gemm`) and fusedkern's step without the count (`fusedkern_chunked`, which computes every row), ran at
+# different speeds in the four processes that timed 8192 tokens — and not in step: in the half-ignored process the
+# floor was the fastest of the four while fusedkern was as slow as in the dense one, which alone turns 1.06× there
+# into 1.15×. The masked processes hold the peers "+gather", whose host sync leaves the GPU idle before whatever
+# follows them, and a GEMM that starts on a rested GPU runs faster (the likely cause, not yet isolated). A ratio to a
+# floor carries that move, so part of the host count's 1.13–1.16× may be the floor's, not fusedkern's.
+# `--protocol primed` (docs/design.md, "The primed protocol") queues the same untimed GEMMs before every rep to take
+# it out; it has not run on a GPU yet.
+
+# %%
+spread_files = ["peers_ce_dense", "peers_ce_masked_50", "peers_ce_masked_30_70"]
+spread = results.load_measured_runs([data_dir / "measured" / table_gpu / f"{name}.csv" for name in spread_files])
+if spread is not None:
+    spread_x = 8192
+    at_x = spread[spread.x == spread_x].copy()
+    at_x["share"] = at_x["workload"].map(results.ignored_share)
+    at_x = at_x.sort_values("share", kind="stable")  # the processes left to right: dense, 30, 50, 70 % ignored
+    _, spread_caption = results.runs_provenance(at_x, peers_where)
+    moved = ["cublas_3gemm", "fusedkern_chunked"]
+    fig = plotting.processes_figure(
+        at_x, providers=moved, caption=spread_caption,
+        title=f"The same work in four processes of one call ({spread_x} tokens, H100)")
+    display(plotting.save_figure(fig, figures_dir / "08_floor_across_processes"))
+    medians = at_x[at_x["mode"] == "full"].pivot_table(index="provider", columns="workload", values="ms_p50")
+    for provider in moved:
+        row = medians.loc[provider]
+        print(f"{plotting.label_for(provider)}: " + ", ".join(f"{w} {v:.2f} ms" for w, v in row.items())
+              + f" — {100 * (row.max() / row.min() - 1):.1f} % from the fastest process to the slowest")
+    same_work = medians.loc["fusedkern_chunked"] / medians.loc["cublas_3gemm"]
+    print("fusedkern without the count × the floor, process by process: "
+          + ", ".join(f"{w} {v:.3f}×" for w, v in same_work.items()))
+
+
+# %% [markdown]
 # ## The count's memory on a large-vocabulary head
 #
 # With the count passed, the ignored rows are gathered out of the way; where the gathered rows live decides the

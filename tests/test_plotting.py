@@ -253,6 +253,26 @@ def _two_workloads() -> pd.DataFrame:
     return pd.concat([dense, masked], ignore_index=True)
 
 
+def test_processes_figure_puts_each_process_in_its_column_with_its_spread():
+    """`processes_figure`: one column per process (workload) in the given order, each provider's median with its
+    p20–p80 as error bars, the median written beside it."""
+    df = _two_workloads()
+    with pytest.raises(ValueError, match="one size"):
+        plotting.processes_figure(df, providers=["cublas_3gemm"], caption="test", title="t")
+    df = df[df.x == df.x.max()].copy()
+    df["ms_p20"], df["ms_p80"] = df["ms_p50"] * 0.98, df["ms_p50"] * 1.03
+    fig = plotting.processes_figure(df, providers=["cublas_3gemm", "fusedkern_chunked"], caption="test", title="t")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["process: dense", "process: masked_50"]
+    floor = df[(df.provider == "cublas_3gemm") & (df["mode"] == "full")].set_index("workload").ms_p50
+    medians = [line for line in ax.get_lines() if line.get_color() == plotting.style_for("cublas_3gemm")["color"]
+               and len(line.get_ydata()) == 2 and line.get_linestyle() in ("None", "none", "")]
+    assert medians and list(medians[0].get_ydata()) == [floor["dense"], floor["masked_50"]]
+    assert sorted(t.get_text() for t in ax.texts) == sorted(f"{v:.1f}" for v in df[
+        df.provider.isin(["cublas_3gemm", "fusedkern_chunked"]) & (df["mode"] == "full")].ms_p50)
+    plt.close(fig)
+
+
 def test_pivot_refuses_to_mix_workloads_and_selects_one_when_asked():
     df = _two_workloads()
     with pytest.raises(ValueError, match="mix 2 workload/protocol pairs.*dense/shuffled.*masked_50/shuffled"):

@@ -664,6 +664,34 @@ def host_waits_figure(waits: pd.DataFrame, *, caption: str):
     return fig
 
 
+def processes_figure(df: pd.DataFrame, *, providers: Sequence[str], caption: str, title: str, mode: str = "full"):
+    """One size timed in several bench processes (one per workload): each provider's median ms with its p20–p80,
+    one column per process (`workload`), so that a provider whose work is the same in every process shows how far
+    the processes' conditions moved it."""
+    if df["x"].nunique() != 1:
+        raise ValueError(f"processes_figure draws one size, got x = {sorted(df['x'].unique())}")
+    processes = list(dict.fromkeys(df["workload"]))
+    fig, ax = plt.subplots(figsize=(8.5, 4.6), layout="constrained")
+    width = 0.8 / len(providers)
+    for j, provider in enumerate(providers):
+        style = style_for(provider)
+        rows = df[(df["provider"] == provider) & (df["mode"] == mode)].set_index("workload")
+        xs = [i + (j - (len(providers) - 1) / 2) * width for i, p in enumerate(processes) if p in rows.index]
+        shown = [p for p in processes if p in rows.index]
+        mid = rows.loc[shown, "ms_p50"].to_numpy()
+        err = [mid - rows.loc[shown, "ms_p20"].to_numpy(), rows.loc[shown, "ms_p80"].to_numpy() - mid]
+        ax.errorbar(xs, mid, yerr=err, color=style["color"], marker=style["marker"] or "o", linestyle="none",
+                    capsize=3, markersize=6, label=style["label"])
+        for x, value in zip(xs, mid):
+            ax.annotate(f"{value:.1f}", (x, value), textcoords="offset points", xytext=(7, -3), fontsize=8)
+    ax.set_xticks(range(len(processes)), [f"process: {p}" for p in processes])
+    ax.set_ylabel(f"{mode} step, ms (median, p20–p80)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="best")
+    add_caption(fig, caption)
+    return fig
+
+
 def protocol_figure(sequential: pd.DataFrame, interleaved: pd.DataFrame, *, floors: Sequence[str],
                     caption: str, mode: str = "full"):
     """One panel per floor: each provider's ratio to that floor with the providers timed one after
