@@ -474,6 +474,9 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
     need_db = grad and b is not None and b.requires_grad
     wants_grad = need_dx or need_dw or need_db
+    # these operators take no logit scale (a temperature reaches the kernels through `logprobs_entropy`), so the
+    # Gluon pass, which would accept one, must not be handed one here either
+    assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
     loss_options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap)
     if impl == "chunked" and reduction != "none" and wants_grad:
         loss, lse, *_ = call_op(ce_chunked_scalar, x2d, w, b, y, class_weight, *loss_options, reduction,
