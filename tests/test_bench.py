@@ -796,3 +796,23 @@ def test_primed_protocol_runs_the_primer_before_every_timed_rep(monkeypatch):
     rows = sweeps.run_sweep("ce", [8], providers=["cublas_1gemm", "huggingface_bf16"], modes=["loss_only"],
                             protocol="primed", **{**CPU, "reps": 3, "min_reps": 3})
     assert {r["protocol"] for r in rows} == {"primed"} and len(primed) == 6
+
+
+def test_pad_rows_keeps_the_mean_and_the_gradient():
+    """`providers.pad_rows` (Liger's CuTe kernel takes 128-multiple token counts; the bench pads the gathered rows as
+    a caller would): zero rows with ignored targets up to the multiple, the same mean loss and dX, and nothing done
+    at a multiple."""
+    inputs = workloads.make_ce_inputs(13, HIDDEN, VOCAB, dtype=torch.float32, device="cpu", workload="masked_50", seq=8)
+    x = inputs.x.detach().reshape(-1, HIDDEN).clone().requires_grad_()
+    padded_x, padded_y = prov.pad_rows(x, inputs.target.reshape(-1), 8)
+    assert padded_x.shape == (16, HIDDEN) and (padded_x[13:] == 0).all() and (padded_y[13:] == prov.IGNORE_INDEX).all()
+    loss = torch.nn.functional.cross_entropy(padded_x @ inputs.w.detach().t(), padded_y, ignore_index=prov.IGNORE_INDEX)
+    loss.backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(x_ref @ inputs.w.detach().t(), inputs.target.reshape(-1),
+                                            ignore_index=prov.IGNORE_INDEX)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    same = prov.pad_rows(padded_x, padded_y, 8)
+    assert same[0] is padded_x and same[1] is padded_y

@@ -259,10 +259,26 @@ def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
         raise ProviderUnavailable("Liger's CuTe SM90 kernel runs on compute capability 9.0 only")
     liger_fused_linear_cross_entropy_sm90 = _liger_cute_import("fused_linear_cross_entropy_sm90",
                                                                 "liger_fused_linear_cross_entropy_sm90")
-    rows = inp.target.numel()
-    if rows % 128 or inp.w.shape[0] % 128 or inp.x.dtype != torch.bfloat16:
-        raise ProviderUnavailable("Liger's CuTe SM90 kernel needs bf16 and tokens and vocab multiples of 128")
-    return loss_steps(lambda: liger_fused_linear_cross_entropy_sm90(inp.x, inp.w, inp.target, IGNORE_INDEX, "mean"))
+    if inp.w.shape[0] % 128 or inp.x.dtype != torch.bfloat16:
+        raise ProviderUnavailable("Liger's CuTe SM90 kernel needs bf16 and a vocabulary that is a multiple of 128")
+
+    def loss():
+        # it takes token counts that are multiples of 128 only: a caller pads (timed, as the caller pays it)
+        x, target = pad_rows(inp.x.reshape(-1, inp.x.shape[-1]), inp.target.reshape(-1), 128)
+        return liger_fused_linear_cross_entropy_sm90(x, inp.w, target, IGNORE_INDEX, "mean")
+
+    return loss_steps(loss)
+
+
+def pad_rows(x2d: torch.Tensor, target: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [n, H] and target [n] with zero rows and ignored targets appended up to a multiple of `multiple` rows
+    (unchanged when n is one): the copy a caller makes for a kernel that takes only such row counts. The mean over
+    the valid targets is unchanged, and x2d's gradient flows back through the copy."""
+    pad = -x2d.shape[0] % multiple
+    if pad == 0:
+        return x2d, target
+    return (torch.cat([x2d, x2d.new_zeros(pad, x2d.shape[1])]),
+            torch.cat([target, target.new_full((pad, ), IGNORE_INDEX)]))
 
 
 # The RL log-prob pass: per-token log p(target) at a sampling temperature and the entropy (verl's and
