@@ -176,7 +176,7 @@ if [ "$part" = table ] || [ "$part" = rest ]; then
     for tokens in $sizes; do
         # shellcheck disable=SC2086
         step "ce_dense_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
-            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked $peers \
+            --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c8192 $peers \
             --append --out "$res/ce_llama3_dense.csv"
         # shellcheck disable=SC2086
         step "ce_masked_50_$tokens" 200 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
