@@ -127,7 +127,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkern, without an install
 # the grouped tile order and the TMA producer are the library's (fusedkern/kernels/gluon_logits_stats.py holds the
 # cooperative kernel alone); ping-pong, one consumer and the logits store stay here
-from fusedkern.kernels.gluon_logits_stats import tma_producer, tile_coords  # noqa: E402
+from fusedkern.kernels.gluon_logits_stats import (accumulator_layout, operand_ring, tile_coords,  # noqa: E402
+                                                   tma_producer)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 SMEM_LIMIT = 232448  # sm_90: 227 KiB of dynamic shared memory per block
@@ -159,8 +160,7 @@ def _consumer(x_desc, w_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, orde
     FIRST: gl.constexpr = CONSUMER * (1 - COOP)  # the CTA-local index of this consumer's first tile
     STEP: gl.constexpr = NUM_CONSUMERS - (NUM_CONSUMERS - 1) * COOP
     PINGPONG: gl.constexpr = (NUM_CONSUMERS == 2) and (COOP == 0)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = accumulator_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     pid = gl.program_id(0)
@@ -255,19 +255,13 @@ def _logits_stats_kernel(x_desc, w_desc, c_desc, part_max_ptr, part_sum_ptr, tar
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    # cooperative: both consumers release a slot
+    a_bufs, b_bufs, ready, empty = operand_ring(x_desc, w_desc, STAGES, 1 + (NUM_CONSUMERS - 1) * COOP)
     if WRITE_LOGITS:
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * NUM_CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     else:  # unused: a token allocation keeps the partitions' signature one shape
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [1, 8, 64], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong main-loop turns
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1 + (NUM_CONSUMERS - 1) * COOP)  # cooperative: both release
     for c in gl.static_range(2):
         mbarrier.init(order.index(c), count=1)
     fence_async_shared()

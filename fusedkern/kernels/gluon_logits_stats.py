@@ -14,9 +14,11 @@ max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` ke
 (`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
 
 `loss_only` (what `linear_cross_entropy` runs under no_grad unless `FUSEDKERN_GLUON_LOSS_ONLY=0`, see
-`linear_cross_entropy._gluon_loss_only`) merges the partials with `ce_rows.merge_row_stats`, the tile pass's own
-merge, so its loss and statistics mean exactly what the tile pass's do. This module imports Gluon at import time:
-import it only where `is_supported` can hold (the dispatch imports it lazily, on CUDA tensors).
+`linear_cross_entropy.takes_gluon_pass`; with a temperature and the entropy, what `linear_logprobs` runs under
+no_grad when `FUSEDKERN_GLUON_LOGPROBS=1`, see `linear_cross_entropy.logprobs_impl`) merges the partials with
+`ce_rows.merge_row_stats`, the tile pass's own merge, so its loss and statistics mean exactly what the tile pass's
+do. The temperature and entropy variants have not yet run on a GPU (docs/design.md). This module imports Gluon at
+import time: import it only where `is_supported` can hold (the dispatch imports it lazily, on CUDA tensors).
 """
 
 from __future__ import annotations
@@ -69,6 +71,28 @@ def tile_coords(t, num_m, num_n, GROUP_M: gl.constexpr):
     return first_m + inner % size_m, inner // size_m
 
 
+@gluon.constexpr_function
+def accumulator_layout(block_n):
+    """The register layout of one consumer warpgroup's async-wgmma accumulator [64 · k, block_n] (4 warps stacked
+    on rows, m64nNk16 instructions)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16])
+
+
+@gluon.jit
+def operand_ring(x_desc, w_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """The producer-consumer ring in shared memory: STAGES X and W boxes (the descriptors' block shapes and layouts)
+    and their mbarriers, `ready` (the producer's TMA arrival) and `empty` (EMPTY_ARRIVALS consumer releases free a
+    slot). The caller fences after its own barriers' inits."""
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
+    return a_bufs, b_bufs, ready, empty
+
+
 @gluon.jit
 def tma_producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -103,8 +127,7 @@ def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_r
     TILE_M: gl.constexpr = x_desc.block_type.shape[0]  # rows the producer loads per tile
     BLOCK_M: gl.constexpr = TILE_M // 2  # this warpgroup's rows
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = accumulator_layout(BLOCK_N)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     pid = gl.program_id(0)
@@ -190,14 +213,7 @@ def _logits_partials_kernel(
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    a_bufs, b_bufs, ready, empty = operand_ring(x_desc, w_desc, STAGES, 2)  # both consumers release a slot
     fence_async_shared()
 
     num_m = gl.cdiv(T, BLOCK_M)

@@ -272,8 +272,8 @@ def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
 
 def pad_rows(x2d: torch.Tensor, target: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [n, H] and target [n] with zero rows and ignored targets appended up to a multiple of `multiple` rows
-    (unchanged when n is one): the copy a caller makes for a kernel that takes only such row counts. The mean over
-    the valid targets is unchanged, and x2d's gradient flows back through the copy."""
+    (returned as they are when n already is one): the copy a caller makes for a kernel that takes only such row
+    counts. The mean over the valid targets is unchanged, and x2d's gradient flows back through the copy."""
     pad = -x2d.shape[0] % multiple
     if pad == 0:
         return x2d, target

@@ -33,7 +33,7 @@ MIB = 2**20
 
 # How the providers' reps are ordered (module docstring): shuffled is the default of the timing sweeps.
 PROTOCOLS = ("shuffled", "primed", "fixed", "sequential")
-#: the primer's GEMMs: PRIMER_GEMMS products of [PRIMER_SIZE]² bf16 matrices, 0.55 TFLOP (~0.8 ms on an H100)
+#: the primer's GEMMs: PRIMER_GEMMS products of [PRIMER_SIZE]² bf16 matrices, 0.55 TFLOP (its time not yet measured)
 PRIMER_SIZE, PRIMER_GEMMS = 4096, 4
 
 
