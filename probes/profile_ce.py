@@ -1,8 +1,8 @@
 """Where a chunked forward+backward spends its time on the GPU: torch.profiler's kernel times, summed
-per category, next to the wall time from CUDA events. Writes $OUT/profile_ce.csv (one row per case
-and category) and prints it.
+per category, next to the wall time from CUDA events. Writes one row per case and category to --out
+(default $OUT/profile_ce.csv) and prints it.
 
-    python probes/profile_ce.py
+    python probes/profile_ce.py [--tokens 4096 16384] [--out PATH]
 
 Categories: `gemm` (cuBLAS/CUTLASS kernels), `row_kernel` (fusedkern's Triton row statistics and
 gradient), `elementwise` (every other kernel: fills, casts, rescales, reductions), `gpu_idle` =
@@ -10,6 +10,7 @@ wall (a separate, unprofiled loop) − the sum of all kernels, and, from the pro
 `timeline_gaps` = time between its first kernel's start and last kernel's end not covered by any
 kernel (launch gaps and host syncs) out of `timeline_span`; all in ms per forward+backward.
 """
+import argparse
 import csv
 import os
 
@@ -53,6 +54,9 @@ def run_case(label: str, fn) -> list[dict]:
         if us and evt.device_type == torch.autograd.DeviceType.CUDA:
             per_cat[category(evt.key)] = per_cat.get(category(evt.key), 0.0) + us / 1e3 / ITERS
     busy = sum(per_cat.values())
+    # each kernel's name and time: which cuBLAS kernel each GEMM got (fp32-output dW against the floor's bf16)
+    print(f"-- {label}: kernels, device time over {ITERS} steps")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=90), flush=True)
     rows = [dict(case=label, category=c, ms_per_iter=round(ms, 4)) for c, ms in sorted(per_cat.items())]
     rows.append(dict(case=label, category="gpu_idle", ms_per_iter=round(max(wall_ms - busy, 0.0), 4)))
     rows.append(dict(case=label, category="wall", ms_per_iter=round(wall_ms, 4)))
@@ -113,19 +117,23 @@ def simpo_case(batch: int, **options):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "profile_ce.csv"))
+    args = parser.parse_args()
     rows = []
-    for tokens in (4096, 16384):
+    for tokens in args.tokens:
         rows += run_case(f"cublas_3gemm T={tokens}", floor_case(tokens))
         rows += run_case(f"default T={tokens}", ce_case(tokens))
+        rows += run_case(f"chunk_tokens=8192 T={tokens}", ce_case(tokens, chunk_tokens=8192))
         rows += run_case(f"lean T={tokens}", ce_case(tokens, weight_grad_accum="weight_dtype"))
     rows += run_case("simpo lean batch=4", simpo_case(4, weight_grad_accum="weight_dtype"))
     rows += run_case("simpo default batch=4", simpo_case(4))
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "profile_ce.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["case", "category", "ms_per_iter"])
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["case", "category", "ms_per_iter", "protocol", "workload"])
         writer.writeheader()
-        writer.writerows(rows)
-    print("->", path)
+        writer.writerows(dict(row, protocol="sequential", workload="dense") for row in rows)
+    print("->", args.out)
 
 
 if __name__ == "__main__":

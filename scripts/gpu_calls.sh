@@ -18,7 +18,10 @@
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
 #   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085 .whl/trl: the Gluon log-prob pass's GPU
 #                                       # tests, the loss-only table at 8192, 32768, 4096, 16384 tokens (TRL's head
-#                                       # beside it), the primed protocol against the shuffled one, the whole suite
+#                                       # beside it), the whole suite
+#   scripts/gpu_calls.sh OUTDIR protocol  # carry as logprobs: the primed protocol against the shuffled one at 8192
+#                                       # tokens, the chunked step's kernel profile, chunk_tokens=8192 and TRL's
+#                                       # head beside the default at 16384 tokens
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
@@ -29,9 +32,9 @@
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|protocol}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|protocol}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -141,6 +144,10 @@ elif [ "$part" = logprobs ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
     SUITE_CAP_S=120 suite gpu_gluon_loss_only tests/test_gluon_loss_only.py
     for tokens in 8192 32768 4096 16384; do loss_only_step "$tokens" 60; done
+    SUITE_CAP_S=300 suite gpu_suite_warm tests/
+    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
+elif [ "$part" = protocol ]; then
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
     # the primed protocol against the shuffled one (docs/design.md, "The primed protocol"): the same masked and
     # dense cases at 8192 tokens, each protocol in its own processes, alternated twice
     for round in 1 2; do
@@ -152,8 +159,13 @@ elif [ "$part" = logprobs ]; then
                 trl_fused_lm_head --append --out "$res/protocols_$round.csv"
         done
     done
-    SUITE_CAP_S=150 suite gpu_suite_warm tests/
-    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
+    # where the chunked step's time goes beside the floor's (kernel time per category, idle time)
+    step profile_ce 90 python3 probes/profile_ce.py --tokens 8192 16384 --out "$res/profile_ce.csv"
+    # chunk_tokens=8192 and TRL's fused head beside the default at 16384 tokens (dense)
+    # shellcheck disable=SC2086
+    step ce_dense_16384 150 python3 -m fusedkern.bench ce --head llama3 --tokens 16384 $timing --modes full \
+        --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c8192 $peers \
+        --append --out "$res/ce_llama3_dense.csv"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_suite" TRITON_CACHE_AUTOTUNING=1
