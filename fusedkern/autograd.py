@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from fusedkern.kernels.scale import scale_unless_one_
+from fusedkern.kernels.scale import scale_into, scale_unless_one_
 
 
 def is_traced(*tensors: torch.Tensor) -> bool:
@@ -45,6 +45,8 @@ def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.d
         return scale_unless_one_(grad, scale)
     if out is None:
         out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
+    if grad.is_contiguous() and out.is_contiguous():
+        return scale_into(grad, scale, out)
     return torch.mul(grad, scale, out=out)
 
 

@@ -60,6 +60,7 @@ FINISH_SIGNATURE = {
     "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32", "logit_scale": "fp32",
 }
 SCALE_SIGNATURE = {"data_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
+SCALE_INTO_SIGNATURE = {"src_ptr": "*fp32", "out_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
 
 
 FUSED_FWD_SIGNATURE = {
@@ -271,6 +272,8 @@ def main() -> int:
                            HAS_SCALE=True)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
     runs.append(("scale", scale._scale_unless_one_kernel, SCALE_SIGNATURE, {},
+                 triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))
+    runs.append(("scale_into", scale._scale_into_kernel, SCALE_INTO_SIGNATURE, {},
                  triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args

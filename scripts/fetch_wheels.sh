@@ -33,9 +33,12 @@ download "$dest/cce" cut-cross-entropy==25.1.1
 
 if [ "${1:-}" = "--trl" ]; then
     # the image has accelerate 1.15 and transformers 5.17, pyarrow and xxhash, but not trl, datasets, dill or
-    # multiprocess; the versions requirements.txt pins, so the GPU row runs what CI tested
+    # multiprocess; the versions requirements.txt pins, so the GPU row runs what CI tested. transformers 5.25
+    # refuses the image's huggingface-hub 1.33 at import (needs >=2.4,<3), so hub 2.4 and what it needs beyond
+    # the image (its HTTP client httpx2 and the rest of the CPU venv's resolution) travel too
     for spec in trl==1.16.0 datasets==5.2.0 transformers==5.25.0 accelerate==1.16.0 dill==0.4.1 \
-                multiprocess==0.70.19; do
+                multiprocess==0.70.19 huggingface_hub==2.4.0 httpx2==2.17.0 httpcore2==2.17.0 hf-xet==1.8.0 \
+                click==8.5.1 truststore==0.10.5 anyio==4.16.0 idna==3.21 h11==0.16.0; do
         download "$dest/trl" "$spec"
     done
 fi
