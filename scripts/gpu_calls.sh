@@ -91,8 +91,8 @@ fk_masked="fusedkern_chunked fusedkern_chunked_counted fusedkern_chunked_device_
 # the loss-only pass and the RL log-prob pass (temperature 0.7, entropy) under no_grad, against one GEMM over all
 # rows and over the valid rows (issue 31 item 3)
 loss_only="cublas_1gemm cublas_1gemm_valid fusedkern_chunked fusedkern_chunked_counted fusedkern_tile_pass
-    fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted fusedkern_logprobs_gluon
-    fusedkern_logprobs_gluon_counted liger_cute_sm90_logprobs trl_logprobs huggingface_bf16 transformers_loss"
+    fusedkern_tile_pass_counted fusedkern_logprobs fusedkern_logprobs_counted fusedkern_logprobs_tile_pass
+    fusedkern_logprobs_tile_pass_counted liger_cute_sm90_logprobs trl_logprobs huggingface_bf16 transformers_loss"
 gluon_configs=${GLUON_CONFIGS:-}
 
 # loss_only_step TOKENS CAP_S: the loss-only table at one size, dense and half-ignored, appended to one CSV

@@ -98,7 +98,7 @@ def emulated_gluon(monkeypatch):
 
     monkeypatch.setattr(g, "launch_partials", launch)
     monkeypatch.setattr(lce, "takes_gluon_pass", lambda *args: True)
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (off by default until GPU-tested)
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (their default, set so a caller's env cannot stop it)
     return calls
 
 
@@ -150,13 +150,14 @@ def test_only_the_options_it_computes_are_eligible(change, plain):
 @pytest.mark.parametrize("softcap,bias,grad,switches,impl", [
     (None, False, False, "11", "gluon"), (None, False, True, "11", "chunked"), (30.0, False, False, "11", "chunked"),
     (None, True, False, "11", "chunked"), (None, False, False, "10", "chunked"), (None, False, False, "01", "chunked"),
-    (None, False, False, "1", "chunked"),
-], ids=["no-grad", "grad-wanted", "softcap", "bias", "logprobs-switch-off", "loss-only-switch-off", "by-default"])
+    (None, False, False, "1", "gluon"), (None, False, False, "", "gluon"), (None, False, False, "0", "chunked"),
+], ids=["no-grad", "grad-wanted", "softcap", "bias", "logprobs-switch-off", "loss-only-switch-off", "logprobs-default",
+        "both-defaults", "loss-only-off-logprobs-default"])
 def test_logprobs_take_the_gluon_pass_only_without_a_backward_softcap_or_bias(monkeypatch, softcap, bias, grad,
                                                                               switches, impl):
     """`logprobs_impl` with the kernel's own checks passing (stubbed: this is CPU): a temperature is fine, a gradient
     wanted, a softcap or a bias are not; both switches must be on (switches: FUSEDKERN_GLUON_LOSS_ONLY's value,
-    then FUSEDKERN_GLUON_LOGPROBS's, unset when missing), and the log-prob one is off by default."""
+    then FUSEDKERN_GLUON_LOGPROBS's, unset when missing), and both are on by default."""
     monkeypatch.setattr(lce, "_gluon_ops", lambda: type("Stub", (), {"is_supported": staticmethod(lambda x, w: True)}))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     for name, value in zip((SWITCH, LOGPROBS_SWITCH), (switches + "-")[:2]):

@@ -869,12 +869,15 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("fusedkern_tile_pass_counted",
                      _gluon_switched("0", _ce_fusedkern(counted="host", impl="chunked")), accuracy=False),
             # the RL log-prob pass (temperature, entropy): fusedkern's (the library's default, and pinned to the Gluon
-            # pass) and Liger's per-token kernels
+            # pass or the tile pass) and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
             Provider("fusedkern_logprobs_gluon", _gluon_switched("1", _logprobs_fusedkern()), accuracy=False),
             Provider("fusedkern_logprobs_gluon_counted", _gluon_switched("1", _logprobs_fusedkern(counted="host")),
                      accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass", _gluon_switched("0", _logprobs_fusedkern()), accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass_counted",
+                     _gluon_switched("0", _logprobs_fusedkern(counted="host")), accuracy=False),
             Provider("trl_logprobs", _trl_fused_lm_head(LOGPROB_TEMPERATURE, with_entropy=True),
                      _dist_label_suffix("trl", "fused LM head log-probs"), accuracy=False),
             Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,

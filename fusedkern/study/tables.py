@@ -52,6 +52,8 @@ PROVIDER_ORDER = (
     "fusedkern_logprobs_counted",
     "fusedkern_logprobs_gluon",
     "fusedkern_logprobs_gluon_counted",
+    "fusedkern_logprobs_tile_pass",
+    "fusedkern_logprobs_tile_pass_counted",
     "torch_linear_cross_entropy",
     "cublas_1gemm",
     "cublas_1gemm_valid",
