@@ -19,9 +19,9 @@
 #   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085 .whl/trl: the Gluon log-prob pass's GPU
 #                                       # tests, the loss-only table at 8192, 32768, 4096, 16384 tokens (TRL's head
 #                                       # beside it), the whole suite
-#   scripts/gpu_calls.sh OUTDIR protocol  # carry as logprobs: the primed protocol against the shuffled one at 8192
-#                                       # tokens, the chunked step's kernel profile, chunk_tokens=8192 and TRL's
-#                                       # head beside the default at 16384 tokens
+#   scripts/gpu_calls.sh OUTDIR protocol  # carry as logprobs: the chunked step's kernel profile, chunk_tokens=8192
+#                                       # and TRL's head beside the default at 16384 tokens (it also compared the
+#                                       # retired primed protocol with the shuffled one: docs/design.md)
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
@@ -148,17 +148,6 @@ elif [ "$part" = logprobs ]; then
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" = protocol ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
-    # the primed protocol against the shuffled one (docs/design.md, "The primed protocol"): the same masked and
-    # dense cases at 8192 tokens, each protocol in its own processes, alternated twice
-    for round in 1 2; do
-        for protocol in shuffled primed; do
-            # shellcheck disable=SC2086
-            step "protocol_${protocol}_$round" 70 python3 -m fusedkern.bench ce --head llama3 --tokens 8192 \
-                ${timing/--protocol shuffled/--protocol $protocol} --modes full --workload dense masked_50 \
-                --providers cublas_3gemm cublas_3gemm_valid $fk_masked huggingface_bf16 huggingface_bf16_gather \
-                trl_fused_lm_head --append --out "$res/protocols_$round.csv"
-        done
-    done
     # where the chunked step's time goes beside the floor's (kernel time per category, idle time)
     step profile_ce 90 python3 probes/profile_ce.py --tokens 8192 16384 --out "$res/profile_ce.csv"
     # chunk_tokens=8192 and TRL's fused head beside the default at 16384 tokens (dense)

@@ -775,29 +775,6 @@ def test_trl_fused_lm_head_providers_match_fp64():
     assert len(logprobs) == 2 and logprobs[0]["loss"] == pytest.approx(logprobs[1]["loss"], rel=1e-5)
 
 
-def test_primed_protocol_runs_the_primer_before_every_timed_rep(monkeypatch):
-    """The primed protocol: the shuffled orders (same seed, same orders), one primer call queued before each timed
-    rep and none before the warm-ups; its rows say `primed`. On CPU `make_primer` gives None (nothing to prime)."""
-    import random as stdlib_random
-
-    inputs = workloads.make_ce_inputs(8, HIDDEN, VOCAB, dtype=torch.float32, device="cpu")
-    names = ["a", "b", "c"]
-    log, rounds = [], []
-    timings = timing.time_steps_interleaved(_spy_steps(names, log), inputs, warmup=1, reps=4, min_reps=4,
-                                           max_case_s=60.0, rng=stdlib_random.Random(3), order_log=rounds,
-                                           primer=lambda: log.append("primer"))
-    assert [timings[k]["n_reps"] for k in names] == [4] * 3
-    assert log[:3] == names  # the warm-ups, unprimed
-    timed = [name for order in rounds for name in order]
-    assert log[3:] == [entry for name in timed for entry in ("primer", name)]
-    assert timing.make_primer(torch.device("cpu")) is None
-    primed = []
-    monkeypatch.setattr(sweeps, "make_primer", lambda device: lambda: primed.append(1))
-    rows = sweeps.run_sweep("ce", [8], providers=["cublas_1gemm", "huggingface_bf16"], modes=["loss_only"],
-                            protocol="primed", **{**CPU, "reps": 3, "min_reps": 3})
-    assert {r["protocol"] for r in rows} == {"primed"} and len(primed) == 6
-
-
 def test_pad_rows_keeps_the_mean_and_the_gradient():
     """`providers.pad_rows` (Liger's CuTe kernel takes 128-multiple token counts; the bench pads the gathered rows as
     a caller would): zero rows with ignored targets up to the multiple, the same mean loss and dX, and nothing done

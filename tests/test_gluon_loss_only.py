@@ -98,7 +98,7 @@ def emulated_gluon(monkeypatch):
 
     monkeypatch.setattr(g, "launch_partials", launch)
     monkeypatch.setattr(lce, "takes_gluon_pass", lambda *args: True)
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (their default, set so a caller's env cannot stop it)
+    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (their default; set, so the caller's env cannot)
     return calls
 
 

@@ -17,7 +17,7 @@ gradients' own storage, so the numbers compare equal work. The GEMM floors (`cub
 clocks and library versions.
 
 Protocol (`--protocol`, a `protocol` column in every row): `shuffled` (the default, seeded by --seed
-so a run is reproducible), `primed` (shuffled, each rep after untimed GEMMs), `fixed` (the former
+so a run is reproducible), `fixed` (the former
 `--interleave`, kept as a deprecated alias) or `sequential`; see `fusedkern.study.timing`.
 Workloads (`--workload`, a `workload` column) are
 `fusedkern.study.workloads`'; the GEMM floors stay the dense all-token floors whatever the workload
@@ -174,10 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="wall-time budget per case that sets the rep count between the two")
     timing.add_argument("--protocol", choices=PROTOCOLS,
                         help="per size and mode: shuffled (default) interleaves the providers' reps, one each per "
-                             "round in a new random order every round (seeded by --seed); primed: the same, each rep "
-                             "after untimed bf16 GEMMs (every rep follows the same work, as in training); fixed "
-                             "interleaves them in a rotating fixed order; sequential times one provider after the "
-                             "other")
+                             "round in a new random order every round (seeded by --seed); fixed interleaves them in "
+                             "a rotating fixed order; sequential times one provider after the other")
     timing.add_argument("--interleave", action="store_true",
                         help="deprecated alias of --protocol fixed")
 

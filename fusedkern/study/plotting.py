@@ -101,8 +101,8 @@ _STYLES: dict[str, dict] = {
                                              label="fusedkern log-probs on Gluon, τ 0.7 + entropy, host count"),
     "fusedkern_logprobs_tile_pass": dict(color="#9467bd", marker="^",
                                          label="fusedkern log-probs on the tile pass, τ 0.7 + entropy"),
-    "fusedkern_logprobs_tile_pass_counted": dict(color="#9467bd", marker="^",
-                                                 label="fusedkern log-probs on the tile pass, τ 0.7 + entropy, host count"),
+    "fusedkern_logprobs_tile_pass_counted": dict(
+        color="#9467bd", marker="^", label="fusedkern log-probs on the tile pass, τ 0.7 + entropy, host count"),
     "fusedkern_generic": dict(color="#c49c94", marker="s", label="fusedkern log-prob path (4 GEMMs)"),
     "cublas_1gemm": dict(color="black", marker="", linestyle=":", label="1 cuBLAS GEMM"),
     "cublas_3gemm": dict(color="black", marker="", linestyle="--", label="floor: 3 cuBLAS GEMMs"),

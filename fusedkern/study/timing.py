@@ -3,15 +3,12 @@ the shuffled and fixed protocols (every provider's reps interleaved per round), 
 allocation above the inputs and the gradients' own storage.
 
 Protocols: `shuffled` runs one rep of every provider per round in a new random order each round;
-`primed` the same, with an untimed primer (`make_primer`: ~0.5 TFLOP of bf16 GEMMs) queued before each rep;
 `fixed` interleaves the same way in a rotating fixed order; `sequential` times one provider after
 the other. Run order moves cuBLAS by 5–10 % on the H200 (docs/results.md): whatever ran just
 before a GEMM-heavy provider changes its clocks, and only a fresh order per round spreads that evenly.
-Shuffling spreads it within a process but not between processes whose provider sets differ: on the H100 the
-same three-GEMM floor at 8192 tokens took 36.6 ms (p50) in the dense process and 33.4 ms in the masked one,
-whose gather providers sync the host and leave the GPU idle before whatever follows them (docs/design.md, "The
-primed protocol"). The primer makes every rep follow the same heavy GEMMs, as a loss follows the model's
-last layers in training, and the CPU launches the rep's first kernels while the GPU still runs it.
+Shuffling spreads it within a process, not between processes: the floor of one size moved 1.7–9.6 % between
+the processes of one call on the H100, so a ratio is only read against the floor of its own process
+(docs/design.md, "The primed protocol": queuing the same GEMMs before every rep did not steady it).
 """
 
 from __future__ import annotations
@@ -32,24 +29,7 @@ MIB = 2**20
 
 
 # How the providers' reps are ordered (module docstring): shuffled is the default of the timing sweeps.
-PROTOCOLS = ("shuffled", "primed", "fixed", "sequential")
-#: the primer's GEMMs: PRIMER_GEMMS products of [PRIMER_SIZE]² bf16 matrices, 0.55 TFLOP (its time not yet measured)
-PRIMER_SIZE, PRIMER_GEMMS = 4096, 4
-
-
-def make_primer(device: torch.device) -> Callable[[], None] | None:
-    """The primed protocol's untimed work before each rep (module docstring): bf16 GEMMs queued on the current
-    stream, never waited for; None on CPU (nothing to prime, and the timer there is the host's clock)."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(PRIMER_SIZE, PRIMER_SIZE, device=device, dtype=torch.bfloat16)
-    out = torch.empty_like(a)
-
-    def prime() -> None:
-        for _ in range(PRIMER_GEMMS):
-            torch.mm(a, a, out=out)
-
-    return prime
+PROTOCOLS = ("shuffled", "fixed", "sequential")
 
 
 DEFAULT_PROTOCOL = "shuffled"
@@ -105,17 +85,14 @@ class _RepTimer:
     """Times single reps of steps: CUDA events in stream order on a GPU (read after one sync at the
     end, so reps run back to back as in training), `time.perf_counter` on CPU."""
 
-    def __init__(self, device: torch.device, primer: Callable[[], None] | None = None):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.primer = primer  # queued before each rep, outside its events (the primed protocol)
         self.pending: list = []  # (key, begin event, end event) on CUDA
         self.times_ms: dict = {}
 
     def run(self, key, step: Step, inputs: Inputs) -> None:
         inputs.clear_grads()
         state = step.setup()
-        if self.primer is not None:
-            self.primer()
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -179,7 +156,6 @@ def time_steps_interleaved(
     rng: random.Random | None = None,
     order_log: list[list[str]] | None = None,
     on_warmed: Callable[[str, float], None] | None = None,
-    primer: Callable[[], None] | None = None,
 ) -> dict[str, dict[str, float | int] | BaseException]:
     """`time_step` for several steps on the same inputs, their reps interleaved: round r runs one
     rep of every step that still needs one (each step gets the rep count its own warm-up sets, as in
@@ -194,7 +170,6 @@ def time_steps_interleaved(
     another GEMM-heavy step ran 5–10 % slower than after a light Triton kernel).
     `order_log`, when given, receives each round's order (the steps that ran in it). `on_warmed(name, seconds)`
     is told each step's warm-up wall time as it ends (compilation and autotuning: where a cut-short GPU run went).
-    `primer`, when given, runs before every timed rep, after its setup and outside its events (`make_primer`).
 
     Returns {name: timing dict as `time_step`'s}, or {name: the exception} for a step that failed
     in its warm-up (the others still run)."""
@@ -210,7 +185,7 @@ def time_steps_interleaved(
         if on_warmed is not None:
             on_warmed(name, time.perf_counter() - started)
     names = list(counts)
-    timer = _RepTimer(inputs.x.device, primer)
+    timer = _RepTimer(inputs.x.device)
     for r in range(max(counts.values(), default=0)):
         order = rng.sample(names, len(names)) if rng is not None else names[r % len(names):] + names[:r % len(names)]
         order = [name for name in order if r < counts[name]]
