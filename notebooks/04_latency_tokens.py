@@ -489,6 +489,68 @@ if gluon_table is not None:
 
 
 # %% [markdown]
+# ## The RL log-prob pass on the Gluon kernel (H100, 2026-12-07)
+#
+# `linear_logprobs` under `no_grad` at temperature 0.7 with the entropy — GRPO's old-policy pass, DPO's reference
+# pass — on the Gluon kernel, whose epilogue now takes a logit scale and the entropy's statistic
+# (`scripts/gpu_calls.sh OUTDIR logprobs`, `logprobs_pass_loss_only.csv`, one bench process per size). The tree
+# measured still had the tile pass as this call's default, so `fusedkern_logprobs` there is the tile pass (drawn in
+# its style) and `fusedkern_logprobs_gluon` pins the Gluon pass; after this run the Gluon pass became the default.
+# Beside them: TRL 1.16's own fused LM head computing the same log-probs and entropy (`ChunkedLogProbFunction`, on
+# the labelled rows only, as its trainers call it), and cross-entropy's loss-only default. The dashed line is issue
+# 31's target, ≤ 1.08×.
+
+# %%
+logprob_table = results.load_measured(data_dir / "measured" / "h100" / "logprobs_pass_loss_only.csv")
+if logprob_table is not None:
+    import matplotlib.pyplot as plt
+
+    print(results.provenance(logprob_table.attrs["meta"], "data/measured/h100/logprobs_pass_loss_only.csv"))
+    # at the measured commit the default log-prob pass was the tile pass: drawn in that pass's style
+    drawn_as = {"fusedkern_logprobs": "fusedkern_logprobs_tile_pass",
+                "fusedkern_logprobs_counted": "fusedkern_logprobs_tile_pass_counted",
+                "fusedkern_chunked": "fusedkern_gluon", "fusedkern_chunked_counted": "fusedkern_gluon_counted"}
+    trl_label = "trl 1.16.0 fused LM head log-probs"
+    panels = {"dense": ("cublas_1gemm", ["fusedkern_logprobs_gluon", "fusedkern_logprobs", trl_label,
+                                         "fusedkern_chunked"]),
+              "masked_50": ("cublas_1gemm_valid", ["fusedkern_logprobs_gluon_counted", "fusedkern_logprobs_counted",
+                                                   trl_label, "fusedkern_chunked_counted"])}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, (workload, (floor, shown)) in zip(axes, panels.items()):
+        table = tables.pivot(results.select_workload(logprob_table, workload), "loss_only")
+        ratio = table / table.loc[floor]
+        print(f"{workload}: × {floor}")
+        display(ratio.loc[[p for p in shown if p in ratio.index]].round(3))
+        for provider in shown:
+            if provider in ratio.index:
+                style = plotting.style_for(drawn_as.get(provider, provider))
+                ax.plot(ratio.columns, ratio.loc[provider], marker=style["marker"], color=style.get("color"),
+                        linestyle=style["linestyle"], label=style["label"])
+        ax.axhline(1.0, color="black", lw=1)
+        ax.axhline(1.08, color="grey", lw=1, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(ratio.columns), [str(x) for x in ratio.columns])
+        ax.set_xlabel("tokens (H 4096, V 128256, bf16)")
+        ax.set_title("dense, × one GEMM" if workload == "dense" else "half ignored, × the valid rows' GEMM "
+                     "(fusedkern: host count; TRL: labelled rows)", fontsize=9)
+        ax.set_ylim(0.98, 1.52)  # room above the lines for the legend
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0].set_ylabel("time ÷ one cuBLAS GEMM (p50)")
+    fig.suptitle("Log-probs at temperature 0.7 with the entropy, under no_grad, H100", fontsize=10)
+    display(plotting.save_figure(fig, figures_dir / "04_logprobs_gluon"))
+    dense = tables.pivot(results.select_workload(logprob_table, "dense"), "loss_only")
+    dense = dense / dense.loc["cublas_1gemm"]
+    def ratio_range(values) -> str:
+        return f"{values.min():.3f}–{values.max():.3f}×"
+
+    print(f"Gluon log-prob pass {ratio_range(dense.loc['fusedkern_logprobs_gluon'])} one GEMM, tile pass "
+          f"{ratio_range(dense.loc['fusedkern_logprobs'])}, TRL's fused head {ratio_range(dense.loc[trl_label])}; "
+          "≤ 1.08× at "
+          + (", ".join(str(x) for x in dense.columns if dense.loc['fusedkern_logprobs_gluon', x] <= 1.08) or "none")
+          + " tokens.")
+
+
+# %% [markdown]
 # ## Against 2026's best kernels, 4096–32768 tokens (H100)
 #
 # `scripts/gpu_calls.sh` on one H100 (data/measured/h100/README.md, last section): QuACK 0.6.1 (CuTe DSL 4.6.0),

@@ -465,8 +465,7 @@ if peers is not None:
 # into 1.15×. The masked processes hold the peers "+gather", whose host sync leaves the GPU idle before whatever
 # follows them, and a GEMM that starts on a rested GPU runs faster (the likely cause, not yet isolated). A ratio to a
 # floor carries that move, so part of the host count's 1.13–1.16× may be the floor's, not fusedkern's.
-# `--protocol primed` (docs/design.md, "The primed protocol") queues the same untimed GEMMs before every rep to take
-# it out; it has not run on a GPU yet.
+# The next section tests that guess.
 
 # %%
 spread_files = ["peers_ce_dense", "peers_ce_masked_50", "peers_ce_masked_30_70"]
@@ -490,6 +489,53 @@ if spread is not None:
     same_work = medians.loc["fusedkern_chunked"] / medians.loc["cublas_3gemm"]
     print("fusedkern without the count × the floor, process by process: "
           + ", ".join(f"{w} {v:.3f}×" for w, v in same_work.items()))
+
+
+# %% [markdown]
+# ## Does queuing the same work before every rep steady the floor? (8192 tokens)
+#
+# If the masked processes' floor ran faster because their host-syncing providers rested the GPU, then making every
+# rep follow the same heavy work should pull the floors together. A later call timed the same dense and half-ignored
+# cases at 8192 tokens under two protocols, each in its own process, alternated twice: `shuffled`, and `primed`
+# (four untimed 4096² bf16 GEMMs queued before every rep, as a loss follows the model's last layers). The rule fixed
+# before the run: the primed protocol replaces the shuffled one only if its floors agree within 2 % across the
+# processes.
+
+# %%
+protocol_files = [data_dir / "measured" / table_gpu / f"protocols_primed_vs_shuffled_{r}.csv" for r in (1, 2)]
+protocol_runs = [(r, results.load_measured(path)) for r, path in enumerate(protocol_files, 1)]
+if all(df is not None for _, df in protocol_runs):
+    processes = []
+    for r, df in protocol_runs:
+        df = df.copy()
+        # left to right: round 1 shuffled, round 1 primed, round 2 ...; dense before half-ignored in each
+        df["order"] = [(r, protocol == "primed", workload != "dense")
+                       for protocol, workload in zip(df["protocol"], df["workload"])]
+        df["workload"] = df["protocol"] + f" {r}\n" + df["workload"]  # one bench process per label
+        processes.append(df)
+    processes = pd.concat(processes, ignore_index=True).sort_values("order", kind="stable")
+    print(results.provenance(protocol_runs[0][1].attrs["meta"], f"{peers_where}/protocols_primed_vs_shuffled_*.csv"))
+    fig = plotting.processes_figure(
+        processes, providers=["cublas_3gemm", "fusedkern_chunked"],
+        caption=f"{peers_where}/protocols_primed_vs_shuffled_1.csv and _2.csv: 8192 tokens, one bench process per "
+                "column, the protocol and the round in its label",
+        title="The floors under the shuffled and the primed protocol (8192 tokens, H100)")
+    display(plotting.save_figure(fig, figures_dir / "08_primed_protocol"))
+    medians = processes.pivot_table(index="workload", columns="provider", values="ms_p50")
+    for protocol in ("shuffled", "primed"):
+        floors = medians.loc[[w for w in medians.index if w.startswith(protocol)], "cublas_3gemm"]
+        host = medians["fusedkern_chunked_counted"] / medians["cublas_3gemm_valid"]
+        host = host[[w for w in host.index if w.startswith(protocol) and "masked" in w]]
+        print(f"{protocol}: the floor {floors.min():.2f}–{floors.max():.2f} ms over its four processes "
+              f"({100 * (floors.max() / floors.min() - 1):.1f} % apart); host count × the valid-row floor with half "
+              "ignored: " + ", ".join(f"{v:.3f}×" for v in host))
+
+# %% [markdown]
+# The primed floors spread further across their processes than the shuffled ones, so the primed protocol failed its
+# rule and left the harness (docs/design.md keeps the record). The host count's ratio came out the same under both,
+# and well under the 1.15× of the table above: that table's half-ignored process had simply drawn a fast floor. What
+# is left between the host count and the ≤ 1.05× target is fusedkern's own (the row pass, the gather and the
+# put-back of dX: docs/design.md, "Where the dense step's 6–14 % go").
 
 
 # %% [markdown]

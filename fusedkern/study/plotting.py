@@ -688,7 +688,8 @@ def processes_figure(df: pd.DataFrame, *, providers: Sequence[str], caption: str
                     capsize=3, markersize=6, label=style["label"])
         for x, value in zip(xs, mid):
             ax.annotate(f"{value:.1f}", (x, value), textcoords="offset points", xytext=(7, -3), fontsize=8)
-    ax.set_xticks(range(len(processes)), [f"process: {p}" for p in processes])
+    ax.set_xticks(range(len(processes)), processes, fontsize=8)
+    ax.set_xlabel("bench process")
     ax.set_ylabel(f"{mode} step, ms (median, p20–p80)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="best")
