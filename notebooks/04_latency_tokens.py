@@ -455,24 +455,21 @@ if gluon_csv.exists():
 # ignored, `num_valid_tokens` as a host int). The dashed line is issue 31's target, ≤ 1.08×.
 
 # %%
-gluon_table = results.load_measured(data_dir / "measured" / "h100" / "ce_llama3_loss_only_gluon.csv")
-if gluon_table is not None:
+def loss_only_panels(run, panels, *, title, drawn_as=None, ylim=None, legend_loc="best"):
+    """One panel per workload of a loss-only run: each provider's time ÷ the panel's floor against tokens, with
+    issue 31's ≤ 1.08× target dashed; the ratio tables are displayed. panels: {workload: (floor, providers)};
+    drawn_as: {provider: the provider whose style it is drawn in}."""
     import matplotlib.pyplot as plt
 
-    print(results.provenance(gluon_table.attrs["meta"], "data/measured/h100/ce_llama3_loss_only_gluon.csv"))
-    panels = {"dense": ("cublas_1gemm", ["fusedkern_gluon", "fusedkern_chunked", "fusedkern_logprobs",
-                                         "huggingface_bf16", "transformers_loss"]),
-              "masked_50": ("cublas_1gemm_valid", ["fusedkern_gluon_counted", "fusedkern_chunked_counted",
-                                                   "fusedkern_logprobs_counted"])}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(10, 3.8), sharey=True)
     for ax, (workload, (floor, shown)) in zip(axes, panels.items()):
-        table = tables.pivot(results.select_workload(gluon_table, workload), "loss_only")
+        table = tables.pivot(results.select_workload(run, workload), "loss_only")
         ratio = table / table.loc[floor]
         print(f"{workload}: × {floor}")
         display(ratio.loc[[p for p in shown if p in ratio.index]].round(3))
         for provider in shown:
             if provider in ratio.index:
-                style = plotting.style_for(provider)
+                style = plotting.style_for((drawn_as or {}).get(provider, provider))
                 ax.plot(ratio.columns, ratio.loc[provider], marker=style["marker"], color=style.get("color"),
                         linestyle=style["linestyle"], label=style["label"])
         ax.axhline(1.0, color="black", lw=1)
@@ -482,9 +479,22 @@ if gluon_table is not None:
         ax.set_xlabel("tokens (H 4096, V 128256, bf16)")
         ax.set_title("dense, × one GEMM" if workload == "dense" else "half ignored, counted, × the valid rows' GEMM",
                      fontsize=9)
-        ax.legend(fontsize=7)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.legend(fontsize=7, loc=legend_loc)
     axes[0].set_ylabel("time ÷ one cuBLAS GEMM (p50)")
-    fig.suptitle("Loss only under no_grad, H100", fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+gluon_table = results.load_measured(data_dir / "measured" / "h100" / "ce_llama3_loss_only_gluon.csv")
+if gluon_table is not None:
+    print(results.provenance(gluon_table.attrs["meta"], "data/measured/h100/ce_llama3_loss_only_gluon.csv"))
+    panels = {"dense": ("cublas_1gemm", ["fusedkern_gluon", "fusedkern_chunked", "fusedkern_logprobs",
+                                         "huggingface_bf16", "transformers_loss"]),
+              "masked_50": ("cublas_1gemm_valid", ["fusedkern_gluon_counted", "fusedkern_chunked_counted",
+                                                   "fusedkern_logprobs_counted"])}
+    fig = loss_only_panels(gluon_table, panels, title="Loss only under no_grad, H100")
     display(plotting.save_figure(fig, figures_dir / "04_gluon_loss_only"))
 
 
@@ -503,43 +513,22 @@ if gluon_table is not None:
 # %%
 logprob_table = results.load_measured(data_dir / "measured" / "h100" / "logprobs_pass_loss_only.csv")
 if logprob_table is not None:
-    import matplotlib.pyplot as plt
-
     print(results.provenance(logprob_table.attrs["meta"], "data/measured/h100/logprobs_pass_loss_only.csv"))
     # at the measured commit the default log-prob pass was the tile pass: drawn in that pass's style
     drawn_as = {"fusedkern_logprobs": "fusedkern_logprobs_tile_pass",
                 "fusedkern_logprobs_counted": "fusedkern_logprobs_tile_pass_counted",
                 "fusedkern_chunked": "fusedkern_gluon", "fusedkern_chunked_counted": "fusedkern_gluon_counted"}
-    trl_label = "trl 1.16.0 fused LM head log-probs"
+    trl_label = "trl 1.16.0 fused LM head log-probs"  # TRL: the labelled rows only, its own "counted"
     panels = {"dense": ("cublas_1gemm", ["fusedkern_logprobs_gluon", "fusedkern_logprobs", trl_label,
                                          "fusedkern_chunked"]),
               "masked_50": ("cublas_1gemm_valid", ["fusedkern_logprobs_gluon_counted", "fusedkern_logprobs_counted",
                                                    trl_label, "fusedkern_chunked_counted"])}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for ax, (workload, (floor, shown)) in zip(axes, panels.items()):
-        table = tables.pivot(results.select_workload(logprob_table, workload), "loss_only")
-        ratio = table / table.loc[floor]
-        print(f"{workload}: × {floor}")
-        display(ratio.loc[[p for p in shown if p in ratio.index]].round(3))
-        for provider in shown:
-            if provider in ratio.index:
-                style = plotting.style_for(drawn_as.get(provider, provider))
-                ax.plot(ratio.columns, ratio.loc[provider], marker=style["marker"], color=style.get("color"),
-                        linestyle=style["linestyle"], label=style["label"])
-        ax.axhline(1.0, color="black", lw=1)
-        ax.axhline(1.08, color="grey", lw=1, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(ratio.columns), [str(x) for x in ratio.columns])
-        ax.set_xlabel("tokens (H 4096, V 128256, bf16)")
-        ax.set_title("dense, × one GEMM" if workload == "dense" else "half ignored, × the valid rows' GEMM "
-                     "(fusedkern: host count; TRL: labelled rows)", fontsize=9)
-        ax.set_ylim(0.98, 1.52)  # room above the lines for the legend
-        ax.legend(fontsize=7, loc="upper right")
-    axes[0].set_ylabel("time ÷ one cuBLAS GEMM (p50)")
-    fig.suptitle("Log-probs at temperature 0.7 with the entropy, under no_grad, H100", fontsize=10)
+    fig = loss_only_panels(logprob_table, panels, drawn_as=drawn_as, ylim=(0.98, 1.52), legend_loc="upper right",
+                           title="Log-probs at temperature 0.7 with the entropy, under no_grad, H100")
     display(plotting.save_figure(fig, figures_dir / "04_logprobs_gluon"))
     dense = tables.pivot(results.select_workload(logprob_table, "dense"), "loss_only")
     dense = dense / dense.loc["cublas_1gemm"]
+
     def ratio_range(values) -> str:
         return f"{values.min():.3f}–{values.max():.3f}×"
 

@@ -15,10 +15,11 @@ max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` ke
 
 `loss_only` (what `linear_cross_entropy` runs under no_grad unless `FUSEDKERN_GLUON_LOSS_ONLY=0`, see
 `linear_cross_entropy.takes_gluon_pass`; with a temperature and the entropy, what `linear_logprobs` runs under
-no_grad unless `FUSEDKERN_GLUON_LOGPROBS=0`, see `linear_cross_entropy.logprobs_impl`) merges the partials with
-`ce_rows.merge_row_stats`, the tile pass's own merge, so its loss and statistics mean exactly what the tile pass's
-do. The temperature and entropy variants passed their GPU tests on an H100 (docs/design.md). This module imports Gluon at
-import time: import it only where `is_supported` can hold (the dispatch imports it lazily, on CUDA tensors).
+no_grad unless `FUSEDKERN_GLUON_LOGPROBS=0`, see `linear_cross_entropy.logprobs_impl`) merges the partials
+with `ce_rows.merge_row_stats`, the tile pass's own merge, so its loss and statistics mean exactly what the tile
+pass's do. The temperature and entropy variants passed their GPU tests on an H100 (docs/design.md). This module
+imports Gluon at import time: import it only where `is_supported` can hold (the dispatch imports it lazily, on
+CUDA tensors).
 """
 
 from __future__ import annotations

@@ -54,15 +54,22 @@ def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     t: any shape, contiguous · scale: one-element float tensor on t's device (read by the kernel)."""
     if not t.is_contiguous():
         raise ValueError(f"scale_unless_one_ needs a contiguous tensor, got strides {t.stride()}")
+    scale32 = _device_scale(scale)
+    if t.numel():
+        _scale_unless_one_kernel[_grid(t)](t, scale32, t.numel(), BLOCK=BLOCK)
+    return t
+
+
+def _device_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The one-element scale as the kernels read it: fp32, shape (1,)."""
     if scale.numel() != 1:
         raise ValueError(f"scale must hold one element, got shape {tuple(scale.shape)}")
-    n = t.numel()
-    if n == 0:
-        return t
-    scale32 = scale.reshape(1).to(torch.float32)
-    grid = (min(triton.cdiv(n, BLOCK), sm_count(t.device) * PROGRAMS_PER_SM),)
-    _scale_unless_one_kernel[grid](t, scale32, n, BLOCK=BLOCK)
-    return t
+    return scale.reshape(1).to(torch.float32)
+
+
+def _grid(t: torch.Tensor) -> tuple[int]:
+    """Grid-stride programs over t's elements: enough to keep every SM's loads in flight, no more than blocks."""
+    return (min(triton.cdiv(t.numel(), BLOCK), sm_count(t.device) * PROGRAMS_PER_SM),)
 
 
 @triton.jit
@@ -93,12 +100,7 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tor
         raise ValueError(f"out must have src's shape {tuple(src.shape)}, got {tuple(out.shape)}")
     if not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError(f"scale_into needs contiguous tensors, got strides {src.stride()} and {out.stride()}")
-    if scale.numel() != 1:
-        raise ValueError(f"scale must hold one element, got shape {tuple(scale.shape)}")
-    n = src.numel()
-    if n == 0:
-        return out
-    scale32 = scale.reshape(1).to(torch.float32)
-    grid = (min(triton.cdiv(n, BLOCK), sm_count(src.device) * PROGRAMS_PER_SM),)
-    _scale_into_kernel[grid](src, out, scale32, n, BLOCK=BLOCK)
+    scale32 = _device_scale(scale)
+    if src.numel():
+        _scale_into_kernel[_grid(src)](src, out, scale32, src.numel(), BLOCK=BLOCK)
     return out
