@@ -1,4 +1,4 @@
-"""The Triton kernels (row kernels, the fused strategy, the row-count GEMMs, the scale kernel, the
+"""The Triton kernels (row kernels, the fused strategy, the row-count GEMMs, the scale kernels, the
 distillation row kernel) lower to H200 (sm_90) machine code: what the interpreter runs on CPU is
 never compiled, so an op the GPU backend rejects would otherwise first fail on a GPU machine."""
 
@@ -18,9 +18,11 @@ def test_kernels_compile_for_sm90():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ok")]
-    # 24 row-kernel variants + the scale kernel + 8 of the fused strategy + 12 row-count GEMMs + 7 of the
+    # 24 row-kernel variants + the two scale kernels + 8 of the fused strategy + 12 row-count GEMMs + 7 of the
     # distillation row kernel
-    assert len(lines) == 52
+    assert len(lines) == 53
+    # the scaled cast of the fp32 dW accumulator (`kernels/scale.py`) streams through registers alone
+    assert any(line.startswith("sm_90 ok: scale_into ") and " stack=0 " in line for line in lines), lines
     # the row kernels keep everything in registers, every variant
     rows = [line for line in lines if line.startswith(("sm_90 ok: stats ", "sm_90 ok: finish "))]
     assert len(rows) == 24 and all(" stack=0 " in line for line in rows), rows
