@@ -84,7 +84,7 @@ def _fused_ops():
 GLUON_LOSS_ONLY_DEFAULT = "1"
 #: FUSEDKERN_GLUON_LOGPROBS's value when it is unset: on, since its GPU tests passed and, at a temperature with the
 #: entropy, it beat the tile pass at every size measured (H100, 4096-32768 tokens, dense and half-ignored:
-#: 1.05-1.11x one GEMM against 1.21-1.27x; docs/design.md, "The log-prob pass on the Gluon kernel")
+#: 1.05-1.15x one GEMM against 1.21-1.28x; docs/design.md, "The log-prob pass on the Gluon kernel")
 GLUON_LOGPROBS_DEFAULT = "1"
 
 
