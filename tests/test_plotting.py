@@ -263,7 +263,7 @@ def test_processes_figure_puts_each_process_in_its_column_with_its_spread():
     df["ms_p20"], df["ms_p80"] = df["ms_p50"] * 0.98, df["ms_p50"] * 1.03
     fig = plotting.processes_figure(df, providers=["cublas_3gemm", "fusedkern_chunked"], caption="test", title="t")
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["process: dense", "process: masked_50"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["dense", "masked_50"] and ax.get_xlabel() == "bench process"
     floor = df[(df.provider == "cublas_3gemm") & (df["mode"] == "full")].set_index("workload").ms_p50
     medians = [line for line in ax.get_lines() if line.get_color() == plotting.style_for("cublas_3gemm")["color"]
                and len(line.get_ydata()) == 2 and line.get_linestyle() in ("None", "none", "")]
