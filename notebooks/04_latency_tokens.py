@@ -654,6 +654,51 @@ if peers is not None and loss_peers is not None:
     counted = loss_tables["masked_50"]["× cublas_1gemm_valid"].loc["fusedkern_chunked_counted"]
     print(f"loss only, half ignored, the default with a host count: {span(counted)} one GEMM over the valid rows")
 
+# %% [markdown]
+# ## The same table a second time (H100, 2026-12-07)
+#
+# A later session timed the table again (`peers2_ce_dense.csv`, `peers2_ce_masked_50.csv`: 8192 and 16384 tokens with
+# every peer, 32768 without QuACK and Liger's CuTe kernel, whose libraries that call lacked), one bench process per
+# size as before, with `chunk_tokens=8192` beside the default. Each ratio is still formed inside its own process;
+# what the two runs show together is how far a ratio moves from one run to the next. Solid: the first table, dashed:
+# the second.
+
+# %%
+rerun_files = {"dense": ("cublas_3gemm", ["peers_ce_dense", "peers2_ce_dense"],
+                         ["fusedkern_chunked", "fusedkern_chunked_c8192", "quack", "liger-kernel 0.8.5 CuTe SM90"]),
+               "masked_50": ("cublas_3gemm_valid", ["peers_ce_masked_50", "peers2_ce_masked_50"],
+                             ["fusedkern_chunked_counted", "quack_gather", "liger-kernel 0.8.5 CuTe SM90 +gather"])}
+reruns = {workload: [results.load_measured(peers_dir / f"{name}.csv", workload=workload) for name in names]
+          for workload, (_, names, _) in rerun_files.items()}
+if all(run is not None for runs in reruns.values() for run in runs):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    for ax, (workload, (floor, names, shown)) in zip(axes, rerun_files.items()):
+        for run, name, linestyle in zip(reruns[workload], names, ("-", "--")):
+            ratios = tables.ratio_to(run[run["mode"] == "full"], floor)
+            for provider in shown:
+                line = ratios[ratios["provider"] == provider].sort_values("x")
+                if line.empty:
+                    continue
+                style = plotting.style_for(provider)
+                if provider == "fusedkern_chunked_c8192":  # its variant style has the default's color: drawn apart
+                    style = {**style, "color": "#ff7f0e", "marker": "s"}
+                ax.plot(line["x"], line["ratio"], marker=style["marker"], color=style.get("color"),
+                        linestyle=linestyle, label=f"{style['label']} ({name})")
+                print(f"{workload}, {name}, {plotting.label_for(provider)}: "
+                      + ", ".join(f"{int(x)} {r:.3f}×" for x, r in zip(line["x"], line["ratio"])))
+        ax.axhline(1.0, color="black", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([8192, 16384, 32768], ["8192", "16384", "32768"])
+        ax.set_xlabel("tokens (H 4096, V 128256, bf16)")
+        ax.set_ylabel(f"× {floor} of the same process (p50)")
+        ax.set_title("dense, forward + backward" if workload == "dense" else
+                     "half ignored: fusedkern with a host count, the peers on the gathered rows", fontsize=9)
+        ax.legend(fontsize=6.5)
+    fig.suptitle("The peers' table twice on an H100: how far a ratio moves between runs", fontsize=10)
+    display(plotting.save_figure(fig, figures_dir / "04_peers_rerun"))
+
 # %%
 earlier = peers_dir / "ce_llama3_loss_only.csv"
 if earlier.exists():
