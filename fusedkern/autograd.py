@@ -45,9 +45,7 @@ def _rescaled(grad: torch.Tensor | None, scale: torch.Tensor, out_dtype: torch.d
         return scale_unless_one_(grad, scale)
     if out is None:
         out = torch.empty(grad.shape, device=grad.device, dtype=out_dtype)
-    if grad.is_contiguous() and out.is_contiguous():
-        return scale_into(grad, scale, out)
-    return torch.mul(grad, scale, out=out)
+    return scale_into(grad, scale, out)
 
 
 def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dx, dw, db,

@@ -59,7 +59,7 @@ FINISH_SIGNATURE = {
     "V": "i32", "stride_row": "i64", "span": "i32", "col_base": "i32", "vocab_total": "i32", "ignore_index": "i32",
     "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32", "logit_scale": "fp32",
 }
-SCALE_SIGNATURE = {"data_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
+SCALE_SIGNATURE = {"src_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
 SCALE_INTO_SIGNATURE = {"src_ptr": "*fp32", "out_ptr": "*bf16", "scale_ptr": "*fp32", "N": "i64"}
 
 
@@ -271,9 +271,9 @@ def main() -> int:
                            WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token, HAS_ROW_COUNT=True, HAS_ENTROPY=True,
                            HAS_SCALE=True)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
-    runs.append(("scale", scale._scale_unless_one_kernel, SCALE_SIGNATURE, {},
+    runs.append(("scale", scale._scale_kernel, SCALE_SIGNATURE, {"SKIP_ONE": True},
                  triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))
-    runs.append(("scale_into", scale._scale_into_kernel, SCALE_INTO_SIGNATURE, {},
+    runs.append(("scale_into", scale._scale_kernel, SCALE_INTO_SIGNATURE, {"SKIP_ONE": False},
                  triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))
     args = sys.argv[1:]
     with_info = "--ptxas-info" in args

@@ -19,9 +19,9 @@
 #   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085 .whl/trl: the Gluon log-prob pass's GPU
 #                                       # tests, the loss-only table at 8192, 32768, 4096, 16384 tokens (TRL's head
 #                                       # beside it), the whole suite
-#   scripts/gpu_calls.sh OUTDIR protocol  # carry as logprobs: the chunked step's kernel profile, chunk_tokens=8192
-#                                       # and TRL's head beside the default at 16384 tokens (it also compared the
-#                                       # retired primed protocol with the shuffled one: docs/design.md)
+#   scripts/gpu_calls.sh OUTDIR profile   # carry as logprobs: the chunked step's kernel profile, chunk_tokens=8192
+#                                       # and TRL's head beside the default at 16384 tokens (run as part `protocol`
+#                                       # with the retired primed protocol's comparison: data/measured/h100/README.md)
 #   scripts/gpu_calls.sh OUTDIR probe   # carry .whl/qa .whl/liger085 .triton_cache (instead of cold, once the
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
@@ -32,9 +32,9 @@
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|protocol}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|profile}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|protocol}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|profile}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -146,7 +146,7 @@ elif [ "$part" = logprobs ]; then
     for tokens in 8192 32768 4096 16384; do loss_only_step "$tokens" 60; done
     SUITE_CAP_S=300 suite gpu_suite_warm tests/
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
-elif [ "$part" = protocol ]; then
+elif [ "$part" = profile ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
     # where the chunked step's time goes beside the floor's (kernel time per category, idle time)
     step profile_ce 90 python3 probes/profile_ce.py --tokens 8192 16384 --out "$res/profile_ce.csv"

@@ -31,21 +31,23 @@ PROGRAMS_PER_SM = 8  # a grid-stride loop over this many programs keeps every SM
 
 
 @triton.jit
-def _scale_unless_one_kernel(
-    data_ptr,  # (N,) contiguous, fp32 / fp16 / bf16, multiplied in place
+def _scale_kernel(
+    src_ptr,  # (N,) contiguous fp32 / fp16 / bf16, read
+    out_ptr,  # (N,) contiguous, written: src · s rounded once to its dtype (src_ptr itself: in place)
     scale_ptr,  # (1,) fp32 device scalar s
     N,  # number of elements
     BLOCK: tl.constexpr,
+    SKIP_ONE: tl.constexpr,  # s == 1 (plain loss.backward(), in place): nothing is read or written
 ):
     scale = tl.load(scale_ptr)
-    if scale != 1.0:  # s == 1 (plain loss.backward()): nothing is read or written
+    if not SKIP_ONE or scale != 1.0:
         pid = tl.program_id(0).to(tl.int64)
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(pid * BLOCK, N, step):
             offs = start + tl.arange(0, BLOCK)  # (BLOCK,) int64: N may exceed 2^31
             mask = offs < N
-            vals = tl.load(data_ptr + offs, mask=mask)
-            tl.store(data_ptr + offs, (vals.to(tl.float32) * scale).to(vals.dtype), mask=mask)
+            vals = tl.load(src_ptr + offs, mask=mask)
+            tl.store(out_ptr + offs, (vals.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,7 @@ def scale_unless_one_(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"scale_unless_one_ needs a contiguous tensor, got strides {t.stride()}")
     scale32 = _device_scale(scale)
     if t.numel():
-        _scale_unless_one_kernel[_grid(t)](t, scale32, t.numel(), BLOCK=BLOCK)
+        _scale_kernel[_grid(t)](t, t, scale32, t.numel(), BLOCK=BLOCK, SKIP_ONE=True)
     return t
 
 
@@ -72,24 +74,6 @@ def _grid(t: torch.Tensor) -> tuple[int]:
     return (min(triton.cdiv(t.numel(), BLOCK), sm_count(t.device) * PROGRAMS_PER_SM),)
 
 
-@triton.jit
-def _scale_into_kernel(
-    src_ptr,  # (N,) contiguous fp32 (or any float), read
-    out_ptr,  # (N,) contiguous, written: src · s rounded once to its dtype
-    scale_ptr,  # (1,) fp32 device scalar s
-    N,  # number of elements
-    BLOCK: tl.constexpr,
-):
-    scale = tl.load(scale_ptr)
-    pid = tl.program_id(0).to(tl.int64)
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for start in range(pid * BLOCK, N, step):
-        offs = start + tl.arange(0, BLOCK)  # (BLOCK,) int64: N may exceed 2^31
-        mask = offs < N
-        vals = tl.load(src_ptr + offs, mask=mask)
-        tl.store(out_ptr + offs, (vals.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = src · scale, computed in fp32 and rounded once to out's dtype (bitwise `torch.mul(src, scale,
     out=out)` for an fp32 src and scale). Returns out.
@@ -102,7 +86,7 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tor
         raise ValueError(f"scale_into needs contiguous tensors, got strides {src.stride()} and {out.stride()}")
     scale32 = _device_scale(scale)
     if src.numel():
-        _scale_into_kernel[_grid(src)](src, out, scale32, src.numel(), BLOCK=BLOCK)
+        _scale_kernel[_grid(src)](src, out, scale32, src.numel(), BLOCK=BLOCK, SKIP_ONE=False)
     return out
 
 

@@ -17,9 +17,8 @@ gradients' own storage, so the numbers compare equal work. The GEMM floors (`cub
 clocks and library versions.
 
 Protocol (`--protocol`, a `protocol` column in every row): `shuffled` (the default, seeded by --seed
-so a run is reproducible), `fixed` (the former
-`--interleave`, kept as a deprecated alias) or `sequential`; see `fusedkern.study.timing`.
-Workloads (`--workload`, a `workload` column) are
+so a run is reproducible), `fixed` (the former `--interleave`, kept as a deprecated alias) or
+`sequential`; see `fusedkern.study.timing`. Workloads (`--workload`, a `workload` column) are
 `fusedkern.study.workloads`'; the GEMM floors stay the dense all-token floors whatever the workload
 (`FLOORS_NOTE`, written to the sidecar JSON). Heads (`--head`, a `head` column): the vocabulary,
 hidden size and final-logit softcap of Llama 3, Qwen2.5-7B and Gemma 2.
@@ -174,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="wall-time budget per case that sets the rep count between the two")
     timing.add_argument("--protocol", choices=PROTOCOLS,
                         help="per size and mode: shuffled (default) interleaves the providers' reps, one each per "
-                             "round in a new random order every round (seeded by --seed); fixed interleaves them in "
-                             "a rotating fixed order; sequential times one provider after the other")
+                             "round in a new random order every round (seeded by --seed); fixed interleaves them "
+                             "in a rotating fixed order; sequential times one provider after the other")
     timing.add_argument("--interleave", action="store_true",
                         help="deprecated alias of --protocol fixed")
 

@@ -17,8 +17,8 @@ import torch
 from fusedkern.reference import fp64_linear_cross_entropy_grads_chunked
 from fusedkern.study.providers import PROVIDERS, Provider, ProviderUnavailable, Step, select_providers
 from fusedkern.study.results import ALL_LOSS_TYPES, MODES
-from fusedkern.study.timing import (DEFAULT_PROTOCOL, PROTOCOLS, free_memory, measure_step, settle_gpu,
-                                    time_step, time_steps_interleaved)
+from fusedkern.study.timing import (DEFAULT_PROTOCOL, PROTOCOLS, free_memory, measure_step, settle_gpu, time_step,
+                                    time_steps_interleaved)
 from fusedkern.study.workloads import (DEFAULT_SEQ, Inputs, check_workloads, for_loss_type, head_name,
                                        make_ce_inputs, make_inputs)
 
@@ -175,10 +175,11 @@ def run_sweep(
     is not retried at larger x of that workload.
 
     protocol (default "shuffled"): per x and mode, every provider's reps interleaved
-    (`time_steps_interleaved`), in a new random order every round ("shuffled", seeded by `seed`) or a rotating
-    fixed order ("fixed"); all providers' steps then live at once. "sequential": one provider after the other.
-    `interleave` is the deprecated flag (True = "fixed", False = "sequential"). `checkpoint(rows)` is called after
-    each provider (each x when interleaving), so a run cut short by a time limit still leaves what it finished.
+    (`time_steps_interleaved`), in a new random order every round ("shuffled", seeded by `seed`) or a
+    rotating fixed order ("fixed"); all providers' steps then live at once. "sequential": one
+    provider after the other. `interleave` is the deprecated flag (True = "fixed", False =
+    "sequential"). `checkpoint(rows)` is called after each provider (each x when interleaving), so a
+    run cut short by a time limit still leaves what it finished.
     """
     if op not in PROVIDERS:
         raise ValueError(f"op must be one of {sorted(PROVIDERS)}, got {op!r}")
@@ -251,8 +252,7 @@ def run_sweep(
                             named = {_entry_key(p, t): st[mode] for (p, t), st in todo.items()}
                             timings = time_steps_interleaved(
                                 named, inputs, warmup=warmup, reps=reps, min_reps=min_reps, max_case_s=max_case_s,
-                                rng=rng,
-                                on_warmed=lambda name, seconds, case=f"{workload} {x_name}={x} {mode}": say(
+                                rng=rng, on_warmed=lambda name, seconds, case=f"{workload} {x_name}={x} {mode}": say(
                                     f"{op} {case}: {name} warmed up in {seconds:.1f} s"))
                         except Exception as error:  # noqa: BLE001 - e.g. OOM with every step alive
                             timings = {_entry_key(p, t): error for p, t in todo}
