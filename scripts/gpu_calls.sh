@@ -16,6 +16,9 @@
 #                                       # same at 32768, then 16384 (TABLE_SIZES overrides), with TRL's fused LM
 #                                       # head (its wheels do not fit beside QuACK's halves in one call's 64 MiB)
 #   scripts/gpu_calls.sh OUTDIR warm    # carry .triton_cache: the suite and the quick selection with the cache
+#   scripts/gpu_calls.sh OUTDIR check   # carry .triton_cache .whl/liger085 .whl/trl: the suite on the cache, then the
+#                                       # dense table alone at TABLE_SIZES (default 16384) without QuACK: one short
+#                                       # call that checks a change's correctness and its speed
 #   scripts/gpu_calls.sh OUTDIR logprobs  # carry .triton_cache .whl/liger085 .whl/trl: the Gluon log-prob pass's GPU
 #                                       # tests, the loss-only table at 8192, 32768, 4096, 16384 tokens (TRL's head
 #                                       # beside it), the whole suite
@@ -32,9 +35,9 @@
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|profile}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|logprobs|profile}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -163,6 +166,14 @@ else
     if [ "$part" = warm ]; then
         SUITE_CAP_S=300 suite gpu_suite_warm tests/
         SUITE_CAP_S=120 suite gpu_quick_warm --gpu-quick tests/
+    elif [ "$part" = check ]; then
+        SUITE_CAP_S=240 suite gpu_suite_warm tests/
+        for tokens in ${TABLE_SIZES:-16384}; do
+            # shellcheck disable=SC2086
+            step "ce_dense_$tokens" 150 python3 -m fusedkern.bench ce --head llama3 --tokens "$tokens" $timing \
+                --modes full --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c8192 \
+                $peers --append --out "$res/ce_llama3_dense.csv"
+        done
     fi
 fi
 if [ "$part" = table ] || [ "$part" = rest ]; then
