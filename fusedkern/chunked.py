@@ -26,7 +26,6 @@ import torch
 
 from fusedkern.chunk_plan import GradChunkPlan, grad_chunk_plan, loss_tile
 from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
-from fusedkern.kernels.scale import cast_into
 
 
 @dataclass(frozen=True)
@@ -273,5 +272,5 @@ def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch
                 compute_stats=False, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
                 scratch=dw_out if plan.buffer_in_dw_storage else None, entropy=entropy, grad_entropy=grad_entropy)
     if dw_out is not None:
-        dw = cast_into(dw, dw_out)
+        dw = dw_out.copy_(dw)
     return dx, dw, db

@@ -47,7 +47,6 @@ from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTE
 from fusedkern.chunked import chunk_grads, grad_buffers, logits_buffer, logits_into, plan_for_grads
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern.kernels.distill_rows import distill_rows
-from fusedkern.kernels.scale import cast_into
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
 
 
@@ -254,7 +253,7 @@ def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Te
                 loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
                 scratch=dw_out if plan.buffer_in_dw_storage else None)
     if dw_out is not None:
-        dw = cast_into(dw, dw_out)
+        dw = dw_out.copy_(dw)
     return (or_absent(cast_or_none(dx, xs.dtype), xs), or_absent(cast_or_none(dw, ws.dtype), ws),
             absent(ws) if db is None else db.to(bs.dtype))
 

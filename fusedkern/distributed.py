@@ -30,7 +30,6 @@ import torch.distributed as dist
 from fusedkern import _validation as V_
 from fusedkern import chunked
 from fusedkern.kernels.ce_rows import ce_rows, gpu_split, merge_row_stats, row_stats_tile, tile_partials
-from fusedkern.kernels.scale import cast_into
 from fusedkern._validation import (
     check_target_type,
     finish_checks,
@@ -256,7 +255,7 @@ class _PerTokenLoss(torch.autograd.Function):
                                           chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=None, stats=stats,
                                           compute_stats=False, grad=grad_tok.float().contiguous(), per_token_grad=True)
         if dw_out is not None:
-            dw = cast_into(dw, dw_out)
+            dw = dw_out.copy_(dw)
         return (dx, dw, None if db is None else db.to(b.dtype), *([None] * 7))
 
 

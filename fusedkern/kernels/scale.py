@@ -89,8 +89,3 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tor
         _scale_kernel[_grid(src)](src, out, scale32, src.numel(), BLOCK=BLOCK, SKIP_ONE=False)
     return out
 
-
-def cast_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = src rounded once to out's dtype (`out.copy_(src)`'s values) in `scale_into`'s vectorized pass: the fp32
-    dW accumulator into dW's own storage when no upstream gradient is folded in. Returns out."""
-    return scale_into(src, torch.ones(1, device=src.device, dtype=torch.float32), out)
