@@ -103,3 +103,26 @@ def test_the_fp32_accumulator_reaches_the_weight_dtype_through_scale_into(monkey
     assert calls == [(torch.float32, torch.bfloat16, (V, H))]
     (acc, s), = accumulators
     assert torch.equal(wl.grad.view(torch.int16), torch.mul(acc, s).to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_scale_kernel_at_an_lm_heads_size():
+    """Both uses of `_scale_kernel` on a GPU at a realistic size (an eighth of Llama-3's [128256, 4096] head: more
+    blocks than programs, so the grid-stride loop wraps many times): the backward's fp32 → bf16 cast with s ≠ 1 and
+    s = 1 equal to torch's `mul` value for value (NaN where it has NaN: a NaN's payload bits may differ between the
+    two conversions), the in-place rescale the fp32 product rounded once, and s = 1 leaving every bit."""
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    n = 128256 * 4096 // 8
+    src = torch.randn(n, device="cuda") * 50
+    src[::97] = float("nan")
+    for scale in (0.37, 1.0):
+        s = torch.tensor(scale, device="cuda")
+        out = torch.full((n,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        expected = torch.mul(src, s, out=torch.empty(n, device="cuda", dtype=torch.bfloat16))
+        torch.testing.assert_close(scale_into(src, s, out), expected, **exact)
+    t = src.to(torch.bfloat16)
+    expected = (t.float() * 0.37).to(torch.bfloat16)
+    torch.testing.assert_close(scale_unless_one_(t, torch.tensor([0.37], device="cuda")), expected, **exact)
+    before = t.clone()
+    scale_unless_one_(t, torch.ones((), device="cuda"))
+    assert torch.equal(t.view(torch.int16), before.view(torch.int16))
