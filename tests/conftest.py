@@ -20,7 +20,8 @@ DEVICE = "cpu" if interpreting() else "cuda"
 #: `--gpu-quick`: one GPU accuracy test of each kernel the library ships, at a realistic bf16 shape, with every
 #: option on where the test has such a case (node ids; ≤ 3 min on an H100 from a cold Triton cache):
 #: ce_rows and the cuBLAS chunked path, the fused strategy, the row-count GEMMs (TMA and pointer paths), the
-#: compacted device-count path, the SimPO and preference losses built on them, and the Gluon loss-only pass (sm_90)
+#: compacted device-count path, the SimPO and preference losses built on them, the Gluon loss-only pass (sm_90) and
+#: the gradients' rescale and cast (`kernels/scale.py`)
 GPU_QUICK = (
     "tests/test_linear_cross_entropy.py::test_gpu_bf16_realistic[none-all-chunked]",
     "tests/test_linear_cross_entropy.py::test_gpu_bf16_realistic[mean-all-fused]",
@@ -33,6 +34,7 @@ GPU_QUICK = (
     "tests/test_preference.py::test_gpu_bf16_realistic[sigmoid]",
     "tests/test_distillation.py::test_gpu_bf16_realistic[jsd-tau2]",
     "tests/test_gluon_loss_only.py::test_gpu_loss_only_bf16_matches_fp64[none]",
+    "tests/test_scale.py::test_gpu_scale_kernel_at_an_lm_heads_size",
 )
 
 
