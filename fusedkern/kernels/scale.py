@@ -15,7 +15,8 @@ rounded once to t's dtype (what PyTorch's mul_ does for a bf16 tensor and an fp3
 `scale_into`: PyTorch's `torch.mul(fp32, s, out=bf16)` takes its generic, non-vectorized elementwise path when
 the output's dtype differs from the inputs' — 2.34 ms for Llama-3's [128256, 4096] accumulator on an H100 (1.35
 TB/s, `data/measured/h100/profile_ce.csv`), 3 % of a 16384-token step; the same bytes (4 read + 2 written an
-element) in wide vector loads and stores move at the memory's speed.
+element) in wide vector loads and stores move at the memory's speed: 1.11 ms against torch's 2.04 ms in one process
+on an H100 (`data/measured/h100/scale_into_timing.csv`).
 """
 
 from __future__ import annotations
