@@ -57,14 +57,15 @@ def grpo_token_weights(mask: torch.Tensor, *, loss_type: str, max_completion_len
                        num_items_in_batch: float | torch.Tensor | None = None) -> torch.Tensor:
     """c [B, T] fp32 with loss = Σ c·per-token loss, 0 off the mask: "grpo" 1/(B·n_b) (the mean over sequences
     of each one's token mean, n_b clamped at 1), "bnpo" 1/N, "dapo" 1/num_items_in_batch (default N),
-    "dr_grpo" 1/(B·max_completion_length); N = the batch's completion tokens (clamped at 1)."""
+    "dr_grpo" 1/(B·max_completion_length); N = the batch's completion tokens (clamped at 1). A given
+    num_items_in_batch is used as it is (positive: `check_num_items_in_batch`), as TRL divides by it."""
     m = mask.to(torch.float32)
     if loss_type == "grpo":
         return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * mask.shape[0])
     if loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
         return m / m.sum().clamp(min=1.0)
     if loss_type == "dapo":
-        return m / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).clamp(min=1.0)
+        return m / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).reshape(())
     return m / (mask.shape[0] * max_completion_length)  # "dr_grpo"
 
 
@@ -120,6 +121,7 @@ def grpo_loss_from_logps(logps: torch.Tensor, mask: torch.Tensor, *, advantages:
     Returns (loss 0-d, metrics: detached 0-d tensors named as TRL logs them — "kl" when β ≠ 0, "entropy" when
     `entropy` [B, T] is given, and the clip ratios).
     """
+    check_num_items_in_batch(num_items_in_batch)
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float()
     old_logps, ref_logps = (None if t is None else off_mask_as_policy(t, logps, mask) for t in (old_logps, ref_logps))
     per_token, ratio, per_token_kl = grpo_per_token_loss(logps, advantages=adv, old_logps=old_logps,
@@ -139,6 +141,57 @@ def _check_per_token(name: str, t, shape, *, allow_rows: bool = False) -> None:
     if tuple(t.shape) not in shapes:
         raise ValueError(f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)} (target's [B, T]), "
                          f"got {list(t.shape)}")
+
+
+def check_num_items_in_batch(num_items_in_batch) -> None:
+    """None, a positive finite Python number, or a one-element real tensor (its value is read on the device:
+    `NumItemsCheck`). The "dapo" loss divides the token sum by it, so zero or a negative count is refused
+    rather than replaced: TRL's normalizer, the accumulated batch's active tokens (at least 1) over the number
+    of processes, is always positive, and may be below 1."""
+    n = num_items_in_batch
+    if n is None:
+        return
+    if isinstance(n, torch.Tensor):
+        if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
+            raise TypeError("num_items_in_batch as a tensor must hold one real count, got "
+                            f"{n.dtype} of shape {tuple(n.shape)}")
+        return
+    if V_.check_real("num_items_in_batch", n) <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0 (the \"dapo\" loss divides the token sum by it: the "
+                         f"accumulated batch's active-token count, or None for this batch's), got {n}")
+
+
+class NumItemsCheck:
+    """A tensor num_items_in_batch's value (> 0 and finite), read like `_validation.CountCheck`: the flag is
+    copied to pinned host memory behind an event before the loss's kernels are queued and read after them,
+    so a bad count raises before anything is returned without a device→host sync in the step."""
+
+    def __init__(self, n: torch.Tensor):
+        self._n = n
+        bad = ~(torch.isfinite(n) & (n > 0)).reshape(())
+        if n.is_cuda:
+            self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(bad, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(n.device))
+        else:
+            self._flag, self._event = bad, None
+
+    @classmethod
+    def start(cls, num_items_in_batch) -> NumItemsCheck | None:
+        """The pending check of a tensor count in eager mode; None otherwise (a Python number is checked at
+        once; under torch.compile nothing reads the flag, and a zero count gives an inf/NaN loss, not a
+        clamped one)."""
+        if not isinstance(num_items_in_batch, torch.Tensor) or torch.compiler.is_compiling():
+            return None
+        return cls(num_items_in_batch)
+
+    def raise_if_failed(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if bool(self._flag):
+            raise ValueError(f"num_items_in_batch must be > 0 and finite (the \"dapo\" loss divides the token sum "
+                             f"by it), got a tensor holding {self._n.reshape(()).item()}")
 
 
 def validate_grpo_options(target, *, advantages, old_logps, ref_logps, beta, epsilon, epsilon_high, loss_type,
@@ -162,8 +215,7 @@ def validate_grpo_options(target, *, advantages, old_logps, ref_logps, beta, eps
                                    or V_.check_int("max_completion_length", max_completion_length) <= 0):
         raise ValueError(f"loss_type='dr_grpo' divides by max_completion_length: pass a positive int, got "
                          f"{max_completion_length}")
-    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
-        V_.check_real("num_items_in_batch", num_items_in_batch, low=0.0)
+    check_num_items_in_batch(num_items_in_batch)
     tensors = dict(advantages=advantages, old_logps=old_logps, ref_logps=ref_logps)
     if isinstance(num_items_in_batch, torch.Tensor):
         tensors["num_items_in_batch"] = num_items_in_batch
@@ -208,19 +260,24 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     norm = dict(loss_type=loss_type, max_completion_length=max_completion_length,
                 num_items_in_batch=num_items_in_batch)
     mask = target != ignore_index
+    count_check = NumItemsCheck.start(num_items_in_batch)
     if forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, impl=impl,
                                  weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens):
-        return _chunked(input, linear_weight, linear_bias, target, mask, advantages, old_logps, ref_logps, hp, norm,
-                        ignore_index=ignore_index, softcap=softcap, temperature=temperature,
-                        compute_entropy=compute_entropy, weight_grad_accum=weight_grad_accum,
-                        chunk_tokens=chunk_tokens)
-    out = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
-                             softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
-                             weight_grad_accum=weight_grad_accum, temperature=temperature,
-                             return_entropy=compute_entropy)
-    logps, entropy = out if compute_entropy else (out, None)
-    return grpo_loss_from_logps(logps, mask, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
-                                entropy=None if entropy is None else entropy.detach(), **hp, **norm)
+        result = _chunked(input, linear_weight, linear_bias, target, mask, advantages, old_logps, ref_logps, hp,
+                          norm, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
+                          compute_entropy=compute_entropy, weight_grad_accum=weight_grad_accum,
+                          chunk_tokens=chunk_tokens)
+    else:
+        out = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
+                                 softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
+                                 weight_grad_accum=weight_grad_accum, temperature=temperature,
+                                 return_entropy=compute_entropy)
+        logps, entropy = out if compute_entropy else (out, None)
+        result = grpo_loss_from_logps(logps, mask, advantages=advantages, old_logps=old_logps, ref_logps=ref_logps,
+                                      entropy=None if entropy is None else entropy.detach(), **hp, **norm)
+    if count_check is not None:
+        count_check.raise_if_failed()
+    return result
 
 
 def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, *, impl,

@@ -236,3 +236,32 @@ def test_bad_inputs_raise():
     for leaves in (_leaves((x, w)), (x, w)):  # the three-GEMM path and the generic one check the targets
         with pytest.raises(ValueError, match=f"found {V + 3}"):
             fusedkern.linear_grpo_loss(*leaves, bad, advantages=adv)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the zero count's weights before it raises
+def test_num_items_in_batch_is_never_clamped():
+    """"dapo" divides the token sum by num_items_in_batch as given: zero, a negative or a non-finite count
+    raises naming it (a Python number at once, a tensor after the kernels are queued, on both paths), and a
+    positive count below 1 (TRL's normalizer over several processes) divides as it is."""
+    x, w, b, y, adv, old, _ = make_batch(torch.float32, seed=5)
+    call = lambda leaves, n: fusedkern.linear_grpo_loss(*leaves, y, advantages=adv, old_logps=old,  # noqa: E731
+                                                        loss_type="dapo", num_items_in_batch=n)
+    for leaves in (_leaves((x, w)), (x, w)):  # the three-GEMM path and the generic one
+        for bad in (0, 0.0, -3, float("nan")):
+            with pytest.raises(ValueError, match="num_items_in_batch must be"):
+                call(leaves, bad)
+        for bad in (torch.tensor(0), torch.tensor(-2.0), torch.tensor([float("inf")])):
+            with pytest.raises(ValueError, match="num_items_in_batch must be > 0 and finite"):
+                call(leaves, bad.to(DEVICE))
+        with pytest.raises(TypeError, match="num_items_in_batch"):
+            call(leaves, torch.tensor([1.0, 2.0], device=DEVICE))
+        with pytest.raises(TypeError, match="num_items_in_batch"):
+            call(leaves, "4")
+        total, _ = call(leaves, 1)
+        for n in (0.5, torch.tensor(0.5, device=DEVICE)):
+            half, _ = call(leaves, n)
+            torch.testing.assert_close(half, 2 * total, rtol=1e-6, atol=0)
+    logps = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        grpo_loss_from_logps(logps, torch.ones(1, 2, dtype=torch.bool), advantages=torch.ones(1),
+                             loss_type="dapo", num_items_in_batch=0)
