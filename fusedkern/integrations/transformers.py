@@ -40,7 +40,8 @@ try:
     from transformers.utils import ModelOutput
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError("fusedkern.integrations.transformers needs Hugging Face Transformers: "
-                      "pip install 'fusedkern[hf]' (transformers>=4.45)") from exc
+                      "pip install -e '.[hf]' in a clone of fusedkern's repository (no release on a package "
+                      "index), or pip install 'transformers>=4.45'") from exc
 
 try:
     from transformers.loss.loss_utils import LOSS_MAPPING

@@ -51,7 +51,8 @@ def _trl_utils():
     try:
         return importlib.import_module("trl.trainer.utils")
     except ImportError as e:
-        raise ImportError("fusedkern.integrations.trl needs TRL (pip install 'fusedkern[trl]')") from e
+        raise ImportError("fusedkern.integrations.trl needs TRL 1.16: pip install -e '.[trl]' in a clone of "
+                          "fusedkern's repository (no release on a package index), or pip install trl==1.16.0") from e
 
 
 class TRLHeadGuard(torch.autograd.Function):
