@@ -388,6 +388,29 @@ REAL_HEADS = {  # the heads users train, with one small decoder layer: the head 
 }
 
 
+def real_head_config(arch: str, **overrides):
+    """REAL_HEADS[arch]'s config with one decoder layer: SDPA attention where the architecture has it, else
+    eager (Gemma-2's softcapped attention has no SDPA path in Transformers 5, which refuses to build it)."""
+    sdpa = getattr(transformers, f"{arch}ForCausalLM")._supports_sdpa
+    return getattr(transformers, f"{arch}Config")(**{
+        **COMMON, **ARCHS[arch], **REAL_HEADS[arch], "intermediate_size": 1024, "num_hidden_layers": 1,
+        "max_position_embeddings": 2048, "initializer_range": 0.02,
+        "attn_implementation": "sdpa" if sdpa else "eager", **overrides})
+
+
+@pytest.mark.parametrize("arch", list(REAL_HEADS))
+def test_real_head_configs_build(arch):
+    """The GPU test's configs, shrunk, build and train patched on the CPU with the attention they ask for."""
+    small = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    if "head_dim" in REAL_HEADS[arch]:
+        small["head_dim"] = 8
+    config = real_head_config(arch, **small)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).train()
+    assert model.config._attn_implementation == ("eager" if arch == "Gemma2" else "sdpa")
+    assert_matches_unpatched(model, *make_batch())
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300)).item()
 
@@ -399,9 +422,7 @@ def test_patched_real_heads_under_bf16_autocast_on_gpu(arch):
     a third of them prompt or padding) under bf16 autocast with fp32 weights: the patched model's loss,
     lm_head gradient and an inner gradient are within 2× the unpatched bf16 model's error against the
     same model in float64 (no autocast)."""
-    config = getattr(transformers, f"{arch}Config")(**{
-        **COMMON, **ARCHS[arch], **REAL_HEADS[arch], "intermediate_size": 1024, "num_hidden_layers": 1,
-        "max_position_embeddings": 2048, "initializer_range": 0.02, "attn_implementation": "sdpa"})
+    config = real_head_config(arch)
     torch.manual_seed(0)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).train().cuda()
     reference = getattr(transformers, f"{arch}ForCausalLM")(config).train().cuda().double()
