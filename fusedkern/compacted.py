@@ -20,9 +20,29 @@ from __future__ import annotations
 
 import torch
 
-from fusedkern.chunked import LossOptions, grad_buffers, logits_buffer, plan_for_grads, row_kernel_args
-from fusedkern.kernels.ce_rows import ce_rows
+from fusedkern import engine
+from fusedkern.engine import Chunk, CrossEntropyRows, Grads, LossOptions, logits_buffer, plan_for_grads, row_kernel_args
 from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows, logits_rows
+
+
+class RowCountGemms:
+    """The engine's GEMM strategy over the valid rows at the front of each chunk: `counts[i]` of chunk i (a
+    device tensor), the rest skipped by the kernels. No bias gradient."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.counts = counts
+
+    def logits(self, buf, x_c, w, b, chunk: Chunk) -> torch.Tensor:
+        z = buf[: x_c.shape[0]]
+        logits_rows(x_c, w, b, self.counts[chunk.index:chunk.index + 1], z)
+        return z
+
+    def grads(self, grads: Grads, g, x_c, w, chunk: Chunk, first: bool) -> None:
+        n_i = self.counts[chunk.index:chunk.index + 1]
+        if grads.dw is not None:  # before dX: with `rows`, dX's GEMM writes over the chunk's x
+            dw_rows(g, x_c, n_i, grads.dw, accumulate=not first)
+        if grads.dx is not None:
+            dx_rows(g, w, n_i, grads.dx[chunk.rows])
 
 
 def chunk_row_counts(count: torch.Tensor, n_tokens: int, chunk: int) -> torch.Tensor:
@@ -50,30 +70,23 @@ def counted_loss_and_grads(x, w, b, target, class_weight, opts: LossOptions, gra
     C = plan.chunk_tokens
     loss_tok = torch.zeros(T, device=x.device, dtype=torch.float32)
     stats = torch.zeros((2, T), device=x.device, dtype=torch.float32)
-    _, dw, _, dw_out = grad_buffers(x, w, None, False, need_dw, False, plan)
+    grads = Grads.allocate(x, w, None, False, need_dw, False, plan)
     if rows is None:
         dx = torch.zeros_like(x) if need_dx else None
     else:
         x = x.index_select(0, rows)
         dx = x if need_dx else None  # rows past the count are zeroed after the last chunk
-    buf = logits_buffer(min(C, T), V, x, dw_out if plan.buffer_in_dw_storage else None)
+    grads.dx = dx
+    buf = logits_buffer(min(C, T), V, x, grads.scratch)
     counts = chunk_row_counts(count, T, C)
-    kernel_args = row_kernel_args(class_weight, opts)
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        n_i = counts[i:i + 1]
-        x_c, z = x[c0:c1], buf[: c1 - c0]
-        logits_rows(x_c, w, b, n_i, z)
-        ce_rows(z, target[c0:c1], loss=loss_tok[c0:c1], stats=stats[:, c0:c1], grad=grad_scale,
-                compute_stats=True, row_count=n_i, **kernel_args)
-        if dw is not None:  # before dX: with `rows`, dX's GEMM writes over the chunk's x
-            dw_rows(z, x_c, n_i, dw, accumulate=i > 0)
-        if dx is not None:
-            dx_rows(z, w, n_i, dx[c0:c1])
+    row_pass = CrossEntropyRows(target, row_kernel_args(class_weight, opts), loss_tok, stats, grad=grad_scale,
+                                row_counts=counts)
+    engine.run(x, w, b, engine.token_chunks(T, C), row_pass, grads=grads, gemms=RowCountGemms(counts), buffer=buf)
+    dw, dw_out = grads.dw, grads.dw_out
     if rows is not None and dx is not None:
         # idle now: dW's own storage (until the backward writes dW there) or else the logits buffer
         scratch = next((s for s in (dw_out, buf) if s is not None and s.numel() >= dx.numel()), None)
-        del buf, z, x_c  # a buffer too small to serve is freed before dX's copy is made
+        del buf  # a buffer too small to serve is freed before dX's copy is made
         dx = _in_caller_order(dx, rows, count, scratch)
     return loss_tok, dx, dw, dw_out
 

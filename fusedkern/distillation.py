@@ -44,7 +44,8 @@ from fusedkern.autograd import (
     rescaled_grads,
 )
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
-from fusedkern.chunked import chunk_grads, grad_buffers, logits_buffer, logits_into, plan_for_grads
+from fusedkern import engine
+from fusedkern.engine import Chunk, Grads, logits_buffer, logits_into, plan_for_grads, token_chunks
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern.kernels.distill_rows import distill_rows
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
@@ -81,26 +82,36 @@ def distill_plan(n_tokens: int, ws: torch.Tensor, wt: torch.Tensor, need_dw: boo
     return plan if plan.chunk_tokens <= cap else plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, cap)
 
 
-def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *, loss_tok, grad,
-                per_token_grad: bool, dx=None, dw=None, db=None, scratch=None, entropy=None) -> None:
-    """Per chunk: both logits GEMMs → the row kernel → (with grad) the student's gradient GEMMs.
-    entropy: a [T] fp32 buffer for the student's per-token entropy, or None."""
-    T, V = xs.shape[0], ws.shape[0]
-    buf_s = logits_buffer(min(C, T), V, xs, scratch)
-    buf_t = logits_buffer(min(C, T), V, xt)
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        zs = logits_into(buf_s, xs[c0:c1], ws, bs)
-        zt = logits_into(buf_t, xt[c0:c1], wt, bt)
-        distill_rows(zs, zt, None if target is None else target[c0:c1], loss_tok[c0:c1],
-                     None if grad is None else (grad[c0:c1] if per_token_grad else grad),
+class DistillRows:
+    """The engine's row pass of distillation: the teacher's logits GEMM for the chunk's rows into its own buffer,
+    then `kernels.distill_rows` (each token's loss, and with grad the student's ∂L/∂Z_s in place)."""
+
+    def __init__(self, xt, wt, bt, target, opts: DistillOptions, buffer_rows: int, *, loss_tok, grad,
+                 per_token_grad: bool, entropy=None):
+        self.xt, self.wt, self.bt, self.target, self.opts = xt, wt, bt, target, opts
+        self.buf_t = logits_buffer(buffer_rows, wt.shape[0], xt)
+        self.loss_tok, self.grad, self.per_token_grad, self.entropy = loss_tok, grad, per_token_grad, entropy
+
+    def __call__(self, zs, xs_c, chunk: Chunk) -> None:
+        r, opts = chunk.rows, self.opts
+        zt = logits_into(self.buf_t, self.xt[r], self.wt, self.bt)
+        grad = None if self.grad is None else (self.grad[r] if self.per_token_grad else self.grad)
+        distill_rows(zs, zt, None if self.target is None else self.target[r], self.loss_tok[r], grad,
                      beta=opts.beta, temperature=opts.temperature, weight_soft=opts.weight_soft_loss,
-                     weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index, per_token_grad=per_token_grad,
-                     student_logit_scale=opts.student_logit_scale, student_softcap=opts.student_softcap,
-                     teacher_logit_scale=opts.teacher_logit_scale, teacher_softcap=opts.teacher_softcap,
-                     entropy=None if entropy is None else entropy[c0:c1])
-        if grad is not None:
-            chunk_grads(zs, xs[c0:c1], ws, None if dx is None else dx[c0:c1], dw, db, first=i == 0)
+                     weight_hard=opts.weight_hard_loss, ignore_index=opts.ignore_index,
+                     per_token_grad=self.per_token_grad, student_logit_scale=opts.student_logit_scale,
+                     student_softcap=opts.student_softcap, teacher_logit_scale=opts.teacher_logit_scale,
+                     teacher_softcap=opts.teacher_softcap, entropy=None if self.entropy is None else self.entropy[r])
+
+
+def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *, loss_tok, grad,
+                per_token_grad: bool, grads: Grads | None = None, entropy=None) -> None:
+    """The engine's loop with the distillation row pass over chunks of C tokens (with grad: the student's
+    gradients into `grads`)."""
+    rows = min(C, xs.shape[0])
+    row_pass = DistillRows(xt, wt, bt, target, opts, rows, loss_tok=loss_tok, grad=grad,
+                           per_token_grad=per_token_grad, entropy=entropy)
+    engine.run(xs, ws, bs, token_chunks(xs.shape[0], C), row_pass, grads=grads)
 
 
 def mean_denominator(target: torch.Tensor | None, n_tokens: int, ignore_index: int) -> torch.Tensor | float:
@@ -138,10 +149,10 @@ def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
     plan = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
     entropy = torch.empty(T if with_entropy else 0, device=xs.device, dtype=torch.float32)
-    dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
+    grads = Grads.allocate(xs, ws, bs, need_dx, need_dw, need_db, plan)
     _run_chunks(xs, ws, bs, xt, wt, bt, target, opts, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
-                per_token_grad=False, dx=dx, dw=dw, db=db, scratch=dw_out if plan.buffer_in_dw_storage else None,
-                entropy=entropy if with_entropy else None)
+                per_token_grad=False, grads=grads, entropy=entropy if with_entropy else None)
+    dx, dw, db, dw_out = grads.as_tuple()
     loss = loss_tok.sum() * grad_scale[0] if reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
     return (loss, entropy, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
@@ -245,15 +256,13 @@ def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Te
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t with both logits recomputed: (dx, dw, db) in the student's dtypes."""
     plan = distill_plan(xs.shape[0], ws, wt, need_dw, weight_grad_accum, chunk_tokens)
-    dx, dw, db, dw_out = grad_buffers(xs, ws, bs, need_dx, need_dw, need_db, plan)
+    grads = Grads.allocate(xs, ws, bs, need_dx, need_dw, need_db, plan)
     loss_tok = torch.empty(xs.shape[0], device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target,
                 DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
                                student_softcap, teacher_logit_scale, teacher_softcap), plan.chunk_tokens,
-                loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, dx=dx, dw=dw, db=db,
-                scratch=dw_out if plan.buffer_in_dw_storage else None)
-    if dw_out is not None:
-        dw = dw_out.copy_(dw)
+                loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, grads=grads)
+    dx, dw, db = grads.dx, grads.weight_grad(), grads.db
     return (or_absent(cast_or_none(dx, xs.dtype), xs), or_absent(cast_or_none(dw, ws.dtype), ws),
             absent(ws) if db is None else db.to(bs.dtype))
 
@@ -275,6 +284,21 @@ def _(xs, ws, bs, xt, wt, bt, target, grad_tok, beta, temperature, ignore_index,
 # validation and dispatch
 
 
+# "batchmean": TRL's `generalized_jsd_loss` reduction (and torch's `kl_div`): the sum over the batch's first
+# dimension, not over its rows; see `batchmean_divisor`
+DISTILL_REDUCTIONS = (*REDUCTIONS, "batchmean")
+
+
+def batchmean_divisor(lead_shape: torch.Size, has_target: bool) -> int | None:
+    """The divisor of the "sum" that gives TRL's `generalized_jsd_loss(..., reduction="batchmean")`: without
+    labels TRL divides by the logits' first dimension, the batch size B of [B, S, V] (at least 1; 1 for a single
+    row); with labels it first keeps the labelled rows, and divides by their count (at least 1): "mean" here, so
+    None."""
+    if has_target:
+        return None
+    return max(lead_shape[0], 1) if len(lead_shape) else 1
+
+
 def validate_distillation_options(*, beta, temperature, ignore_index, reduction, weight_hard_loss, weight_soft_loss,
                                   student_logit_scale=1.0, student_softcap=None, teacher_logit_scale=1.0,
                                   teacher_softcap=None, weight_grad_accum="fp32", chunk_tokens=None) -> None:
@@ -288,7 +312,7 @@ def validate_distillation_options(*, beta, temperature, ignore_index, reduction,
             check_real(f"{side}_softcap", softcap, low=0.0, low_inclusive=False)
     check_real("temperature", temperature, low=0.0, low_inclusive=False)
     check_int("ignore_index", ignore_index)
-    check_choice("reduction", reduction, REDUCTIONS)
+    check_choice("reduction", reduction, DISTILL_REDUCTIONS)
     check_real("weight_hard_loss", weight_hard_loss, low=0.0)
     check_real("weight_soft_loss", weight_soft_loss, low=0.0)
     validate_strategy("auto", weight_grad_accum, chunk_tokens)
@@ -399,7 +423,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         teacher_weight: [V, H_t] the teacher's LM head (same V), teacher_hidden's dtype. teacher_bias: optional [V].
         target: optional [...] int64/int32 labels: rows at `ignore_index` count nothing; None: every row counts.
         beta: in [0, 1], see above.  temperature: τ > 0, divides both models' logits in the divergence.
-        reduction: "mean" (over the rows not ignored, at least 1: all ignored gives 0, as TRL), "sum" or "none".
+        reduction: "mean" (over the rows not ignored, at least 1: all ignored gives 0, as TRL), "sum", "none",
+            or "batchmean", TRL's `generalized_jsd_loss` default: without target the sum over the batch's first
+            dimension (the sum / B of a [B, S, H] input, at least 1), with target the same as "mean" (TRL keeps
+            the labelled rows first).
         weight_hard_loss / weight_soft_loss: ≥ 0, the weights of the cross-entropy and the divergence (Liger's names).
         student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each model's own logit
             transform, as TRL's DistillationTrainer applies them: z = c·tanh(h·scale / c) of the head's output h
@@ -413,8 +440,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
             and the rows are computed densely. Either wrong count raises ValueError.
 
     Returns:
-        the loss in float32: 0-d for mean/sum, the input's leading shape for "none"; with `return_entropy`,
-        (loss, entropy).
+        the loss in float32: 0-d for mean/sum/batchmean, the input's leading shape for "none"; with
+        `return_entropy`, (loss, entropy).
     """
     options = dict(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction,
                    weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
@@ -439,6 +466,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     if target is not None:
         num_valid_tokens = normalize_count(num_valid_tokens, target)  # numpy / CPU-tensor counts as the kernels take it
     lead_shape = student_hidden.shape[:-1]
+    batch_divisor = None
+    if reduction == "batchmean":  # the sum scaled once after the operators, which know mean, sum and none
+        batch_divisor = batchmean_divisor(lead_shape, target is not None)
+        reduction = "mean" if batch_divisor is None else "sum"
     if lead_shape.numel() == 0:
         return empty_batch_loss(student_hidden, student_weight, student_bias, reduction, return_entropy)
     xs = student_hidden.reshape(-1, student_hidden.shape[-1])
@@ -469,6 +500,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
                               with_entropy=return_entropy)
     if reduction == "none":
         loss = loss.reshape(lead_shape)
+    if batch_divisor is not None:
+        loss = loss / batch_divisor
     return (loss, entropy.reshape(lead_shape)) if return_entropy else loss
 
 

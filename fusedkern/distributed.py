@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from fusedkern import _validation as V_
-from fusedkern import chunked
+from fusedkern import engine
+from fusedkern.engine import Chunk, Grads, LossOptions, plan_for_grads, row_kernel_args, token_chunks
 from fusedkern.kernels.ce_rows import ce_rows, gpu_split, merge_row_stats, row_stats_tile, tile_partials
 from fusedkern._validation import (
     check_target_type,
@@ -132,51 +133,65 @@ def _exchange_stats(parts: torch.Tensor, target_logit: torch.Tensor, group) -> N
     target_logit.copy_(flat[parts.numel():])
 
 
-def _shard_chunks(x, w, b, y, class_weight, opts: chunked.LossOptions, shard: VocabShard, C: int, *, loss_tok, stats,
-                  compute_stats: bool, grad, per_token_grad: bool, dx=None, dw=None, db=None, scratch=None,
-                  reduce_dx: bool = True) -> None:
-    """Logits GEMM of the shard → (statistics exchange →) row kernel → gradient GEMMs, chunk by chunk.
-    compute_stats: form loss_tok / stats from all ranks' partials; else read the saved stats.
-    reduce_dx: all-reduce each chunk's rows of dX (asynchronously, awaited before returning)."""
-    T, V_r = x.shape[0], w.shape[0]
-    buf = chunked.logits_buffer(min(C, T), V_r, x, scratch)
-    kernel_args = chunked.row_kernel_args(class_weight, opts)
-    pending = []
-    for i, c0 in enumerate(range(0, T, C)):
-        c1 = min(c0 + C, T)
-        x_c, y_c = x[c0:c1], y[c0:c1]
-        z = chunked.logits_into(buf, x_c, w, b)
-        if compute_stats:
-            parts, target_logit, split = tile_partials(c1 - c0, shard.world * shard.slot_cols, shard.slot_cols,
-                                                       x.device)
+class ShardRows:
+    """The engine's row pass over this rank's vocabulary shard: (with compute_stats) the shard's partial statistics,
+    exchanged with every rank in one all-reduce and merged into the whole vocabulary's lse and loss; then (with
+    grad) the shard's columns of ∂L/∂Z in place, at the shard's column offset."""
+
+    def __init__(self, y, class_weight, opts: LossOptions, shard: VocabShard, *, loss_tok, stats,
+                 compute_stats: bool, grad, per_token_grad: bool):
+        self.y, self.class_weight, self.opts, self.shard = y, class_weight, opts, shard
+        self.kernel_args = row_kernel_args(class_weight, opts)
+        self.loss_tok, self.stats, self.compute_stats = loss_tok, stats, compute_stats
+        self.grad, self.per_token_grad = grad, per_token_grad
+
+    def __call__(self, z, x_c, chunk: Chunk) -> None:
+        r, shard, opts = chunk.rows, self.shard, self.opts
+        y_c = self.y[r]
+        if self.compute_stats:
+            parts, target_logit, split = tile_partials(z.shape[0], shard.world * shard.slot_cols, shard.slot_cols,
+                                                       z.device)
             parts[0, :, : shard.world * split] = 0.0  # other ranks' slots: 0 in the sum (padding stays −inf)
             row_stats_tile(z, y_c, parts, target_logit, tile_index=shard.rank, split=split, col_base=shard.start,
-                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)
+                           class_weight=self.class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing)
             _exchange_stats(parts, target_logit, shard.group)
-            merge_row_stats(parts, target_logit, y_c, shard.vocab_size, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
-                            **kernel_args)
-        if grad is None:
-            continue
-        ce_rows(z, y_c, loss=None, stats=stats[:, c0:c1], grad=grad[c0:c1] if per_token_grad else grad,
-                compute_stats=False, per_token_grad=per_token_grad, col_base=shard.start,
-                vocab_total=shard.vocab_size, **kernel_args)
-        dx_rows = None if dx is None else dx[c0:c1]
-        chunked.chunk_grads(z, x_c, w, dx_rows, dw, db, first=i == 0)
-        if dx_rows is not None and reduce_dx and shard.world > 1:
-            pending.append(dist.all_reduce(dx_rows, group=shard.group, async_op=True))
+            merge_row_stats(parts, target_logit, y_c, shard.vocab_size, loss=self.loss_tok[r],
+                            stats=self.stats[:, r], **self.kernel_args)
+        if self.grad is None:
+            return
+        ce_rows(z, y_c, loss=None, stats=self.stats[:, r], grad=self.grad[r] if self.per_token_grad else self.grad,
+                compute_stats=False, per_token_grad=self.per_token_grad, col_base=shard.start,
+                vocab_total=shard.vocab_size, **self.kernel_args)
+
+
+def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard, C: int, *, loss_tok, stats,
+                  compute_stats: bool, grad, per_token_grad: bool, grads: Grads | None = None,
+                  reduce_dx: bool = True) -> None:
+    """The engine's loop over the shard: logits GEMM → (statistics exchange →) row kernel → gradient GEMMs, chunk
+    by chunk. reduce_dx: all-reduce each chunk's rows of dX (asynchronously, awaited before returning)."""
+    pending = []
+
+    def reduce_chunk_dx(chunk: Chunk) -> None:
+        if grads is not None and grads.dx is not None and reduce_dx and shard.world > 1:
+            pending.append(dist.all_reduce(grads.dx[chunk.rows], group=shard.group, async_op=True))
+
+    row_pass = ShardRows(y, class_weight, opts, shard, loss_tok=loss_tok, stats=stats, compute_stats=compute_stats,
+                         grad=grad, per_token_grad=per_token_grad)
+    engine.run(x, w, b, token_chunks(x.shape[0], C), row_pass, grads=grads if grad is not None else None,
+               after_chunk=reduce_chunk_dx)
     for work in pending:
         work.wait()
 
 
 def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, weight_grad_accum, reduce_dx,
                  **chunk_args):
-    """(dx, dw, db, dw_out) of a pass over the chunks with gradients, in `chunked.grad_buffers`' form."""
+    """(dx, dw, db, dw_out) of a pass over the chunks with gradients, in `engine.Grads`' form."""
     need_dx, need_dw, need_db = needs
-    plan = chunked.plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
-    dx, dw, db, dw_out = chunked.grad_buffers(x, w, b, need_dx, need_dw, need_db, plan)
-    _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, dx=dx, dw=dw, db=db,
-                  scratch=dw_out if plan.buffer_in_dw_storage else None, reduce_dx=reduce_dx, **chunk_args)
-    return dx, dw, db, dw_out
+    plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
+    grads = Grads.allocate(x, w, b, need_dx, need_dw, need_db, plan)
+    _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, grads=grads, reduce_dx=reduce_dx,
+                  **chunk_args)
+    return grads.as_tuple()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +250,7 @@ class _PerTokenLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
         loss_tok, stats = _row_buffers(x)
-        C = chunked.plan_for_grads(x.shape[0], w, False, weight_grad_accum, chunk_tokens).chunk_tokens
+        C = plan_for_grads(x.shape[0], w, False, weight_grad_accum, chunk_tokens).chunk_tokens
         _shard_chunks(x, w, b, y, class_weight, opts, shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
                       grad=None, per_token_grad=False)
         finish_checks(checks)
@@ -332,7 +347,7 @@ def vocab_parallel_cross_entropy(input: torch.Tensor, linear_weight: torch.Tenso
         V_.check_shape("weight", weight, (shard.vocab_size,), "one class weight per entry of the whole vocabulary")
     x2d, y = _flat_inputs(input, target, sequence_parallel, group)
     class_weight = None if weight is None else weight.float().contiguous()
-    opts = chunked.LossOptions(ignore_index, float(label_smoothing), float(z_loss),
+    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss),
                                None if softcap is None else float(softcap))
     reduce_dx = not sequence_parallel  # with sequence parallelism the gather's backward reduce-scatters dX
     wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or linear_weight.requires_grad

@@ -7,8 +7,8 @@ forward, then the recomputed logits, dX and dW in the backward), because that ba
 only after the forward has returned. But with token-level importance sampling ∂L/∂logp_t is a function of
 that token's own logp_t (its ratio exp(logp_t − old_t), the clip bounds, its advantage and reference
 log-prob) and of loss-type weights that depend on the mask alone, so the chunked strategy forms the
-gradient in the forward pass instead (`grpo_chunked.py`): three GEMMs, the default whenever it applies
-(eager, chunked, a gradient wanted, old/reference log-probs and advantages not requiring grad).
+gradient in the forward pass instead (a formula over the chunk engine, `formula.py`): three GEMMs, the default
+whenever it applies (eager, chunked, a gradient wanted, old/reference log-probs and advantages not requiring grad).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from fusedkern import _validation as V_
-from fusedkern.chunked import LossOptions
+from fusedkern.engine import LossOptions, plan_for_grads, token_chunks
+from fusedkern.formula import FormulaSpec, formula_loss
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern.autograd import follows_autocast
 from fusedkern.linear_cross_entropy import resolve_impl
@@ -34,7 +35,7 @@ def grpo_per_token_loss(logps: torch.Tensor, *, advantages: torch.Tensor, old_lo
     """(per-token loss, ratio, per-token k3 KL or None), each shaped like logps: −min(r·A, clip(r, 1 − ε,
     1 + ε_high)·A) + β·k3, r = exp(logp − old) (old = logp.detach() when None), k3 = exp(ref − logp) − (ref −
     logp) − 1. advantages broadcast against logps (a [B, 1] column for [B] advantages). A function of each
-    token's own log-prob: the chunked form (`grpo_chunked.py`) differentiates it chunk by chunk."""
+    token's own log-prob: the chunked form (`formula.py`) differentiates it chunk by chunk."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     old = logps.detach() if old_logps is None else old_logps.float()
     ratio = torch.exp(logps - old)
@@ -298,9 +299,8 @@ def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old
 
 def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,
              temperature, compute_entropy, weight_grad_accum, chunk_tokens):
-    """`linear_grpo_loss` through `grpo_chunked.ChunkedGRPO`: (loss, metrics) as the generic path gives them."""
-    from fusedkern.grpo_chunked import ChunkedGRPO
-
+    """`linear_grpo_loss` as a formula over the engine (`formula.FormulaLoss`): (loss, metrics) as the generic path
+    gives them."""
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -315,13 +315,26 @@ def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, no
         return grpo_per_token_loss(logp_c, advantages=adv_flat[rows], old_logps=old_c, ref_logps=ref_c, **hp)[0]
 
     weights = grpo_token_weights(mask, **norm).reshape(-1)
+
+    def formula(chunk, logp):  # ∂L/∂logp_t of each token of the chunk: a function of its own log-prob
+        rows = chunk.rows
+        with torch.enable_grad():
+            logp_c = logp[rows].detach().requires_grad_()
+            loss_c = (per_token_loss(logp_c, rows) * weights[rows]).sum()
+            return torch.autograd.grad(loss_c, logp_c)[0]
+
+    def loss(logp, _entropy):
+        return (per_token_loss(logp, slice(None)) * weights).sum()
+
+    plan = plan_for_grads(x2d.shape[0], w, w.requires_grad, weight_grad_accum, chunk_tokens)
+    spec = FormulaSpec(formula, loss, token_chunks(x2d.shape[0], plan.chunk_tokens), plan, "linear_grpo_loss",
+                       with_entropy=compute_entropy)
     opts = LossOptions(ignore_index, softcap=None if softcap is None else float(softcap),
                        logit_scale=1.0 / float(temperature))
-    loss, logp, entropy = ChunkedGRPO.apply(x2d, w, b, y, opts, per_token_loss, weights, weight_grad_accum,
-                                            chunk_tokens, compute_entropy)
+    loss, logp, entropy = formula_loss(x2d, w, b, y, opts, spec)
     logps = logp.view(target.shape)
     old, ref = (None if t is None else off_mask_as_policy(t, logps, mask) for t in (old_logps, ref_logps))
     _, ratio, per_token_kl = grpo_per_token_loss(logps, advantages=adv, old_logps=old, ref_logps=ref, **hp)
     return loss, grpo_metrics(ratio, mask, adv, epsilon=hp["epsilon"], epsilon_high=hp["epsilon_high"],
-                              per_token_kl=per_token_kl, entropy=entropy.view(target.shape) if compute_entropy
-                              else None)
+                              per_token_kl=per_token_kl,
+                              entropy=None if entropy is None else entropy.view(target.shape))

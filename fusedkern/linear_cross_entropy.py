@@ -175,9 +175,10 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
         lse, db = absent(x, torch.float32), None
     else:
-        loss_tok, stats, dx, dw, db, dw_out = chunked_loss_and_grads(
+        loss_tok, stats, grads = chunked_loss_and_grads(
             x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
             weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
+        dx, dw, db, dw_out = grads.as_tuple()
         lse = absent(x, torch.float32) if rows is not None else lse_of(stats)
     loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
     finish_checks(checks)

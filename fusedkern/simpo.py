@@ -5,14 +5,15 @@ log-probabilities of the [2B, S] batch; everything after that is an O(B·S) func
 (`simpo_loss_from_logps`), whose autograd hands the fused backward one upstream gradient per token:
 chosen token g = −β·σ(−z_i)/(B·n_w,i) − α/N_w, rejected token g = +β·σ(−z_i)/(B·n_l,i) (ε = 0).
 That generic path costs four GEMMs (logits recomputed in backward). With the chunked strategy and
-responses that fit a chunk, `fusedkern/simpo_chunked.py` forms the same gradient in the forward pass
-(three GEMMs when a chunk holds a whole pair, 3.5 otherwise), inside the custom operator
+responses that fit a chunk, the chunk engine forms the same gradient in the forward pass (`simpo_spec`)
+(three GEMMs when a chunk holds a whole pair, 3.5 otherwise: `plan_for`), inside the custom operator
 `fusedkern::simpo_chunked` (traceable by torch.compile, like the cross-entropy operators).
 Semantics follow TRL's CPOTrainer with loss_type="simpo" (docs/design.md).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -21,7 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedkern import _validation as V_
-from fusedkern.chunked import LossOptions
+from fusedkern.chunk_plan import GradChunkPlan
+from fusedkern.chunked import chunked_loss
+from fusedkern.engine import Chunk, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
+from fusedkern.formula import FormulaSpec
 from fusedkern.integrations.fsdp import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
 from fusedkern.autograd import (
@@ -36,7 +40,6 @@ from fusedkern.autograd import (
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, resolve_impl, save_output_grads
 from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import logprobs_unchecked
-from fusedkern.simpo_chunked import ChunkedSimPO, plan_for
 
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
 # γ = β·(0.25–0.8) and α = 0 (pure SimPO).
@@ -99,41 +102,117 @@ def _validate_simpo(input, target, beta, gamma, alpha, label_smoothing):
     _validate_hyperparameters(beta, gamma, alpha, label_smoothing)
 
 
-class _Saved:
-    """What `ChunkedSimPO.forward` hands its autograd context, kept: the operator below runs that forward
-    as a plain function and returns the gradients it saved as outputs."""
+def plan_for(n_rows: int, seq: int, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
+             chunk_tokens: int | None) -> tuple[str, int, GradChunkPlan]:
+    """How the chunks hold SimPO's responses: (mode, pairs or responses per chunk, the chunk plan of
+    `chunk_plan.grad_chunk_plan`).
 
-    def save_for_backward(self, *tensors):
-        self.saved = tensors
+    - "pairs": a chunk holds whole chosen/rejected pairs (2·S tokens ≤ C): three GEMMs in all.
+    - "prepass": a chunk holds whole responses but not a pair: a loss-only pass over the rejected half first gives
+      every A_l (half a GEMM's work), then chunks of chosen responses, then of rejected ones (their partners' A_w
+      now known): 3.5 GEMMs.
+    - "generic": a response longer than a chunk: the four-GEMM path (logits recomputed in backward)."""
+    grad_plan = plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
+    C = grad_plan.chunk_tokens
+    if C >= 2 * seq:
+        return "pairs", max(1, min(C // (2 * seq), n_rows // 2)), grad_plan
+    if C >= seq:
+        return "prepass", C // seq, grad_plan
+    return "generic", 0, grad_plan
 
-    def mark_non_differentiable(self, *tensors):
-        pass
+
+def _upstream_per_token(a_self, a_partner, n_self, n_chosen_total, *, chosen: bool, beta, gamma, alpha,
+                        label_smoothing, n_pairs):
+    """g_t = ∂L/∂ℓ_t (ℓ = −log p) for the tokens of k responses. a_* [k] float64, n_self [k] → [k, 1] float64
+    (broadcast over S). With dL/dz_i = [−(1−ε)σ(−z_i) + εσ(z_i)]/B: chosen tokens get −β·dL/dz_i / n_w,i + α/N_w,
+    rejected tokens +β·dL/dz_i / n_l,i."""
+    a_w, a_l = (a_self, a_partner) if chosen else (a_partner, a_self)
+    z = beta * (a_w - a_l) - gamma
+    dl_dz = (-(1.0 - label_smoothing) * torch.sigmoid(-z) + label_smoothing * torch.sigmoid(z)) / n_pairs
+    dl_da_self = beta * dl_dz if chosen else -beta * dl_dz
+    g = -dl_da_self / n_self.clamp(min=1)
+    if chosen:
+        g = g + alpha / n_chosen_total.clamp(min=1)
+    return g[:, None]
+
+
+def simpo_spec(target: torch.Tensor, ignore_index: int, plan: tuple, hp: dict, loss_fn,
+               rejected_logps=None) -> FormulaSpec:
+    """SimPO as a formula over the engine (`formula.FormulaSpec`), for target [2B, S] and `plan_for`'s plan.
+
+    Log-probs in float64 (`engine.logprobs_fp64`): z_i = β(A_w − A_l) − γ, so at β = 10 the fp32 rounding of each
+    log-probability would move every gradient of the pair by ~β·ulp relative. rejected_logps(): the prepass's
+    per-token log-probs of the rejected half [B·S] (mode "prepass" only)."""
+    mode, per_chunk, grad_plan = plan
+    two_b, seq = target.shape
+    n_pairs = two_b // 2
+    mask = target != ignore_index
+    n_tokens = mask.sum(-1)  # [2B]
+    n_chosen_total = n_tokens[:n_pairs].sum()
+    upstream = functools.partial(_upstream_per_token, n_chosen_total=n_chosen_total, n_pairs=n_pairs,
+                                 **hp)
+
+    def mean_logp(logp, r0, r1):  # A of responses r0..r1−1
+        return logp.view(two_b, seq)[r0:r1].sum(-1) / n_tokens[r0:r1].clamp(min=1)
+
+    if mode == "pairs":
+        chunks = group_chunks(n_pairs, per_chunk, seq, paired=True)
+
+        def formula(chunk, logp):
+            i0, i1 = chunk.blocks[0].start // seq, chunk.blocks[0].stop // seq
+            a_w, a_l = mean_logp(logp, i0, i1), mean_logp(logp, n_pairs + i0, n_pairs + i1)
+            g_w = upstream(a_w, a_l, n_tokens[i0:i1], chosen=True)
+            g_l = upstream(a_l, a_w, n_tokens[n_pairs + i0:n_pairs + i1], chosen=False)
+            return -torch.cat([g_w, g_l]).expand(-1, seq).reshape(-1)  # ∂L/∂log p = −∂L/∂ℓ
+    else:  # "prepass": chosen chunks first (partners from the prepass), then rejected ones
+        a_rejected = (rejected_logps().double().view(n_pairs, seq).sum(-1)
+                      / n_tokens[n_pairs:].clamp(min=1))
+        chunks = [Chunk(i, (slice(r0 * seq, min(r0 + per_chunk, end) * seq),))
+                  for i, (r0, end) in enumerate((r, e) for s0, e in ((0, n_pairs), (n_pairs, two_b))
+                                                for r in range(s0, e, per_chunk))]
+
+        def formula(chunk, logp):
+            r0, r1 = chunk.blocks[0].start // seq, chunk.blocks[0].stop // seq
+            chosen = r0 < n_pairs
+            i0, i1 = (r0, r1) if chosen else (r0 - n_pairs, r1 - n_pairs)
+            partner = a_rejected[i0:i1] if chosen else mean_logp(logp, i0, i1)
+            g = upstream(mean_logp(logp, r0, r1), partner, n_tokens[r0:r1], chosen=chosen)
+            return -g.expand(-1, seq).reshape(-1)
+
+    return FormulaSpec(formula, lambda logp, _: loss_fn(logp.view(two_b, seq), mask), chunks,
+                       grad_plan, "linear_simpo_loss (chunked)", logp_dtype=torch.float64)
 
 
 def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
                   beta: float, gamma: float, alpha: float, label_smoothing: float, weight_grad_accum: str,
                   chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO over chunks of whole responses with the gradient formed in the forward pass (`ChunkedSimPO`).
+    """SimPO over chunks of whole responses with the gradient formed in the forward pass (`simpo_spec` on the
+    engine).
 
     x [2B, S, H] · w [V, H] · b [V] | None · target [2B, S]. Returns (loss 0-d fp32, logp [2B, S] fp32,
     dx [2B·S, H], dw, db, dw_out as `linear_cross_entropy.ce_chunked_scalar` returns them)."""
     checks = start_checks(target, w.shape[0], ignore_index, None, None, -1)
-    two_b, seq, _ = x.shape
+    two_b, seq, hidden = x.shape
     hp = dict(beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing)
-    ctx = _Saved()
+    opts = LossOptions(ignore_index=ignore_index)
+    x2d, y = x.reshape(-1, hidden), target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
+    plan = plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens)
 
-    def loss_fn(logp, mask):
-        return simpo_loss_from_logps(logp, mask, **hp)[0]
-    with torch.no_grad():  # ChunkedSimPO reads which gradients to form from requires_grad
-        loss, logp = ChunkedSimPO.forward(
-            ctx, x.detach().requires_grad_(need_dx), w.detach().requires_grad_(need_dw),
-            None if b is None else b.detach().requires_grad_(need_db), target, LossOptions(ignore_index=ignore_index),
-            hp, weight_grad_accum, plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens), loss_fn)
-    dx, dw, db, dw_out = ctx.saved
+    def rejected_logps():  # the prepass: a loss-only pass over the rejected half; its fp32 −ℓ_t
+        rejected = slice(two_b // 2 * seq, two_b * seq)
+        return -chunked_loss(x2d[rejected], w, b, y[rejected], None, opts)[0]
+
+    spec = simpo_spec(target, ignore_index, plan, hp,
+                      lambda logp, mask: simpo_loss_from_logps(logp, mask, **hp)[0], rejected_logps)
+    logp, _, grads = formula_loss_and_grads(x2d, w, b, y, opts, spec.formula, spec.chunks, spec.plan,
+                                            need_dx=need_dx, need_dw=need_dw, need_db=need_db and b is not None,
+                                            logp_dtype=spec.logp_dtype)
+    loss = spec.loss(logp, None).float()  # from the float64 log-probabilities, rounded once
     finish_checks(checks)
-    return (loss, logp, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
-            or_absent(dw_out if return_dw_out else None, w))
+    dx, dw, db, dw_out = grads.as_tuple()
+    return (loss, logp.view(two_b, seq).float(), or_absent(dx, x), or_absent(dw, w),
+            or_absent(db, w, torch.float32), or_absent(dw_out if return_dw_out else None, w))
 
 
 simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=(),
@@ -225,7 +304,7 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
         if chunked and plan[0] == "generic":
             _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
         if chunked and plan[0] != "generic":
-            # three (or 3.5) GEMMs: the gradient is formed in the forward pass (fusedkern/simpo_chunked.py)
+            # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`)
             loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,
                                       *hp.values(), weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
                                       not torch.compiler.is_compiling())

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from IPython.display import display
 
 from fusedkern import preference, reference
-from fusedkern.preference_chunked import preference_plan
+from fusedkern.linear_preference import preference_plan
 from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
@@ -208,7 +208,7 @@ print("  " + ", ".join(f"{k} {tables.error_bound(v, 1e-15)}" for k, v in logit_e
 # (GEMM 2) before dX and dW (GEMMs 3 and 4). Unlike `linear_simpo_loss`, `linear_preference_loss`
 # has no 3.5-GEMM prepass mode (notebook 05).
 #
-# `fusedkern.preference_chunked.preference_plan` decides; here it is asked for the measured shapes
+# `fusedkern.linear_preference.preference_plan` decides; here it is asked for the measured shapes
 # (seq 1024, the Llama-3 head: V 128256, H 4096, bf16), for the default (fp32 dW accumulation) and
 # the lean mode (dW in bf16, ≤ 256 MiB of logits buffer: 1024-token chunks). A weight on the meta
 # device suffices, nothing is allocated.

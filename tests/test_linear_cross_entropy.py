@@ -367,19 +367,17 @@ def test_gpu_chunked_step_never_waits_for_the_gpu(accum):
 def test_chunked_grads_become_dot_grad_without_a_copy(monkeypatch, loss, weight_grad_accum, chunk_tokens):
     """The gradients formed in the forward pass are handed to autograd as the only reference, so `.grad`
     is the op's own buffer: a copy would add a whole [V, H] dW to the peak (found on the H200: +1 GiB)."""
-    import fusedkern.chunked
-    import fusedkern.simpo_chunked
+    from fusedkern.engine import Grads
 
     formed = []
-    grad_buffers = fusedkern.chunked.grad_buffers
+    allocate = Grads.allocate
 
     def recording(*args, **kwargs):
-        buffers = grad_buffers(*args, **kwargs)
-        formed.extend(t.data_ptr() for t in buffers if t is not None)
-        return buffers
+        grads = allocate(*args, **kwargs)
+        formed.extend(t.data_ptr() for t in grads.as_tuple() if t is not None)
+        return grads
 
-    monkeypatch.setattr(fusedkern.chunked, "grad_buffers", recording)
-    monkeypatch.setattr(fusedkern.simpo_chunked, "grad_buffers", recording)
+    monkeypatch.setattr(Grads, "allocate", recording)
     H, V = 16, 40
     x = torch.randn(4, 8, H, dtype=torch.float16, device=DEVICE).requires_grad_()
     w = (torch.randn(V, H, device=DEVICE) / 4).to(torch.float16).requires_grad_()

@@ -10,7 +10,7 @@ import torch
 
 import fusedkern
 from fusedkern import reference
-from fusedkern.simpo_chunked import plan_for
+from fusedkern.simpo import plan_for
 from tests._accuracy import assert_close_to_ref, rel_err
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import IMPLS, make_inputs

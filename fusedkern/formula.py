@@ -1,0 +1,72 @@
+"""Losses given as formulas of per-token log-probs, with the gradient formed in the forward pass: three GEMMs.
+
+A loss that touches the logits only through per-token log-probs (GRPO per token, the preference family per
+sequence or per pair) needs four GEMMs when its upstream gradient reaches the head only in backward. But where a
+chunk holds every row that the formula couples (a token, a sequence, a chosen/rejected pair), ∂L/∂logp of the
+chunk's rows is exact as soon as the chunk's statistics are known: the engine's `FormulaRows` forms it there and
+writes the logits gradient in place, and the backward only rescales the saved gradients (one backward per call).
+Eager only: under torch.compile the losses take their generic path, `linear_logprobs` and autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fusedkern._validation import finish_checks, start_checks
+from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
+from fusedkern.chunk_plan import GradChunkPlan
+from fusedkern.engine import Chunk, Formula, LossOptions, formula_loss_and_grads
+
+
+@dataclass(frozen=True)
+class FormulaSpec:
+    """formula: ∂L/∂logp of a chunk's rows (`engine.Formula`). loss(logp [T], entropy [T] | None) → the 0-d loss
+    from every row's log-probs. chunks: the engine's chunks (each holding whole coupled groups) over `plan`.
+    logp_dtype: float64 where the formula's gradient is steep in a sum of log-probs. logp_fill: what rows not yet
+    computed hold when the formula reads them. what: the loss's name in errors."""
+
+    formula: Formula
+    loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    chunks: Sequence[Chunk]
+    plan: GradChunkPlan
+    what: str
+    logp_dtype: torch.dtype = torch.float32
+    with_entropy: bool = False
+    logp_fill: float = 0.0
+
+
+class FormulaLoss(torch.autograd.Function):
+    """forward(x [T, H], w [V, H], b [V] | None, target [T], opts: `LossOptions`, spec: `FormulaSpec`) →
+    (loss 0-d fp32, logp [T] in spec.logp_dtype, entropy [T] fp32 or [0]); logp and entropy are not
+    differentiable (the formula's gradient already went into the head's)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, opts: LossOptions, spec: FormulaSpec):
+        # targets out of range raise after the kernels are queued, as in every operator (no sync before)
+        checks = start_checks(target, w.shape[0], opts.ignore_index, None, None, -1)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        logp, entropy, grads = formula_loss_and_grads(
+            x, w, b, target, opts, spec.formula, spec.chunks, spec.plan, need_dx=need_dx, need_dw=need_dw,
+            need_db=need_db and b is not None, logp_dtype=spec.logp_dtype, with_entropy=spec.with_entropy,
+            logp_fill=spec.logp_fill)
+        finish_checks(checks)
+        save_precomputed_grads(ctx, x, w, b, grads.dx, grads.dw, grads.db, grads.dw_out)
+        ctx.what = spec.what
+        loss = spec.loss(logp, entropy).float()
+        entropy = logp.new_empty(0, dtype=torch.float32) if entropy is None else entropy
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        return (*rescaled_grads(ctx, grad_loss, ctx.what), None, None, None)
+
+
+def formula_loss(x, w, b, target, opts: LossOptions, spec: FormulaSpec):
+    """`FormulaLoss` applied: (loss, logp [T], entropy [T] or None)."""
+    loss, logp, entropy = FormulaLoss.apply(x, w, b, target, opts, spec)
+    return loss, logp, entropy if spec.with_entropy else None
