@@ -46,7 +46,7 @@ from fusedkern.autograd import (
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
 from fusedkern import engine
 from fusedkern.engine import Chunk, Grads, logits_buffer, logits_into, plan_for_grads, token_chunks
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 from fusedkern.kernels.distill_rows import distill_rows
 from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
 

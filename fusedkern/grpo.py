@@ -18,7 +18,7 @@ import torch
 from fusedkern import _validation as V_
 from fusedkern.engine import LossOptions, plan_for_grads, token_chunks
 from fusedkern.formula import FormulaSpec, formula_loss
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 from fusedkern.autograd import follows_autocast
 from fusedkern.linear_cross_entropy import resolve_impl
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options

@@ -56,7 +56,7 @@ from fusedkern.chunked import (
     lse_of,
     plan_for_grads,
 )
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 
 
 # ----------------------------------------------------------------------------------------------

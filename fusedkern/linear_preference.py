@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fusedkern import _validation as V_
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 from fusedkern.engine import LossOptions, group_chunks, plan_for_grads
 from fusedkern.formula import FormulaSpec, formula_loss
 from fusedkern.autograd import follows_autocast

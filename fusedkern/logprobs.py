@@ -20,7 +20,7 @@ import torch
 
 from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 from fusedkern._validation import validate_call
 from fusedkern.autograd import call_op, follows_autocast
 from fusedkern.linear_cross_entropy import (logprobs_entropy, logprobs_impl, loss_over_tokens, resolve_impl,

@@ -26,7 +26,7 @@ from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import chunked_loss
 from fusedkern.engine import Chunk, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
 from fusedkern.formula import FormulaSpec
-from fusedkern.integrations.fsdp import full_weights
+from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
 from fusedkern.autograd import (
     absent,

@@ -1,4 +1,4 @@
-"""fusedkern with a sharded LM head, in two CPU processes over gloo (fusedkern/integrations/fsdp.py).
+"""fusedkern with a sharded LM head, in two CPU processes over gloo (fusedkern/sharded.py).
 
 Two ranks are spawned once (the `ranks` fixture) and run every scenario on their own tokens, saving what
 they got (losses, gradients as full tensors); each test recomputes its scenarios unsharded and compares:
