@@ -279,7 +279,7 @@ def test_bad_inputs_raise_naming_the_argument():
     cases = [
         (dict(beta=1.5), ValueError, "beta"), (dict(beta=-0.1), ValueError, "beta"),
         (dict(temperature=0.0), ValueError, "temperature"), (dict(temperature=float("inf")), ValueError, "temperature"),
-        (dict(reduction="batchmean"), ValueError, "reduction"),
+        (dict(reduction="tokenmean"), ValueError, "reduction"),
         (dict(weight_hard_loss=-1.0), ValueError, "weight_hard_loss"),
         (dict(wt=wt[:-1]), ValueError, "vocabulary"), (dict(xt=xt[:-1]), ValueError, "teacher_hidden"),
         (dict(xs=xs[:, :-1]), ValueError, "student_hidden"), (dict(ws=ws.double()), TypeError, "student_weight"),
@@ -416,3 +416,75 @@ def test_dtensor_heads_are_gathered(tmp_path):
         torch.testing.assert_close(w_dt.grad.full_tensor(), w.grad)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # trl.experimental's import warning
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_batchmean_is_trls_generalized_jsd_loss(beta):
+    """reduction="batchmean" is TRL's `generalized_jsd_loss` default on the materialized logits, loss and the
+    student's gradients: without labels the sum over the batch's first dimension (B of [B, S, H], not the B·S
+    rows "mean" divides by), with labels the mean over the labelled rows. fp32, temperature 1.5."""
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    B, S = 2, 5
+    g = torch.Generator().manual_seed(21)
+    xs, xt = torch.randn(B, S, HS, generator=g), torch.randn(B, S, HT, generator=g)
+    ws, wt = torch.randn(V, HS, generator=g) / math.sqrt(HS) * 2, torch.randn(V, HT, generator=g) / math.sqrt(HT) * 2
+    bs, bt = torch.randn(V, generator=g) * 0.5, torch.randn(V, generator=g) * 0.5
+    y = torch.randint(0, V, (B, S), generator=g)
+    y[0, :2] = -100
+    xs, xt, ws, wt, bs, bt, y = (t.to(DEVICE) for t in (xs, xt, ws, wt, bs, bt, y))
+    tau = 1.5
+    for target in (None, y):
+        ours = leaves(xs, ws, bs)
+        loss = fusedkern.linear_distillation_loss(ours[0], ours[1], xt, wt, target, student_bias=ours[2],
+                                                  teacher_bias=bt, beta=beta, temperature=tau,
+                                                  reduction="batchmean", chunk_tokens=4)
+        theirs = leaves(xs, ws, bs)
+        want = gkd.GKDTrainer.generalized_jsd_loss(torch.nn.functional.linear(theirs[0], theirs[1], theirs[2]),
+                                                   torch.nn.functional.linear(xt, wt, bt), labels=target,
+                                                   beta=beta, temperature=tau, reduction="batchmean")
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        for a, e in zip(torch.autograd.grad(loss, ours), torch.autograd.grad(want, theirs)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+        mean = fusedkern.linear_distillation_loss(xs, ws, xt, wt, target, student_bias=bs, teacher_bias=bt,
+                                                  beta=beta, temperature=tau)
+        # "mean" divides by the rows: B·S of them without labels, the labelled ones with
+        torch.testing.assert_close(loss, mean * (S if target is None else 1), rtol=1e-5, atol=1e-6)
+        if target is None:
+            module = fusedkern.LinearDistillationLoss(beta=beta, temperature=tau, reduction="batchmean")
+            torch.testing.assert_close(module(xs, ws, xt, wt, student_bias=bs, teacher_bias=bt), loss.detach(),
+                                       rtol=1e-6, atol=0)
+    empty = fusedkern.linear_distillation_loss(xs[:0], ws, xt[:0], wt, reduction="batchmean")
+    assert empty.item() == 0.0  # TRL's divisor is at least 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # trl.experimental's import warning
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_trl_gkd_loss_is_trls_batchmean(beta):
+    """The TRL integration's GKD loss (`distill_output`, over the labelled rows only) equals GKDTrainer's
+    `generalized_jsd_loss` on the materialized logits with the shifted labels: its default "batchmean" (the
+    mean over the labelled rows), the sum over num_items_in_batch when given, and 0 with no labelled row."""
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    fk_trl = pytest.importorskip("fusedkern.integrations.trl")
+    B, S = 2, 5
+    g = torch.Generator().manual_seed(22)
+    xs, xt = torch.randn(B, S, HS, generator=g).to(DEVICE), torch.randn(B, S, HT, generator=g).to(DEVICE)
+    ws = (torch.randn(V, HS, generator=g) / math.sqrt(HS) * 2).to(DEVICE)
+    wt = (torch.randn(V, HT, generator=g) / math.sqrt(HT) * 2).to(DEVICE)
+    labels = torch.randint(0, V, (B, S), generator=g).to(DEVICE)
+    labels[0, :3] = -100
+    for lab, n_items in ((labels, None), (labels, torch.tensor(11.0)), (torch.full_like(labels, -100), None)):
+        mask = lab != -100
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        w = ws.clone().requires_grad_()
+        x = xs.reshape(-1, HS).index_select(0, rows).detach().requires_grad_()
+        teacher = dict(hidden=xt, weight=wt, bias=None, logit_scale=1.0, softcap=None, beta=beta, temperature=1.0)
+        out = fk_trl.distill_output(x, w, None, rows, mask, teacher, softcap=None, logit_scale=1.0,
+                                    num_items_in_batch=n_items, weight_grad_accum="fp32", chunk_tokens=None)
+        w2 = ws.clone().requires_grad_()
+        want = gkd.GKDTrainer.generalized_jsd_loss(xs @ w2.T, xt @ wt.T, labels=lab, beta=beta,
+                                                   num_items_in_batch=n_items)
+        torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+        if rows.numel():
+            torch.testing.assert_close(torch.autograd.grad(out.loss, w)[0], torch.autograd.grad(want, w2)[0],
+                                       rtol=1e-4, atol=1e-6)

@@ -397,18 +397,21 @@ def distill_output(x, weight, bias, rows, mask, distill_from: dict, softcap, log
                    weight_grad_accum, chunk_tokens):
     """FusedCausalLMOutput whose loss is GKD's `generalized_jsd_loss` of the student rows x against the teacher's
     (distill_from: the teacher's shifted last hidden states, head, logit scale and softcap, beta, temperature):
-    the sum over the valid positions divided by num_items_in_batch, else by their count (at least 1)."""
+    the sum over the valid positions divided by num_items_in_batch, else TRL's default reduction "batchmean" of
+    the labelled rows (jsd[mask]), which divides by their count (0 for none)."""
     teacher_hidden = distill_from["hidden"].to(weight.device)
     xt = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
     if rows.numel() == 0:
         loss = x.float().sum()
-    else:
+    else:  # x holds the labelled rows only, so "batchmean" with no target divides by their count, as TRL
         loss = linear_distillation_loss(
             x, weight, xt, distill_from["weight"], None, student_bias=bias, teacher_bias=distill_from["bias"],
-            beta=float(distill_from["beta"]), temperature=float(distill_from["temperature"]), reduction="sum",
+            beta=float(distill_from["beta"]), temperature=float(distill_from["temperature"]),
+            reduction="batchmean" if num_items_in_batch is None else "sum",
             student_logit_scale=logit_scale, student_softcap=softcap, teacher_logit_scale=distill_from["logit_scale"],
             teacher_softcap=distill_from["softcap"], weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    loss = loss / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
     return _trl_utils().FusedCausalLMOutput(loss=loss, label_mask=mask)
 
 
