@@ -2,7 +2,8 @@
 hidden 32, 2 layers, fp32, CPU through Triton's interpreter) with TRL's own fused head and with fusedkern's,
 side by side from the same weights and data: every logged loss and metric and every updated parameter agree
 within fp32 tolerance; fusedkern's head actually ran (its calls counted) and allocated no tensor shaped like
-the logits; what it cannot reproduce raises."""
+the logits; what it cannot reproduce raises. The patch itself: a list of records that unpatch() undoes, trainers
+built while patched that stay fused after it, TRL's version and hooks checked, uncovered trainers warned."""
 
 from __future__ import annotations
 
@@ -119,6 +120,9 @@ def build(kind, tiny, fused, **config):
         kw.update(model=tiny["path"], teacher_model=tiny["teacher"], processing_class=tokenizer)
     elif kind == "sft":
         cls, args, data = trl.SFTTrainer, trl.SFTConfig(**common), tiny["data"]["sft"]
+    elif kind == "reward":  # a trainer the patch does not cover (a sequence-classification model)
+        cls, args, data = trl.RewardTrainer, trl.RewardConfig(**common), tiny["data"]["pref"]
+        kw["model"] = tiny["path"]
     elif kind in ("grpo", "rloo"):
         common.setdefault("num_generations", 2)
         common.setdefault("max_completion_length", 4)
@@ -347,6 +351,7 @@ def test_no_logits_tensor_in_a_training_step(tiny, kind):
 
 
 def test_patch_replaces_every_reference_and_unpatch_restores():
+    import transformers
     import trl.trainer.dpo_trainer as dpo_module
     import trl.trainer.utils as utils
 
@@ -358,7 +363,8 @@ def test_patch_replaces_every_reference_and_unpatch_restores():
 
     original = utils.add_fused_lm_head
     originals = (distill_module._chunked_divergence_loss, GKDTrainer.compute_loss, CPOTrainer.concatenated_forward,
-                 CPOTrainer.__init__)
+                 CPOTrainer.__init__, GKDTrainer.__init__, distill_module.DistillationTrainer.__init__,
+                 transformers.Trainer.__init__)
     fk_trl.patch()
     try:
         assert fk_trl.is_patched()
@@ -367,14 +373,82 @@ def test_patch_replaces_every_reference_and_unpatch_restores():
         assert GKDTrainer.compute_loss is fk_trl.fused_gkd_compute_loss
         assert CPOTrainer.concatenated_forward is fk_trl.fused_concatenated_forward
         assert distill_module._chunked_divergence_loss is not originals[0]
+        assert transformers.Trainer.__init__ is not originals[-1]
+        # every change is one record of the list that unpatch() undoes
+        targets = {(p.target, p.name) for p in fk_trl._applied.patches}
+        assert {(utils, "add_fused_lm_head"), (dpo_module, "add_fused_lm_head"), (CPOTrainer, "__init__"),
+                (transformers.Trainer, "__init__"), (distill_module, "_chunked_divergence_loss")} <= targets
+        assert all(getattr(p.target, p.name) is p.replacement for p in fk_trl._applied.patches)
         fk_trl.patch(chunk_tokens=64)  # again, other options: still one layer over TRL's
-        assert fk_trl.is_patched()
+        assert fk_trl.is_patched() and fk_trl._applied.options["chunk_tokens"] == 64
     finally:
         fk_trl.unpatch()
     assert dpo_module.add_fused_lm_head is original and utils.add_fused_lm_head is original
     assert utils._ChunkedLogProbFunction is not fk_trl.TRLHeadGuard and not fk_trl.is_patched()
     assert (distill_module._chunked_divergence_loss, GKDTrainer.compute_loss, CPOTrainer.concatenated_forward,
-            CPOTrainer.__init__) == originals
+            CPOTrainer.__init__, GKDTrainer.__init__, distill_module.DistillationTrainer.__init__,
+            transformers.Trainer.__init__) == originals
+    fk_trl.unpatch()  # a second unpatch does nothing
+
+
+def test_patch_twice_is_idempotent_and_patched_restores_the_enclosing_state(monkeypatch):
+    import sys
+    import types
+
+    import trl.trainer.utils as utils
+
+    import fusedkern.integrations.trl as fk_trl
+
+    original = utils.add_fused_lm_head
+    with fk_trl.patched():
+        applied = fk_trl._applied
+        fk_trl.patch()  # the same options: nothing re-applied
+        assert fk_trl._applied is applied
+        head = utils.add_fused_lm_head
+        with fk_trl.patched():  # nested, same options
+            assert utils.add_fused_lm_head is head
+        assert fk_trl._applied is applied and utils.add_fused_lm_head is head
+        with fk_trl.patched(chunk_tokens=64):  # nested, other options: the enclosing ones come back on exit
+            assert fk_trl._applied.options["chunk_tokens"] == 64
+        assert fk_trl.is_patched() and fk_trl._applied.options == applied.options
+        # a TRL module imported while patched copies fusedkern's head: unpatch() gives it TRL's back
+        copied = types.ModuleType("trl._fusedkern_test_copy")
+        copied.add_fused_lm_head = utils.add_fused_lm_head
+        monkeypatch.setitem(sys.modules, copied.__name__, copied)
+    assert not fk_trl.is_patched()
+    assert utils.add_fused_lm_head is original and copied.add_fused_lm_head is original
+
+
+def test_patch_records_apply_and_undo():
+    import types
+
+    from fusedkern.integrations.trl import MISSING, Patch, apply_patches, undo_patches
+
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    module = types.ModuleType("m")
+    module.g = "g"
+    patches = [Patch.on(module, "g", "G"), Patch.on(Child, "f", lambda self: "patched")]
+    assert patches[1].original is MISSING  # inherited: undoing deletes Child's own attribute
+    apply_patches(patches)
+    assert module.g == "G" and Child().f() == "patched"
+    undo_patches(patches)
+    assert module.g == "g" and Child().f() == "base" and "f" not in vars(Child)
+    # a failing patch undoes the ones applied before it
+    with pytest.raises(AttributeError):
+        apply_patches([Patch.on(module, "g", "G"), Patch(object(), "x", 1)])
+    assert module.g == "g"
+    # an attribute that other code replaced after the patch is left to that code
+    apply_patches(patches[:1])
+    module.g = "other"
+    with pytest.warns(UserWarning, match="replaced by other code"):
+        undo_patches(patches[:1])
+    assert module.g == "other"
 
 
 def test_trl_head_installed_before_patch_raises_when_run(tiny):
@@ -387,6 +461,125 @@ def test_trl_head_installed_before_patch_raises_when_run(tiny):
         fk_trl.check_trainer(trainer)
     with fk_trl.patched(), pytest.raises(RuntimeError, match="TRL's own fused LM head ran"):
         trainer.train()
+
+
+def spy(monkeypatch, *names):
+    """Count the calls of fusedkern functions that fusedkern.integrations.trl looks up at each use."""
+    import fusedkern.integrations.trl as fk_trl
+
+    calls = []
+    for name in names:
+        real = getattr(fk_trl, name)
+        monkeypatch.setattr(fk_trl, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["cpo", "orpo", "gkd", "distill", "sft", "dpo", "kto", "grpo", "rloo"])
+def test_trainer_built_while_patched_stays_fused_after_the_block(tiny, monkeypatch, kind):
+    """A trainer built inside `patched()` and trained after the block still trains with fusedkern: its model keeps
+    fusedkern's head, and CPO's, ORPO's and GKD's losses and DistillationTrainer's divergence were bound on the
+    instance at construction; check_trainer says so before training. A covered trainer built while patched does
+    not warn."""
+    import warnings
+
+    import fusedkern.integrations.trl as fk_trl
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build(kind, tiny, True, max_steps=1, **({"per_device_train_batch_size": 4} if kind == "kto" else {}))
+    assert not any("does not cover" in str(w.message) for w in caught)
+    assert not fk_trl.is_patched()
+    fk_trl.check_trainer(trainer)
+    calls = spy(monkeypatch, "linear_logprobs_with_stats", "linear_distillation_loss")
+    trainer.train()
+    assert calls, "fusedkern did not run"
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_check_trainer_refuses_a_trainer_whose_loss_is_trls(tiny):
+    """A trainer that computes the logits itself and whose loss function is TRL's own would train without
+    fusedkern: check_trainer raises — a CPO trainer whose bound loss is gone, a DistillationTrainer built before
+    patch() once unpatched (while patched, its divergence is fusedkern's), a GKD trainer built before patch()."""
+    import fusedkern.integrations.trl as fk_trl
+
+    cpo = build("cpo", tiny, True, max_steps=1)
+    del cpo.concatenated_forward  # the instance's binding gone: TRL's class method
+    with pytest.raises(RuntimeError, match="concatenated_forward is TRL's own"):
+        fk_trl.check_trainer(cpo)
+    distill = build("distill", tiny, False, max_steps=1)
+    with pytest.raises(RuntimeError, match="_compute_loss is TRL's own"):
+        fk_trl.check_trainer(distill)
+    with fk_trl.patched():
+        fk_trl.check_trainer(distill)
+    gkd = build("gkd", tiny, False, max_steps=1)
+    with pytest.raises(RuntimeError, match="compute_loss is TRL's own"):
+        fk_trl.check_trainer(gkd)
+    with fk_trl.patched(), pytest.raises(RuntimeError, match="does not carry fusedkern"):
+        fk_trl.check_trainer(gkd)
+
+
+def test_uncovered_trainer_built_while_patched_warns(tiny):
+    """RewardTrainer is not covered: built while patched it warns (and check_trainer says its model has no
+    fusedkern head); built after unpatch(), it does not warn."""
+    import warnings
+
+    import fusedkern.integrations.trl as fk_trl
+
+    with pytest.warns(UserWarning, match="does not cover RewardTrainer"):
+        trainer = build("reward", tiny, True, max_steps=1)
+    with pytest.raises(RuntimeError, match="RewardTrainer is not among the trainers it covers"):
+        fk_trl.check_trainer(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build("reward", tiny, False, max_steps=1)
+    assert not any("does not cover" in str(w.message) for w in caught)
+
+
+def test_patch_logs_the_covered_trainers_once(caplog):
+    import logging
+
+    import fusedkern.integrations.trl as fk_trl
+
+    with caplog.at_level(logging.INFO, logger="fusedkern.integrations.trl"):
+        with fk_trl.patched():
+            fk_trl.patch()  # idempotent: no second line
+    lines = [r.getMessage() for r in caplog.records if r.name == "fusedkern.integrations.trl"]
+    assert len(lines) == 1 and "patched" in lines[0]
+    for name in fk_trl.COVERED_TRAINERS:
+        assert name in lines[0]
+
+
+def test_patch_checks_trls_version_and_hooks(monkeypatch):
+    """Outside the tested minor release: a warning naming the hooks the patch replaces and the tested version,
+    and the trainers whose hook is missing not covered; a required hook missing: RuntimeError, nothing patched."""
+    import warnings
+
+    import transformers
+    import trl
+    import trl.trainer.distillation_trainer as distill_module
+    import trl.trainer.utils as utils
+
+    import fusedkern.integrations.trl as fk_trl
+
+    with warnings.catch_warnings():  # a patch release of the tested minor: no warning
+        warnings.simplefilter("error", UserWarning)
+        monkeypatch.setattr(trl, "__version__", "1.16.7")
+        with fk_trl.patched():
+            pass
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.delattr(distill_module, "_chunked_divergence_loss")
+    with pytest.warns(UserWarning, match=r"tested with TRL 1\.16\.0.*TRL 1\.17\.0 is installed.*"
+                                         r"trl\.trainer\.utils\.add_fused_lm_head.*lacks "
+                                         r"trl\.trainer\.distillation_trainer\._chunked_divergence_loss"):
+        with fk_trl.patched():
+            assert "DistillationTrainer" not in fk_trl._applied.covered
+            assert "CPOTrainer" in fk_trl._applied.covered
+    monkeypatch.undo()
+    init = transformers.Trainer.__init__
+    monkeypatch.delattr(utils, "add_fused_lm_head")
+    with pytest.raises(RuntimeError, match=r"no trl\.trainer\.utils\.add_fused_lm_head .*tested with TRL 1\.16\.0"):
+        fk_trl.patch()
+    assert not fk_trl.is_patched() and transformers.Trainer.__init__ is init
 
 
 def test_refusals(tiny):

@@ -21,30 +21,142 @@ instead of training silently without fusedkern.
 
 Trainers that compute the logits themselves get their loss function replaced while patched: CPOTrainer and
 ORPOTrainer (`concatenated_forward`, trl.experimental), GKDTrainer (`compute_loss`, trl.experimental), and
-DistillationTrainer's divergence (`_chunked_divergence_loss`, through `fusedkern.linear_distillation_loss`).
-`unpatch()` restores every one of them. docs/integrations.md ("TRL") lists what each trainer covers and raises.
+DistillationTrainer's divergence (`_chunked_divergence_loss`, through `fusedkern.linear_distillation_loss`). A
+trainer of these classes built while patched also gets fusedkern's loss bound on the instance at construction (its
+`concatenated_forward` or `compute_loss`; for DistillationTrainer, TRL's `_compute_loss` with fusedkern's
+divergence), so that, like the trainers whose model carries fusedkern's head, it stays fused after `unpatch()` or
+the end of a `patched()` block.
+
+Every change `patch()` makes is a `Patch` record (target object, attribute name, replacement, and what the target
+held before), applied by `apply_patches` and undone by `undo_patches`; `unpatch()` undoes that list. `patch()`
+checks TRL's version and the attributes it needs (`HOOKS`) first, logs one INFO line naming the trainers it covers,
+and a TRL trainer it does not cover (OnlineDPOTrainer, RewardTrainer, …) warns when built while patched.
+docs/integrations.md ("TRL") lists what each trainer covers and raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
+import logging
 import sys
 import types
+import warnings
 
 import torch
 
 from fusedkern.distillation import linear_distillation_loss
 from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
 
+logger = logging.getLogger(__name__)
+
 TRL_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # the trainer modules whose __init__ installs the head (imported by `patch` so that their references are replaced)
 TRAINER_MODULES = ("trl.trainer.sft_trainer", "trl.trainer.dpo_trainer", "trl.trainer.kto_trainer",
                    "trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
 HEAD_MARK = "fusedkern_trl_head"
+LOSS_MARK = "fusedkern_trl_loss"  # on a loss function of fusedkern's that a trainer calls in place of TRL's
+# the TRL release the tests pin (fusedkern[trl]); patch() accepts its minor release line without a warning
+TESTED_TRL = "1.16.0"
+# the trainers fusedkern covers on the tested TRL (the live list, read from TRL's modules, goes to patch()'s log line)
+COVERED_TRAINERS = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer", "DistillationTrainer",
+                    "GKDTrainer", "CPOTrainer", "ORPOTrainer")
+MISSING = object()  # a Patch's original where the target had no attribute of that name of its own
 
-_patch_state: dict = {}
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """An attribute of TRL that `patch()` replaces or reads: `path` (dotted, below `module`). Without a required one
+    `patch()` raises; without an optional one, the trainers it serves are not covered."""
+
+    module: str
+    path: str
+    serves: str
+    required: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.path}"
+
+    def lookup(self):
+        """The live object, or None where this TRL lacks it (no such module, or no such attribute; a class's
+        attribute must be its own, not inherited, since the patch replaces it on that class)."""
+        obj = _import_or_none(self.module)
+        for part in self.path.split("."):
+            obj = vars(obj).get(part) if isinstance(obj, type) else getattr(obj, part, None)
+        return obj
+
+
+HOOKS = (
+    Hook("trl.trainer.utils", "add_fused_lm_head", "the log-prob head of SFT, DPO, KTO, GRPO and RLOO", True),
+    Hook("trl.trainer.utils", "FusedCausalLMOutput", "the output of that head", True),
+    Hook("trl.trainer.utils", "_ChunkedLogProbFunction", "TRL's own head, refused while patched"),
+    Hook("trl.trainer.distillation_trainer", "_chunked_divergence_loss", "DistillationTrainer's divergence"),
+    Hook("trl.trainer.distillation_trainer", "DistillationTrainer._compute_loss", "DistillationTrainer's loss"),
+    Hook("trl.experimental.gkd", "GKDTrainer.compute_loss", "GKDTrainer's loss"),
+    Hook("trl.experimental.cpo", "CPOTrainer.concatenated_forward", "CPOTrainer's loss"),
+    Hook("trl.experimental.orpo", "ORPOTrainer.concatenated_forward", "ORPOTrainer's loss"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """`target.name = replacement`, undone by putting back `original`: what the target's own namespace held
+    (MISSING where the attribute was inherited or absent, so that undoing deletes it)."""
+
+    target: object
+    name: str
+    replacement: object
+    original: object = MISSING
+
+    @classmethod
+    def on(cls, target, name: str, replacement) -> Patch:
+        """The patch of `target.name` by `replacement`, recording what the target holds now."""
+        return cls(target, name, replacement, vars(target).get(name, MISSING))
+
+
+def apply_patches(patches) -> None:
+    """Apply every patch in order; if one fails, the ones already applied are undone before the error propagates."""
+    done = []
+    try:
+        for p in patches:
+            setattr(p.target, p.name, p.replacement)
+            done.append(p)
+    except BaseException:
+        undo_patches(done)
+        raise
+
+
+def undo_patches(patches) -> None:
+    """Undo the patches, last first. An attribute that other code replaced after the patch is left as it is (with
+    a warning): putting back the original would drop that code's own patch."""
+    for p in reversed(list(patches)):
+        current = vars(p.target).get(p.name, MISSING)
+        if current is not p.replacement:
+            warnings.warn(f"{_describe(p.target)}.{p.name} was replaced by other code after "
+                          "fusedkern.integrations.trl.patch(): left as it is", stacklevel=3)
+        elif p.original is MISSING:
+            delattr(p.target, p.name)
+        else:
+            setattr(p.target, p.name, p.original)
+
+
+def _describe(target) -> str:
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+    options: dict
+    patches: tuple[Patch, ...]
+    head: object  # the head function installed in TRL's modules
+    original_head: object  # TRL's add_fused_lm_head
+    covered: tuple[str, ...]  # names of the trainer classes whose losses run through fusedkern
+
+
+_applied: _Applied | None = None
 
 
 def _trl_utils():
@@ -69,106 +181,227 @@ class TRLHeadGuard(torch.autograd.Function):
         return cls.forward(None, *args)
 
 
-def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -> None:
-    """Make TRL's trainers built from now on compute their per-token log-probs with fusedkern (see the module
-    docstring). Idempotent; a second call with other options replaces them. `unpatch()` restores TRL's head.
+def check_trl_version() -> list[Hook]:
+    """The optional hooks (HOOKS) this TRL lacks. Raises RuntimeError where a required one is missing, whatever the
+    version; warns where TRL's version is outside the tested minor release (TESTED_TRL's), naming the hooks the
+    patch relies on: a release that keeps them with their meaning keeps working."""
+    import trl
 
+    version = str(getattr(trl, "__version__", "unknown"))
+    missing = [hook for hook in HOOKS if hook.lookup() is None]
+    needed = [hook for hook in missing if hook.required]
+    if needed:
+        raise RuntimeError(f"TRL {version} has no " + ", ".join(f"{h.name} ({h.serves})" for h in needed)
+                           + f", which fusedkern.integrations.trl.patch() needs; it was tested with TRL {TESTED_TRL} "
+                           f"(pip install trl=={TESTED_TRL})")
+    if not _in_tested_range(version):
+        tested = _minor(TESTED_TRL)
+        lacking = "" if not missing else "; this TRL lacks " + ", ".join(
+            f"{h.name} (not patched: {h.serves})" for h in missing)
+        warnings.warn(f"fusedkern.integrations.trl was tested with TRL {TESTED_TRL} (it accepts {tested}.x); TRL "
+                      f"{version} is installed. The patch relies on "
+                      + ", ".join(h.name for h in HOOKS if h not in missing)
+                      + f": check that they keep their TRL {tested} signatures and meaning{lacking}", stacklevel=3)
+    return missing
+
+
+def _minor(version: str) -> str:
+    from packaging.version import Version
+
+    return ".".join(str(n) for n in Version(version).release[:2])
+
+
+def _in_tested_range(version: str) -> bool:
+    from packaging.version import InvalidVersion
+
+    try:
+        return _minor(version) == _minor(TESTED_TRL)
+    except InvalidVersion:
+        return False
+
+
+def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -> None:
+    """Make TRL's trainers built from now on compute their losses with fusedkern (see the module docstring).
+    Idempotent: a second call with the same options changes nothing; one with other options replaces them.
+    `unpatch()` undoes it; trainers built meanwhile keep fusedkern's loss.
+
+    TRL is checked first (`check_trl_version`): RuntimeError where an attribute the patch needs is missing, a
+    warning outside the tested minor release. One INFO line on this module's logger names the covered trainers.
     weight_grad_accum, chunk_tokens: fusedkern's options (docs/usage.md)."""
+    global _applied
+    options = dict(weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    if _applied is not None and _applied.options == options:
+        return
+    _trl_utils()
+    check_trl_version()
+    if _applied is not None:
+        unpatch()
+    applied = _plan(options)
+    apply_patches(applied.patches)
+    _applied = applied
+    logger.info("fusedkern.integrations.trl: TRL %s patched; %s compute their losses with fusedkern",
+                importlib.import_module("trl").__version__, ", ".join(applied.covered))
+
+
+def _plan(options: dict) -> _Applied:
+    """The patches of `patch(**options)` on the TRL modules loaded now (the trainer modules imported first)."""
     utils = _trl_utils()
-    for name in TRAINER_MODULES:
-        importlib.import_module(name)
-    original = _patch_state.get("original", utils.add_fused_lm_head)
+    trainer_modules = [m for m in map(_import_or_none, TRAINER_MODULES) if m is not None]
+    original = utils.add_fused_lm_head
     if getattr(original, HEAD_MARK, False):
         raise RuntimeError("trl.trainer.utils.add_fused_lm_head is already fusedkern's without a record of TRL's")
 
     @functools.wraps(original)
     def head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
         return add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-                                 outputs=outputs, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+                                 outputs=outputs, **options)
 
     setattr(head, HEAD_MARK, True)
-    if "original" in _patch_state:
-        unpatch()
-    replaced = []
-    for mod_name, mod in list(sys.modules.items()):
-        if (mod_name == "trl" or mod_name.startswith("trl.")) and isinstance(mod, types.ModuleType) \
-                and mod.__dict__.get("add_fused_lm_head") is original:
-            setattr(mod, "add_fused_lm_head", head)
-            replaced.append(mod)
-    guard_name = "_ChunkedLogProbFunction"  # TRL's head looks it up in its module at each call
-    guarded = guard_name in utils.__dict__
-    _patch_state.update(original=original, head=head, modules=replaced,
-                        guarded=utils.__dict__.get(guard_name) if guarded else None, classes=[])
-    if guarded:
-        setattr(utils, guard_name, TRLHeadGuard)
-    # DistillationTrainer's divergence: a module function of TRL's over both models' hidden states and heads
-    distill = sys.modules.get("trl.trainer.distillation_trainer") or _import_or_none("trl.trainer.distillation_trainer")
-    if distill is not None and "_chunked_divergence_loss" in distill.__dict__:
-        original_divergence = distill.__dict__["_chunked_divergence_loss"]
+    # the head, in TRL's utils and in every TRL module that imported it
+    patches = [Patch.on(mod, "add_fused_lm_head", head) for mod in _trl_modules()
+               if vars(mod).get("add_fused_lm_head") is original]
+    covered = [name for mod in trainer_modules if any(p.target is mod for p in patches)
+               for name, value in vars(mod).items()
+               if isinstance(value, type) and name.endswith("Trainer") and value.__module__ == mod.__name__]
+    if "_ChunkedLogProbFunction" in vars(utils):  # TRL's head looks it up in its module at each call
+        patches.append(Patch.on(utils, "_ChunkedLogProbFunction", TRLHeadGuard))
+    # DistillationTrainer: its divergence is a module function of TRL's over both models' hidden states and heads
+    distill = _import_or_none("trl.trainer.distillation_trainer")
+    distill_cls = getattr(distill, "DistillationTrainer", None)
+    if distill_cls is not None and "_chunked_divergence_loss" in vars(distill):
+        original_divergence = vars(distill)["_chunked_divergence_loss"]
 
         @functools.wraps(original_divergence)
         def divergence(*args, **kwargs):
-            return fused_chunked_divergence_loss(*args, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
-                                                 **kwargs)
+            return fused_chunked_divergence_loss(*args, **options, **kwargs)
 
-        _patch_state["divergence"] = (distill, original_divergence)
-        distill._chunked_divergence_loss = divergence
+        setattr(divergence, LOSS_MARK, True)
+        patches.append(Patch.on(distill, "_chunked_divergence_loss", divergence))
+        step = vars(distill_cls).get("_compute_loss")
+        if isinstance(step, types.FunctionType) and step.__globals__ is vars(distill):
+            fused_step = _with_globals(step, _chunked_divergence_loss=divergence)
+            setattr(fused_step, LOSS_MARK, True)
+            patches.append(Patch.on(distill_cls, "__init__", _init_then(
+                distill_cls, functools.partial(_bind, name="_compute_loss", function=fused_step, expected=step))))
+        covered.append(distill_cls.__name__)
+    # GKDTrainer (trl.experimental; an SFTTrainer, so its model gets the head): its compute_loss
+    gkd_cls = getattr(_import_or_none("trl.experimental.gkd"), "GKDTrainer", None)
+    if gkd_cls is not None and "compute_loss" in vars(gkd_cls):
+        patches += [Patch.on(gkd_cls, "compute_loss", fused_gkd_compute_loss),
+                    Patch.on(gkd_cls, "__init__", _init_then(
+                        gkd_cls, functools.partial(_bind, name="compute_loss", function=fused_gkd_compute_loss)))]
+        covered.append(gkd_cls.__name__)
     # CPO and ORPO (trl.experimental) compute the logits in their own concatenated_forward: replaced, and their
     # __init__ gives the model fusedkern's head (before accelerate wraps its forward in autocast)
-    gkd = _import_or_none("trl.experimental.gkd")
-    if gkd is not None and hasattr(gkd, "GKDTrainer"):
-        _patch_state["gkd"] = (gkd.GKDTrainer, gkd.GKDTrainer.__dict__["compute_loss"])
-        gkd.GKDTrainer.compute_loss = fused_gkd_compute_loss
     for cls in experimental_trainer_classes():
-        original_init = cls.__dict__["__init__"]
+        if "concatenated_forward" not in vars(cls):
+            continue
 
-        @functools.wraps(original_init)
-        def init(self, *args, _original_init=original_init, **kwargs):
-            _original_init(self, *args, **kwargs)
-            target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            add_fused_lm_head(target, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+        def give_head(trainer):
+            target = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+            add_fused_lm_head(target, **options)
+            _bind(trainer, "concatenated_forward", fused_concatenated_forward)
 
-        _patch_state["classes"].append((cls, original_init, cls.__dict__["concatenated_forward"]))
-        cls.__init__ = init
-        cls.concatenated_forward = fused_concatenated_forward
+        patches += [Patch.on(cls, "concatenated_forward", fused_concatenated_forward),
+                    Patch.on(cls, "__init__", _init_then(cls, give_head))]
+        covered.append(cls.__name__)
+    # any other TRL trainer built while patched warns (transformers' Trainer.__init__: every TRL trainer calls it)
+    base = importlib.import_module("transformers").Trainer
+    patches.append(Patch.on(base, "__init__", _warn_uncovered_init(base.__init__, tuple(covered))))
+    return _Applied(options, tuple(patches), head, original, tuple(covered))
+
+
+def _trl_modules() -> list[types.ModuleType]:
+    return [mod for name, mod in list(sys.modules.items())
+            if (name == "trl" or name.startswith("trl.")) and isinstance(mod, types.ModuleType)]
+
+
+def _init_then(cls, after):
+    """`cls.__init__` followed by `after(trainer)`: what a trainer of `cls` built while patched gets."""
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        after(self)
+
+    return init
+
+
+def _bind(trainer, name: str, function, expected=None) -> None:
+    """Bind `function` as the trainer's own `name`, so that its loss stays fusedkern's after `unpatch()` — unless
+    the trainer's class overrides that attribute (`expected`: what the class resolves it to when it does not;
+    default `function`, the class patch)."""
+    if getattr(type(trainer), name, None) is (function if expected is None else expected):
+        setattr(trainer, name, types.MethodType(function, trainer))
+
+
+def _with_globals(function: types.FunctionType, **names) -> types.FunctionType:
+    """A copy of `function` (the same code) whose global `names` are the given objects; its other globals are its
+    module's at the time of the copy."""
+    copy = types.FunctionType(function.__code__, {**function.__globals__, **names}, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(copy, function)
+
+
+def _trl_trainer_name(cls) -> str | None:
+    """The name of the nearest TRL class in `cls`'s MRO (a user's subclass of a TRL trainer is that trainer; a
+    deprecated alias of a trainer keeps its name), None for a class outside TRL."""
+    for c in cls.__mro__:
+        module = getattr(c, "__module__", None) or ""
+        if module == "trl" or module.startswith("trl."):
+            return c.__name__
+    return None
+
+
+def _warn_uncovered_init(original_init, covered: tuple[str, ...]):
+    """transformers' `Trainer.__init__`, warning first when the trainer is a TRL trainer that the patch does not
+    cover (its loss code is not fusedkern's and may compute the full logits)."""
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        name = _trl_trainer_name(type(self))
+        if name is not None and name not in covered:
+            warnings.warn(f"fusedkern.integrations.trl does not cover {name} (it covers {', '.join(covered)}): built "
+                          "while patched, it still trains with its own loss code, which may run without fusedkern; "
+                          "check_trainer(trainer) raises where its model lacks fusedkern's head", stacklevel=3)
+        original_init(self, *args, **kwargs)
+
+    return init
 
 
 def unpatch() -> None:
-    """Undo `patch()`: TRL's own `add_fused_lm_head` again (for trainers built afterwards)."""
-    if "original" not in _patch_state:
+    """Undo `patch()`: the recorded patches, last first (TRL's own functions again for trainers built afterwards;
+    trainers built while patched keep fusedkern's loss). A TRL module imported while patched copied fusedkern's
+    head from TRL's utils: it gets TRL's head back too. No-op when not patched."""
+    global _applied
+    if _applied is None:
         return
-    for mod in _patch_state["modules"]:
-        if mod.__dict__.get("add_fused_lm_head") is _patch_state["head"]:
-            setattr(mod, "add_fused_lm_head", _patch_state["original"])
-    if _patch_state["guarded"] is not None:
-        setattr(_trl_utils(), "_ChunkedLogProbFunction", _patch_state["guarded"])
-    if "gkd" in _patch_state:
-        cls, original_compute_loss = _patch_state["gkd"]
-        cls.compute_loss = original_compute_loss
-    if "divergence" in _patch_state:
-        module, original_divergence = _patch_state["divergence"]
-        module._chunked_divergence_loss = original_divergence
-    for cls, original_init, original_forward in _patch_state["classes"]:
-        cls.__init__ = original_init
-        cls.concatenated_forward = original_forward
-    _patch_state.clear()
+    applied, _applied = _applied, None
+    recorded = {(id(p.target), p.name) for p in applied.patches}
+    copied = [Patch(mod, "add_fused_lm_head", applied.head, applied.original_head) for mod in _trl_modules()
+              if vars(mod).get("add_fused_lm_head") is applied.head and (id(mod), "add_fused_lm_head") not in recorded]
+    undo_patches(list(applied.patches) + copied)
 
 
 def is_patched() -> bool:
-    return "original" in _patch_state
+    return _applied is not None
 
 
 @contextlib.contextmanager
 def patched(**options):
-    """`patch(**options)` for the duration of a `with` block (trainers built inside keep fusedkern's head; the
-    guard against TRL's own head is lifted on exit)."""
-    was = is_patched()
+    """`patch(**options)` for the duration of a `with` block; on exit the state before it comes back (unpatched,
+    or patched with the enclosing options). Trainers built inside keep fusedkern's loss after the block."""
+    before = None if _applied is None else dict(_applied.options)
     patch(**options)
     try:
         yield
     finally:
-        if not was:
+        if before is None:
             unpatch()
+        else:
+            patch(**before)
 
 
 def has_fused_head(model) -> bool:
@@ -185,21 +418,47 @@ def has_fused_head(model) -> bool:
     return False
 
 
+def _is_fused_loss(method) -> bool:
+    func = getattr(method, "__func__", method)
+    return func is fused_concatenated_forward or func is fused_gkd_compute_loss or getattr(func, LOSS_MARK, False)
+
+
+def _own_loss_attribute(trainer) -> str | None:
+    """The attribute through which `trainer` computes the logits itself (a class hook of HOOKS: DistillationTrainer's
+    `_compute_loss`, GKDTrainer's `compute_loss`, CPO's and ORPO's `concatenated_forward`), None for the trainers
+    whose loss goes through the model's head."""
+    for hook in HOOKS:
+        cls_name, _, attr = hook.path.partition(".")
+        cls = getattr(sys.modules.get(hook.module), cls_name, None) if attr else None
+        if isinstance(cls, type) and isinstance(trainer, cls):
+            return attr
+    return None
+
+
 def check_trainer(trainer) -> None:
-    """Raise RuntimeError unless the trainer's model (and reference model, if any) carries fusedkern's head —
-    e.g. after code that re-installs TRL's head on an existing trainer. A DistillationTrainer has no head: its
-    divergence is fusedkern's while the patch is on (TRL looks the function up at each step)."""
-    distill = sys.modules.get("trl.trainer.distillation_trainer")
-    if distill is not None and isinstance(trainer, distill.DistillationTrainer):
-        if not is_patched():
-            raise RuntimeError("DistillationTrainer computes its divergence with fusedkern only while "
-                               "fusedkern.integrations.trl is patched")
+    """Raise RuntimeError unless the trainer will compute its loss with fusedkern when it trains: its model (and
+    reference model, if any) carries fusedkern's head, and where it computes the logits itself (CPO, ORPO, GKD,
+    DistillationTrainer) its loss function is fusedkern's — bound at construction when built while patched. A
+    DistillationTrainer built before `patch()` has fusedkern's divergence only while the patch is on (TRL looks the
+    function up at each step); CPO, ORPO and GKD trainers built before `patch()` lack the head."""
+    name = type(trainer).__name__
+    attr = _own_loss_attribute(trainer)
+    if attr is not None and not _is_fused_loss(getattr(trainer, attr)):
+        distill = sys.modules.get("trl.trainer.distillation_trainer")
+        if attr == "_compute_loss" and is_patched() and _is_fused_loss(vars(distill).get("_chunked_divergence_loss")):
+            return
+        raise RuntimeError(f"{name}.{attr} is TRL's own: this trainer was built while fusedkern.integrations.trl was "
+                           "not patched and would train without fusedkern; build it after patch() or inside patched()")
+    if attr == "_compute_loss":  # DistillationTrainer: no head, the divergence reads both heads' weights
         return
+    trl_name = _trl_trainer_name(type(trainer))
+    note = "" if trl_name is None or trl_name in COVERED_TRAINERS else \
+        f" ({trl_name} is not among the trainers it covers: {', '.join(COVERED_TRAINERS)})"
     for role in ("model", "ref_model"):
         model = getattr(trainer, role, None)
         if model is not None and not has_fused_head(model):
             raise RuntimeError(f"trainer.{role} does not carry fusedkern's fused LM head: call "
-                               "fusedkern.integrations.trl.patch() before building the trainer")
+                               f"fusedkern.integrations.trl.patch() before building the trainer{note}")
 
 
 def logit_scale_of(text_config) -> float:
