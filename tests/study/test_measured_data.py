@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-MEASURED = Path(__file__).resolve().parents[1] / "data" / "measured"
+MEASURED = Path(__file__).resolve().parents[2] / "data" / "measured"
 FOLDERS = sorted(p for p in MEASURED.iterdir() if p.is_dir()) if MEASURED.is_dir() else []
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_vocab_parallel.py"
 TINY = ["--tokens", "16", "--hidden", "8", "--vocab", "37", "--rounds", "2", "--warmup", "1"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_ALL = ROOT / "run_all.py"
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 
@@ -315,7 +315,7 @@ def test_selection_and_slug():
     assert run_all.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100_sxm4_80gb"
 
 
-if __name__ == "__main__":  # write invented measurements somewhere for manual checks: python tests/test_run_all.py DIR
+if __name__ == "__main__":  # invented measurements somewhere, for manual checks: python tests/study/test_run_all.py DIR
     target = Path(sys.argv[1])
     shutil.copytree(ROOT / "data" / "reference", target / "reference", dirs_exist_ok=True)
     print(write_fake_measurements(target))

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from fusedkern.study import plotting, results, tables  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _results(shuffle: bool = False) -> pd.DataFrame:

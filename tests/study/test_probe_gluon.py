@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "probes" / "gluon_logits_stats.py"
 needs_gluon = pytest.mark.skipif(importlib.util.find_spec("triton.experimental.gluon") is None,
                                  reason="triton.experimental.gluon is not installed")

@@ -9,7 +9,7 @@ from fusedkern.study import memory_model as mm
 from fusedkern.chunk_plan import FUSED_EXTRA_BUDGET_BYTES
 
 H, V = 4096, 128256
-ANCHORS = Path(__file__).resolve().parents[1] / "data" / "reference" / "h200_anchors_2026-12-02.csv"
+ANCHORS = Path(__file__).resolve().parents[2] / "data" / "reference" / "h200_anchors_2026-12-02.csv"
 
 
 def _term(provider, name_part, tokens, **kw):
@@ -175,7 +175,7 @@ def test_model_matches_h200_anchors(row):
 # documented workspace: the backward kept the dX pass's workspace referenced (by its launch
 # arguments) while the dW pass allocated its own. Fixed in fused_ce.py after the last H200 call, so
 # the committed data still shows the gap; re-measure, then add the provider here.
-MEASURED = Path(__file__).resolve().parents[1] / "data" / "measured" / "h200"
+MEASURED = Path(__file__).resolve().parents[2] / "data" / "measured" / "h200"
 _EXACT = {"huggingface_bf16", "torch_fp32_upcast", "huggingface_fp32", "fusedkern_chunked", "fusedkern_chunked_lean",
           "liger-kernel 0.8.5", "liger-kernel 0.4.2", "cut_cross_entropy", "cublas_3gemm", "cublas_1gemm"}
 
@@ -206,7 +206,7 @@ def test_model_matches_our_h200_measurements(row):
 # predate x being sorted into dX's own storage: their device-count rows hold one more T·H·e (the sorted copy of
 # x beside dX), which the model no longer has: what the next GPU run should measure is the row minus that. (Their
 # host-count rows, at n = T/2 and n = T, held (2n − T)·H·e = 0 more.)
-_H100 = Path(__file__).resolve().parents[1] / "data" / "measured" / "h100"
+_H100 = Path(__file__).resolve().parents[2] / "data" / "measured" / "h100"
 _HEADS = {"llama3": (4096, 128256), "gemma2": (2304, 256000)}
 _COUNT_ROWS = [(_H100 / "ce_llama3_masked_50.csv", "fusedkern_chunked"),
                (_H100 / "ce_llama3_masked_50.csv", "fusedkern_chunked_counted"),
