@@ -1,10 +1,11 @@
-"""fusedkern: an LM head fused with its loss (cross-entropy, SimPO) in Triton, never materializing
-the [tokens, vocab] logits.
+"""fusedkern: an LM head fused with its loss in Triton, never materializing the [tokens, vocab] logits:
+cross-entropy, per-token log-probs, the preference and RL family (DPO, IPO, CPO, SimPO, ORPO, KTO, GRPO)
+and distillation (forward/reverse KL, generalized JSD).
 
-Public API: `linear_cross_entropy` / `LinearCrossEntropyLoss`, `linear_logprobs`,
-`linear_simpo_loss` / `LinearSimPOLoss`,
+Public API: `linear_cross_entropy` / `LinearCrossEntropyLoss`, `linear_logprobs`, `linear_grpo_loss`,
+`linear_preference_loss`, `linear_simpo_loss` / `LinearSimPOLoss`,
 `linear_distillation_loss` / `LinearDistillationLoss`. References and baselines: `fusedkern.reference`.
-Benchmarks: `python -m fusedkern.bench --help`.
+Integrations (Transformers, TRL, FSDP2): `fusedkern.integrations`. Benchmarks: `python -m fusedkern.bench --help`.
 """
 
 from fusedkern import _runtime  # noqa: F401  (first: picks GPU or Triton's interpreter before kernels import)

@@ -67,10 +67,10 @@ def round_bf16_like_the_gpu() -> None:
 
     Why: Triton 3.6's interpreter truncates that conversion (a kernel's `.to(tl.bfloat16)` and a store of
     fp32 values into a bf16 tensor), so every bf16 value a kernel writes on CPU is up to one ulp further
-    from the truth than the GPU's: a bf16 gradient rescaled by 1.7 carried ~1.5× torch's own error on CPU
-    and failed the 2× accuracy rule in a few per cent of random draws. The other conversions are left to
-    Triton; `tests/test_runtime.py` checks this one against torch on every run, so a Triton whose
-    interpreter changes is noticed."""
+    from the truth than the GPU's, enough for a rescaled bf16 gradient to fail the 2× accuracy rule in some
+    random draws on CPU (docs/results.md, "Tests"). The other conversions are left to Triton;
+    `tests/test_runtime.py` checks this one against torch on every run, so a Triton whose interpreter changes
+    is noticed."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter

@@ -76,8 +76,8 @@ class TargetRangeCheck:
 
     Whether any target lies outside [0, V) is known only on the device. Reading it at once (a
     device→host sync) would block the host until the GPU has run everything queued so far, then
-    leave the GPU idle while Python prepares the launches that follow — 0.7 ms (default mode) and
-    1.7 ms (lean) a step at 4096 tokens on the H200 (`data/measured/h200/probe_host.jsonl`). Instead the flag is copied into pinned host memory behind an event;
+    leave the GPU idle while Python prepares the launches that follow (its cost: docs/results.md). Instead
+    the flag is copied into pinned host memory behind an event;
     the caller queues its work, whose kernels read an out-of-range target as column 0 and never
     outside a row, then calls `raise_if_failed()`: by then the event has usually passed while the
     GPU still has that work to run. A bad target still raises before anything is returned."""

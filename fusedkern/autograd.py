@@ -108,8 +108,8 @@ def register_op(op, impl: Callable, setup_context: Callable, backward: Callable)
     """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`.
 
     The operators return their precomputed gradients as (non-differentiable) outputs; autograd would hand
-    the backward a zero-filled gradient of each — a transient dX + dW (+1 GiB at V·H = 128256·4096, found
-    on the H200) — so the formula sees None for outputs nothing flowed into."""
+    the backward a zero-filled gradient of each — a transient dX + dW (+1 GiB at V·H = 128256·4096 in
+    bf16) — so the formula sees None for outputs nothing flowed into."""
 
     def setup_without_zero_grads(ctx, inputs, output):
         ctx.set_materialize_grads(False)
@@ -126,7 +126,7 @@ def register_op_without_grad(op, impl: Callable) -> None:
 
 class _EagerOp(torch.autograd.Function):
     """An operator's implementation and autograd formula applied directly: the same computation as the
-    registered operator, without the dispatcher's host time (~50 µs a call, measured on CPU)."""
+    registered operator, without the dispatcher's host time."""
 
     @staticmethod
     def forward(ctx, spec: _OpSpec, *args):

@@ -90,8 +90,8 @@ def fused_vector_bytes(n_tokens: int, vocab: int) -> int:
     """Bytes of the fused strategy's O(T + V) vectors, an upper bound: per token, the saved (max,
     log-sum) statistics, loss, lse, three gradient coefficients and their temporaries (≤ 48 bytes);
     per class, the fp32 bias-gradient accumulator and class weights (≤ 8 bytes); plus 256 KiB for the
-    small tensors of the launches. The H200 measured 16.1 / 16.3 MiB at 4096 / 8192 tokens with a
-    flat 16 MiB of accumulators, i.e. ~25–38 bytes per token beyond them."""
+    small tensors of the launches (docs/design.md, "The fused strategy's roofline", compares it with
+    the measured memory)."""
     return 48 * n_tokens + 8 * vocab + 256 * 1024
 
 

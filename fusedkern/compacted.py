@@ -9,9 +9,9 @@ launches and a half-valid chunk half its FLOPs. Given the row order, the pass so
 storage and returns dX in x's order, zero at ignored rows (no sorted copy of x beside dX: the dense
 path's peak memory); without it, x comes sorted and dX of the rows past n stays zero.
 
-Trade-off against the cuBLAS path of `chunked.py`: Triton GEMMs instead of cuBLAS (on the H200:
-within 1 % of cuBLAS for the logits and dX GEMMs on the rows they do, 4–25 % behind it for the dW
-accumulation into fp32; `kernels/rowcount_gemm.py`), in exchange for skipping the ignored rows when
+Trade-off against the cuBLAS path of `chunked.py`: Triton GEMMs instead of cuBLAS (close to cuBLAS for
+the logits and dX GEMMs on the rows they do, behind it for the dW accumulation into fp32: docs/design.md,
+"The row-count GEMMs against cuBLAS"), in exchange for skipping the ignored rows when
 only the device knows how many there are. With the count on the host, `linear_cross_entropy`'s
 `num_valid_tokens=int` gathers exactly those rows and keeps cuBLAS instead.
 """

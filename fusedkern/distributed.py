@@ -12,7 +12,7 @@ Per chunk of C tokens, rank r (shard W_r [V_r, H], columns v_r … v_r + V_r −
 
 Trade-off against Megatron-LM's vocab-parallel cross-entropy (three all-reduces of T floats: max, sum-exp,
 target logit, over a materialized fp32 [T, V_r] logits tensor): one all-reduce of (3P + 1)·C floats per
-chunk (P = the power of two ≥ world · slices per row; 7–13 floats per token at world 2 on the H200)
+chunk (P = the power of two ≥ world · slices per row)
 in exchange for reusing the single-GPU kernels unchanged; dX's all-reduce (2·T·H bytes in bf16) is the
 same in both and dominates. docs/design.md ("Vocabulary parallelism") derives the volumes.
 

@@ -523,9 +523,9 @@ def patch(model_or_class, *, impl: str = "auto", weight_grad_accum: str = "fp32"
             first labelled call in eval mode under `torch.no_grad` (an evaluation loop) warns once that its
             logits are None (`Trainer.evaluate`'s `compute_metrics` would get no predictions).
         skip_ignored: pass the count of non-ignored targets to fusedkern as a device tensor, so that
-            prompt and padding positions cost no GEMM work (`num_valid_tokens`; no host sync). On the
-            H200 it took a batch with half its targets ignored from 1.03–1.07× to 0.56–0.59× the dense
-            floor, and costs 1–4 % on a batch with none ignored (docs/results.md): False for pretraining.
+            prompt and padding positions cost no GEMM work (`num_valid_tokens`; no host sync). It speeds
+            up batches with many ignored targets and costs a little on batches with none (the numbers:
+            docs/integrations.md): False for pretraining.
 
     With labels the output's `loss` comes from fusedkern (plus whatever the model's forward adds to it,
     such as a MoE router's auxiliary loss) and its `logits` is None. Without labels the original forward

@@ -1,8 +1,8 @@
 """Row kernels of the chunked strategy: per-token LSE, loss and logits-gradient over a logits chunk.
 
 The chunked strategy lets cuBLAS form a bounded chunk of logits [C, V] (C tokens); each row is then
-split into SPLIT slices so that C·SPLIT programs keep enough loads in flight (one program per row of
-250 KB was latency-bound at ~2.3 TB/s on the H200). Kernel 1 (`_row_stats_kernel`) streams each slice
+split into SPLIT slices so that C·SPLIT programs keep enough loads in flight (one program per row was
+latency-bound: docs/design.md). Kernel 1 (`_row_stats_kernel`) streams each slice
 once for a partial online max / sum-exp (and the label-smoothing sum), and copies out the target's
 logit. Kernel 2 (`_row_finish_kernel`) merges a row's partials into its lse and loss and, when a
 gradient is wanted, streams its slice again and overwrites it *in place* with ∂L/∂z, so the same
@@ -10,7 +10,7 @@ buffer feeds the dX and dW GEMMs. A row's SPLIT programs of kernel 2 run concurr
 them may read the row outside its own slice: the loss takes s_y from kernel 1's copy, never from the
 row (which may already hold another slice's gradient).
 Trade-off: the chunk is read twice and written once (3·C·V·elt bytes, a few % of the three
-GEMMs at V = 128256; H200: 5 % at 1024-token chunks, `probes/probe_rows.py`) in exchange for
+GEMMs at V = 128256; measured: docs/design.md) in exchange for
 cuBLAS-speed GEMMs and a buffer that does not grow with the number of tokens. Math: docs/design.md.
 
 Precision where one class dominates (p_y → 1, common for easy tokens): the statistics carry
@@ -76,9 +76,9 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, logit_scale, m_
                  HAS_SCALE: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     """One BLOCK_V step of the per-lane online (max m, rest = Σ exp(s − m) − 1, Σ w·s, and with HAS_ENTROPY
     A = Σ exp(s − m)·(s − m)). MASKED: the slice's tail.
-    Full blocks skip every mask and the label-smoothing sum is compiled in only when ε > 0: the H200
-    measured the earlier form of this loop at 1.25–2.15 TB/s, well below its memory bandwidth, so the
-    instructions per element are what it costs."""
+    Full blocks skip every mask and the label-smoothing sum is compiled in only when ε > 0: an earlier
+    form of this loop ran well below the GPU's memory bandwidth (docs/design.md), so the instructions per
+    element are what it costs."""
     if MASKED:
         mask = cols < col1
         z = tl.load(row_ptr + cols, mask=mask, other=0.0)
@@ -323,7 +323,7 @@ def _row_finish_kernel(
 
 
 def gpu_split(C: int, V: int) -> int:
-    """Slices per row on a GPU: enough programs (≥ ~8k) to keep the H200's memory system busy, slices of
+    """Slices per row on a GPU: enough programs (≥ ~8k) to keep a GPU's memory system busy, slices of
     at least 4096 columns. A power of two (the merge loads the partials as one vector)."""
     split = 1
     while split < 64 and C * split < 8192 and V // (split * 2) >= 4096:

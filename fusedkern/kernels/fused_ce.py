@@ -14,8 +14,8 @@ at T = 32768) are cut into launches whose workspaces fit: one pass over V-chunks
 else pass A over T-chunks (dX, db) and pass B over V-chunks (dW), which recomputes the logits once more.
 That is ≥ 4–5 GEMMs of FLOPs plus 2.7e11 fp32 atomics at the study's largest shape, against the chunked
 strategy's 3 GEMMs and a bounded logits buffer; the roofline is in docs/design.md ("The fused
-strategy's roofline"). Measured on the H200: 3.9–4.1× the three cuBLAS GEMMs at 4096–32768 tokens
-(data/measured/h200/). Atomic adds make dX/dW non-deterministic in the last bits.
+strategy's roofline", with its measured time: several times the chunked strategy's). Atomic adds make
+dX/dW non-deterministic in the last bits.
 
 Based on the online softmax (Milakov & Gimelshein, 2018) as FlashAttention uses it, the Triton matmul
 tutorial's tiling, and Cut Cross-Entropy's recompute-and-accumulate backward (Wijmans et al., 2024),
@@ -292,7 +292,7 @@ def _fused_ce_bwd_kernel(
     # at the target a·p − b = b·(p − 1) + (a − b)·p with p − 1 = expm1(log p): exact where p_y → 1
     # (a confident prediction), where p − 1 in fp32 keeps few digits or none
     # (per element: picking the target's log p out of the tile per row made the plain dX pass spill
-    # 88 bytes on sm_90, this form none)
+    # registers on sm_90, this form none)
     is_y = offs_v[None, :] == y[:, None]
     g = tl.where(is_y, cb[:, None] * expm1(log_p) + c_extra[:, None] * p, (cb + c_extra)[:, None] * p)
     if HAS_SMOOTHING:
@@ -659,7 +659,6 @@ def fused_ce_backward(x, weight, bias, target, class_weight, lse, grad_tok, *, i
             dx.copy_(dx_ws)
         # drop *every* reference to this pass's workspace (the launch arguments hold it too) before the
         # next pass allocates its own: otherwise the dX and dW workspaces coexist, 2 × the budget
-        # (the H200 measured 32–33 MiB against the 16 MiB budget)
         del dx_ws, dw_ws
         dx_arg = dw_arg = args = None  # noqa: F841
 

@@ -22,11 +22,11 @@ interpreter). `impl="tma"` / `"pointer"` force a path. dX has few tiles (H / 256
 for this n does the work (`_narrow_wins`).
 
 Trade-off: it skips the ignored rows without a sync, but the tiles' epilogue does not overlap the next
-tile's loads (Triton 3.6's warp-specialized form of these kernels returned NaN for dW on an H100:
-docs/design.md) and fixed tiles leave part of a last wave idle. Measured on the H200
-(scripts/bench_rowcount_gemm.py, C = H = 4096, V = 128256): at n = C within 1 % of cuBLAS on all rows for
-logits, dX and dW into bf16, 4 % slower for dW into fp32; at n = 1229 2.5× faster than cuBLAS on all
-rows per chunk, 23 % slower than cuBLAS on exactly n rows (the table: docs/design.md).
+tile's loads (Triton 3.6's warp-specialized form of these kernels returned NaN for dW: docs/design.md,
+"Tried and retired") and fixed tiles leave part of a last wave idle. So at n = C they run at about cuBLAS's
+speed on all rows, dW into fp32 a little behind; at n well below C much faster than cuBLAS on all rows of the
+chunk, but behind cuBLAS on exactly n rows (`scripts/bench_rowcount_gemm.py`; the table: docs/design.md,
+"The row-count GEMMs against cuBLAS").
 
 Size (> 400 lines): three kernels and their launchers, validation and autotune setup, sharing one set of
 configs; the device building blocks are in `gemm_tiles`.
@@ -122,9 +122,9 @@ def _logits_kernel(
 # (b) dX: DX[:n] = G[:n] @ W
 
 
-#: time of a (BLOCK_M, BLOCK_N / 2) tile relative to a (BLOCK_M, BLOCK_N) one, in percent: H200, bf16,
-#: 128 × 128 tiles ran at 0.96 of the 128 × 256 tiles' FLOP rate on the full chunk (0.5 / 0.96 =
-#: 52 %, scripts/bench_rowcount_gemm.py --sweep), rounded up so that near-ties stay wide
+#: time of a (BLOCK_M, BLOCK_N / 2) tile relative to a (BLOCK_M, BLOCK_N) one, in percent: half the work at
+#: a slightly lower FLOP rate than the wide tiles' (calibrated with scripts/bench_rowcount_gemm.py --sweep:
+#: docs/design.md, "The row-count GEMMs against cuBLAS"), rounded up so that near-ties stay wide
 _NARROW_COST_PCT = tl.constexpr(54)
 
 

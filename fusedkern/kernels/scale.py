@@ -4,19 +4,17 @@ to out's dtype in one vectorized pass (the fp32 dW accumulator into the weight's
 Why: the chunked strategies form dX and dW in the forward pass, so their backward only multiplies
 them by the upstream ∂L/∂loss — which `loss.backward()` sets to 1. Learning that on the host is a
 device→host read that waits for the whole forward to finish and leaves the GPU idle while Python
-prepares what follows (the H200 measured that sync at 1.2 ms a step, `probe_host.jsonl`);
-multiplying anyway is a read and a write of dW (2 GiB of traffic for a bf16 [128256, 4096] weight,
-about 0.5 ms at 4 TB/s by that count). Here every program reads s on the device and returns before
-touching the tensor when it is 1: one launch of programs that exit at once, no sync.
+prepares what follows (docs/design.md, "Strategies", gives its cost); multiplying anyway is a read and a
+write of dW (2 GiB of traffic for a bf16 [128256, 4096] weight). Here every program reads s on the device and
+returns before touching the tensor when it is 1: one launch of programs that exit at once, no sync.
 
 Trade-off: with s ≠ 1 it is a plain bandwidth-bound multiply like `t.mul_(s)`, computed in fp32 and
 rounded once to t's dtype (what PyTorch's mul_ does for a bf16 tensor and an fp32 scalar).
 
 `scale_into`: PyTorch's `torch.mul(fp32, s, out=bf16)` takes its generic, non-vectorized elementwise path when
-the output's dtype differs from the inputs' — 2.34 ms for Llama-3's [128256, 4096] accumulator on an H100 (1.35
-TB/s, `data/measured/h100/profile_ce.csv`), 3 % of a 16384-token step; the same bytes (4 read + 2 written an
-element) in wide vector loads and stores move at the memory's speed: 1.11 ms against torch's 2.04 ms in one process
-on an H100 (`data/measured/h100/scale_into_timing.csv`).
+the output's dtype differs from the inputs', well below the memory's speed; the same bytes (4 read + 2 written an
+element) in wide vector loads and stores move at the memory's speed, in about half torch's time (docs/design.md,
+"a roofline of the chunked step", has the profile and the timing).
 """
 
 from __future__ import annotations
