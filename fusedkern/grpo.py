@@ -19,8 +19,8 @@ from fusedkern import _validation as V_
 from fusedkern.engine import LossOptions, plan_for_grads, token_chunks
 from fusedkern.formula import FormulaSpec, formula_loss
 from fusedkern.sharded import full_weights
-from fusedkern.autograd import follows_autocast
-from fusedkern.linear_cross_entropy import resolve_impl
+from fusedkern.autograd import follows_autocast, is_traced
+from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -287,14 +287,12 @@ def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old
     chunked, nothing traces the call (torch.compile takes the generic path, whose operators it knows) and no
     gradient is asked of the per-token inputs (the chunked form treats them as constants)."""
     params = [t for t in (input, linear_weight, linear_bias) if t is not None]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
-        return False
-    if torch.compiler.is_compiling() or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in params):
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)) or is_traced(*params):
         return False
     if any(t is not None and t.requires_grad for t in (advantages, old_logps, ref_logps)):
         return False
     x2d = input.reshape(-1, input.shape[-1])
-    return resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens) == "chunked"
+    return forms_grads_in_forward(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
 
 
 def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,

@@ -21,8 +21,6 @@ operator's fake implementation and autograd formula sit beside its body.
 
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 from torch import nn
@@ -41,21 +39,14 @@ from fusedkern.autograd import (
     cast_or_none,
     first_order_only,
     follows_autocast,
-    is_traced,
     or_absent,
     register_op,
     register_op_without_grad,
     rescaled_grads,
     save_precomputed_grads,
 )
-from fusedkern.chunked import (
-    LossOptions,
-    chunked_grads,
-    chunked_loss,
-    chunked_loss_and_grads,
-    lse_of,
-    plan_for_grads,
-)
+from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
+from fusedkern.dispatch import Call, choose, forms_grads_in_forward, strategy
 from fusedkern.sharded import full_weights
 
 
@@ -71,69 +62,6 @@ def mean_denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ig
     # clamped: the target range check is read later (`TargetRangeCheck`), so no index may be out of range here
     safe_target = torch.where(valid, target, 0).clamp_(0, class_weight.shape[0] - 1)
     return (class_weight[safe_target] * valid).sum(dtype=torch.float32)
-
-
-def _fused_ops():
-    from fusedkern.kernels import fused_ce
-
-    return fused_ce
-
-
-#: FUSEDKERN_GLUON_LOSS_ONLY's value when it is unset: on, since the Gluon pass beat the tile pass at every size
-#: measured (H100, 4096-32768 tokens, dense and half-ignored: 1.05-1.10x one GEMM against 1.17-1.23x; docs/design.md)
-GLUON_LOSS_ONLY_DEFAULT = "1"
-#: FUSEDKERN_GLUON_LOGPROBS's value when it is unset: on, since its GPU tests passed and, at a temperature with the
-#: entropy, it beat the tile pass at every size measured (H100, 4096-32768 tokens, dense and half-ignored:
-#: 1.05-1.15x one GEMM against 1.21-1.28x; docs/design.md, "The log-prob pass on the Gluon kernel")
-GLUON_LOGPROBS_DEFAULT = "1"
-
-
-def _switch(name: str, default: str) -> bool:
-    value = os.environ.get(name, "").strip() or default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, not {value!r}")
-    return value == "1"
-
-
-def gluon_loss_only_switch() -> bool:
-    """FUSEDKERN_GLUON_LOSS_ONLY: "1" sends every loss-only call the Gluon pass supports to it (`takes_gluon_pass`),
-    "0" none; unset or empty: `GLUON_LOSS_ONLY_DEFAULT`. Read at each call (a test or a notebook may flip it)."""
-    return _switch("FUSEDKERN_GLUON_LOSS_ONLY", GLUON_LOSS_ONLY_DEFAULT)
-
-
-def gluon_logprobs_switch() -> bool:
-    """FUSEDKERN_GLUON_LOGPROBS: "1" also sends the log-prob calls at a temperature or with the entropy to the Gluon
-    pass (`logprobs_impl`; FUSEDKERN_GLUON_LOSS_ONLY must be on too), "0" none; unset or empty:
-    `GLUON_LOGPROBS_DEFAULT`. Read at each call."""
-    return _switch("FUSEDKERN_GLUON_LOGPROBS", GLUON_LOGPROBS_DEFAULT)
-
-
-@functools.cache
-def _gluon_ops():
-    """`fusedkern.kernels.gluon_logits_stats`, or None where this Triton cannot import it (no Gluon, another API)."""
-    try:
-        from fusedkern.kernels import gluon_logits_stats
-    except (ImportError, AttributeError):
-        return None
-    return gluon_logits_stats
-
-
-def gluon_pass_options(b, class_weight, opts: LossOptions) -> bool:
-    """The options the Gluon pass computes: a logit scale (a temperature) and nothing else (no bias, class weights,
-    label smoothing, z-loss, softcap)."""
-    return (b is None and class_weight is None and opts.label_smoothing == 0.0 and opts.z_loss == 0.0
-            and opts.softcap is None)
-
-
-def takes_gluon_pass(x2d, w, b, class_weight, opts: LossOptions) -> bool:
-    """Whether a loss-only call (no gradient wanted, the chunked strategy: cross-entropy, or log-probs at a
-    temperature with or without the entropy) runs on the Gluon pass (`kernels/gluon_logits_stats.py`) instead of
-    the tile pass: options it computes, the switch on, eager (fake tensors have no address to check for TMA's
-    alignment), and operands the kernel supports (bf16, H % 64 = 0, sm_90)."""
-    if not (gluon_pass_options(b, class_weight, opts) and gluon_loss_only_switch() and x2d.is_cuda):
-        return False
-    gluon = None if is_traced(x2d, w) else _gluon_ops()
-    return gluon is not None and gluon.is_supported(x2d, w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,20 +168,14 @@ def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target:
                count_int: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
     recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
-    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call; impl='gluon' is the loss-only
-    call `takes_gluon_pass` routes to `kernels/gluon_logits_stats.py`.
-    forward_chunk_tokens: whole-row chunks of the loss-only pass (None: its 64 MiB tiles; the Gluon pass: at most
+    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call. impl: the strategy of
+    `dispatch.choose` ("chunked", "fused", or "gluon", whose backward recomputes as "chunked").
+    forward_chunk_tokens: whole-row chunks of the statistics pass (None: its 64 MiB tiles; the Gluon pass: at most
     that many tokens a launch); chunk_tokens: the backward's chunks."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
-    if impl == "fused":
-        loss_tok, stats = _fused_ops().fused_ce_forward(
-            x, w, b, target, class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            z_loss=z_loss, softcap=softcap, return_stats=True)
-    elif impl == "gluon":  # loss only, plain options (`takes_gluon_pass`); a backward would recompute as "chunked"
-        loss_tok, stats = _gluon_ops().loss_only(x, w, target, ignore_index, forward_chunk_tokens)
-    else:
-        loss_tok, stats = chunked_loss(x, w, b, target, class_weight,
-                                       LossOptions(ignore_index, label_smoothing, z_loss, softcap), forward_chunk_tokens)
+    loss_tok, stats = strategy(impl).statistics(x, w, b, target, class_weight,
+                                                LossOptions(ignore_index, label_smoothing, z_loss, softcap),
+                                                forward_chunk_tokens)
     finish_checks(checks)
     return loss_tok, stats
 
@@ -295,16 +217,10 @@ def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                         need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t (grad_tok [T] fp32), recomputing the logits from the saved
     statistics: (dx [T, H], dw [V, H], db [V]) in the dtypes of x, w, b; empty where not needed."""
-    if impl == "fused":
-        dx, dw, db = _fused_ops().fused_ce_backward(
-            x, w, b, target, class_weight, stats, grad_tok, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-    else:
-        dx, dw, db = chunked_grads(
-            x, w, b, target, class_weight, LossOptions(ignore_index, label_smoothing, z_loss, softcap), stats,
-            grad_tok, need_dx=need_dx, need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
-            chunk_tokens=chunk_tokens)
+    dx, dw, db = strategy(impl).gradients(
+        x, w, b, target, class_weight, LossOptions(ignore_index, label_smoothing, z_loss, softcap), stats, grad_tok,
+        need_dx=need_dx, need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+        chunk_tokens=chunk_tokens)
     return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
             absent(w) if db is None else db.to(b.dtype))
 
@@ -329,17 +245,13 @@ def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     """`_per_token` for `linear_logprobs` at a temperature (chunked, no class weights, ε = z-loss = 0):
     s = softcap(z)·logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy
     H_t of softmax(s) [T] fp32 (0 where ignored; else [0]) from one more row statistic of the same pass.
-    impl: "chunked", or "gluon" for a forward no backward follows that `logprobs_impl` sent to the Gluon pass.
-    The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
+    impl: the statistics pass's strategy (`dispatch.choose`: "chunked" or "gluon"); the backward always recomputes
+    the logits with the chunked GEMMs. The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
     checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
     entropy = torch.empty(x.shape[0] if with_entropy else 0, device=x.device, dtype=torch.float32)
-    if impl == "gluon":
-        loss_tok, stats = _gluon_ops().loss_only(x, w, target, ignore_index, forward_chunk_tokens,
-                                                 logit_scale=logit_scale, entropy=entropy if with_entropy else None)
-    else:
-        loss_tok, stats = chunked_loss(x, w, b, target, None, LossOptions(ignore_index, softcap=softcap,
-                                                                          logit_scale=logit_scale),
-                                       forward_chunk_tokens, entropy=entropy if with_entropy else None)
+    loss_tok, stats = strategy(impl).statistics(x, w, b, target, None,
+                                                LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale),
+                                                forward_chunk_tokens, entropy=entropy if with_entropy else None)
     finish_checks(checks)
     return loss_tok, stats, entropy
 
@@ -382,15 +294,6 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
             *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
-def logprobs_impl(x2d, w, b, softcap: float | None, logit_scale: float, wants_grad: bool) -> str:
-    """The `logprobs_entropy` operator's impl for these operands: "gluon" for a forward no backward follows that the
-    Gluon pass takes (`gluon_logprobs_switch` and `takes_gluon_pass`: no bias or softcap, bf16, sm_90), else
-    "chunked"."""
-    opts = LossOptions(-100, softcap=softcap, logit_scale=logit_scale)
-    on = not wants_grad and gluon_logprobs_switch()
-    return "gluon" if on and takes_gluon_pass(x2d, w, b, None, opts) else "chunked"
-
-
 register_op(logprobs_entropy, _logprobs_entropy, _setup_logprobs_entropy, _backward_logprobs_entropy)
 
 
@@ -425,40 +328,7 @@ def _(x, w, b, target, stats, entropy, grad_tok, grad_entropy, ignore_index, sof
 
 
 # ----------------------------------------------------------------------------------------------
-# dispatch
-
-
-def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,
-                 chunk_tokens: int | None) -> str:
-    """'auto' → 'chunked' (the faster strategy), unless its buffers — at the caller's `chunk_tokens` when
-    given — do not fit the free GPU memory: then 'fused', which needs only O(tokens) extra. Under
-    torch.compile 'auto' is 'chunked': the free memory is a driver query, not something a graph can hold."""
-    if impl != "auto":
-        return impl
-    if x2d.is_cuda and not torch.compiler.is_compiling():
-        need = chunked_extra_bytes(x2d.shape[0], w, weight_grad_accum, chunk_tokens)
-        if not _cached_bytes_cover(need, x2d.device) and torch.cuda.mem_get_info(x2d.device)[0] < need:
-            return "fused"
-    return "chunked"
-
-
-def chunked_extra_bytes(n_tokens: int, w: torch.Tensor, weight_grad_accum: str, chunk_tokens: int | None) -> int:
-    """Bytes the chunked strategy allocates beyond inputs and gradients: its logits buffer (none when it
-    lives in dW's storage) and the fp32 dW accumulator."""
-    vocab, hidden = w.shape
-    plan = plan_for_grads(n_tokens, w, w.requires_grad, weight_grad_accum, chunk_tokens)
-    need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * w.element_size()
-    if plan.fp32_accumulator:
-        need += vocab * hidden * 4
-    return need
-
-
-def _cached_bytes_cover(need: int, device: torch.device) -> bool:
-    """Whether PyTorch's caching allocator already holds `need` free bytes (reserved − allocated: no
-    driver call). In a training loop the previous step's buffers are there, so 'auto' asks the
-    driver (`cudaMemGetInfo`, which can synchronize and cost far more than the few µs of this
-    check) only on the first steps."""
-    return need <= torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+# the public function
 
 
 def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -480,17 +350,19 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     # Gluon pass, which would accept one, must not be handed one here either
     assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
     loss_options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap)
-    if impl == "chunked" and reduction != "none" and wants_grad:
+    if wants_grad and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum, chunk_tokens):
         loss, lse, *_ = call_op(ce_chunked_scalar, x2d, w, b, y, class_weight, *loss_options, reduction,
                                 weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
                                 not torch.compiler.is_compiling(), False, *checks, rows)
         return loss, lse
     if rows is not None:
         x2d = x2d.index_select(0, rows)
-    if impl == "chunked" and not wants_grad and takes_gluon_pass(x2d, w, b, class_weight, opts):
-        impl = "gluon"
+    # the statistics pass is the same with and without a gradient to follow (a backward recomputes the logits):
+    # the same strategy and chunks, so both give the same statistics
+    impl = choose(impl, Call(x2d, w, b, class_weight, opts), weight_grad_accum=weight_grad_accum,
+                  chunk_tokens=chunk_tokens, statistics_only=True).name
     loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
-                              chunk_tokens, None if wants_grad else chunk_tokens, *checks)
+                              chunk_tokens, chunk_tokens, *checks)
     lse = lse_of(stats)
     if reduction == "none":
         return loss_tok, lse
@@ -538,8 +410,8 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
     if on_device:
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
-        counted = (impl == "chunked" and reduction != "none" and (need_dx or need_dw)
-                   and not (b is not None and b.requires_grad and grad))
+        counted = (reduction != "none" and (need_dx or need_dw) and not (b is not None and b.requires_grad and grad)
+                   and forms_grads_in_forward(impl, x2d, w, weight_grad_accum, chunk_tokens))
         if not counted:
             return dense(count)
         rows = valid_rows_first(y, opts.ignore_index)
@@ -585,7 +457,9 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
         return_lse: also return the per-token log-sum-exp [...] (float32, not differentiable).
         impl: "chunked" (cuBLAS GEMMs over bounded token chunks + Triton row kernel; three GEMMs for
             mean/sum), "fused" (Triton GEMM + online LSE, no logits buffer; logits recomputed in
-            backward) or "auto" ("chunked" unless its buffers do not fit free GPU memory).
+            backward), "gluon" (statistics in the logits GEMM's epilogue, sm_90, plain options; a gradient
+            takes the chunked GEMMs) or "auto" ("chunked" unless its buffers do not fit free GPU memory, and
+            "gluon" for the statistics-only passes it supports). `fusedkern/dispatch.py` says what each takes.
         weight_grad_accum: "fp32" (dW accumulated across chunks in one fp32 [V, H] buffer: no loss of
             precision with many tokens) or "weight_dtype" (memory-lean: accumulate in the weight's dtype).
         chunk_tokens: tokens per chunk. Default (`chunk_plan.grad_chunk_plan`): with fp32 dW accumulation,
@@ -619,7 +493,6 @@ def linear_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, targe
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
-    impl = resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
     loss, lse = loss_over_tokens(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction, impl,
                                  weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=return_lse)
     if reduction == "none":

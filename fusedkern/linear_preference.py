@@ -25,8 +25,8 @@ from fusedkern import _validation as V_
 from fusedkern.sharded import full_weights
 from fusedkern.engine import LossOptions, group_chunks, plan_for_grads
 from fusedkern.formula import FormulaSpec, formula_loss
-from fusedkern.autograd import follows_autocast
-from fusedkern.linear_cross_entropy import resolve_impl
+from fusedkern.autograd import follows_autocast, is_traced
+from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
 
@@ -77,9 +77,9 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     refs_frozen = not any(t is not None and t.requires_grad for t in (ref_chosen_logps, ref_rejected_logps, ref_logps))
     # three GEMMs (gradient formed in the forward pass) where a chunk holds a whole pair (KTO: a sequence);
     # torch.compile traces the generic path, whose operators it knows
-    if any(need) and refs_frozen and input.numel() and not torch.compiler.is_compiling() and impl != "fused" and \
-            resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
-                         chunk_tokens) == "chunked":
+    if any(need) and refs_frozen and input.numel() and not is_traced(input, linear_weight) and \
+            forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
+                                   chunk_tokens):
         paired = loss_type != "kto"
         n_rows, seq, hidden = input.shape
         per_chunk, grad_plan = preference_plan(n_rows, seq, paired, linear_weight, need[1], weight_grad_accum,

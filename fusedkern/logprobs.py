@@ -23,8 +23,8 @@ from fusedkern.chunked import LossOptions
 from fusedkern.sharded import full_weights
 from fusedkern._validation import validate_call
 from fusedkern.autograd import call_op, follows_autocast
-from fusedkern.linear_cross_entropy import (logprobs_entropy, logprobs_impl, loss_over_tokens, resolve_impl,
-                                           valid_rows_first)
+from fusedkern.dispatch import Call, choose
+from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens, valid_rows_first
 
 
 @follows_autocast
@@ -81,47 +81,44 @@ def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_inde
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     softcap = None if softcap is None else float(softcap)
-    # the entropy exists in the chunked strategy only, so "auto" must not fall back to "fused" for it
-    impl = "chunked" if return_entropy else resolve_impl(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
-    if impl == "chunked" and (return_entropy or temperature != 1.0):
-        logps, entropy = _tempered(x2d, linear_weight, linear_bias, y, ignore_index, softcap, 1.0 / float(temperature),
-                                   return_entropy, weight_grad_accum, chunk_tokens, num_valid_tokens)
+    logit_scale = 1.0 / float(temperature)
+    call = Call(x2d, linear_weight, linear_bias, None, LossOptions(ignore_index, softcap=softcap,
+                                                                   logit_scale=logit_scale), return_entropy)
+    chosen = choose(impl, call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True)
+    if chosen.scales_logits and (return_entropy or temperature != 1.0):
+        logps, entropy = _tempered(x2d, linear_weight, linear_bias, y, ignore_index, softcap, logit_scale,
+                                   return_entropy, weight_grad_accum, chunk_tokens, num_valid_tokens, chosen.name)
         lead = input.shape[:-1]
         return (logps.reshape(lead), entropy.reshape(lead)) if return_entropy else logps.reshape(lead)
-    if temperature != 1.0:  # the fused kernels have no scale: s/τ = (c/τ)·tanh((z/τ)/(c/τ)) on input/τ, bias/τ
-        inv_tau = 1.0 / float(temperature)
-        x2d = x2d * inv_tau
-        linear_bias = None if linear_bias is None else linear_bias * inv_tau
-        softcap = None if softcap is None else softcap * inv_tau
+    if temperature != 1.0:  # kernels without a scale: s/τ = (c/τ)·tanh((z/τ)/(c/τ)) on input/τ, bias/τ
+        x2d = x2d * logit_scale
+        linear_bias = None if linear_bias is None else linear_bias * logit_scale
+        softcap = None if softcap is None else softcap * logit_scale
     opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
-    nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", impl, weight_grad_accum,
-                                  chunk_tokens, num_valid_tokens, need_lse=False)
+    nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", chosen.name,
+                                  weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=False)
     return (-nll_tok).reshape(input.shape[:-1])
 
 
 def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
-              num_valid_tokens):
+              num_valid_tokens, impl: str):
     """(logps [T], entropy [T] or [0]) through the `logprobs_entropy` operator (fp32 scale 1/τ in the row
-    kernels, or in the Gluon pass's epilogue for a forward no backward follows: `logprobs_impl`). A host count
+    kernels, or in the Gluon pass's epilogue: impl, `dispatch.choose`'s strategy for the statistics). A host count
     gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back among zeros; a device count
-    is checked and the rows computed densely."""
-    # as `linear_cross_entropy`: a forward that a backward follows runs in 64 MiB tiles, a loss-only one in
-    # the caller's chunks when given
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, w, b))
-    forward_chunk = None if wants_grad else chunk_tokens
-    common = (ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens, forward_chunk)
-    impl_for = lambda rows_x: logprobs_impl(rows_x, w, b, softcap, logit_scale, wants_grad)  # noqa: E731
+    is checked and the rows computed densely. The statistics pass runs in the caller's chunks when given, with or
+    without a gradient to follow, so that both give the same log-probs."""
+    common = (ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens, chunk_tokens)
     if isinstance(num_valid_tokens, torch.Tensor):
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1, impl_for(x2d))
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1, impl)
         return -nll, entropy
     count_int = -1 if num_valid_tokens is None else num_valid_tokens
     if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int, impl_for(x2d))
+        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int, impl)
         return -nll, entropy
     rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
     x_valid = x2d.index_select(0, rows)
     nll, _, entropy = call_op(logprobs_entropy, x_valid, w, b, y.index_select(0, rows), *common, y, None, count_int,
-                              impl_for(x_valid))
+                              impl)
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy
 
@@ -147,13 +144,15 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()
     softcap = None if softcap is None else float(softcap)
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2d, linear_weight,
-                                                                                              linear_bias))
-    forward_chunk = None if wants_grad else chunk_tokens
     logit_scale = 1.0 / float(temperature)
-    impl = logprobs_impl(x2d, linear_weight, linear_bias, softcap, logit_scale, wants_grad)
+    call = Call(x2d, linear_weight, linear_bias, None, LossOptions(ignore_index, softcap=softcap,
+                                                                   logit_scale=logit_scale), return_entropy)
+    # the statistics pass is the same with and without a gradient to follow: a policy and its reference model
+    # (the same weights, one under no_grad) get equal log-probs
+    impl = choose("auto", call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True,
+                  fused_fallback=False).name
     nll, stats, entropy = call_op(logprobs_entropy, x2d, linear_weight, linear_bias, y, ignore_index, softcap,
-                                  logit_scale, return_entropy, weight_grad_accum, chunk_tokens, forward_chunk, None,
+                                  logit_scale, return_entropy, weight_grad_accum, chunk_tokens, chunk_tokens, None,
                                   None, -1, impl)
     lead = input.shape[:-1]
     stats = stats.detach()

@@ -37,7 +37,8 @@ from fusedkern.autograd import (
     register_op,
     rescaled_grads,
 )
-from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, resolve_impl, save_output_grads
+from fusedkern.dispatch import forms_grads_in_forward
+from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads
 from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import logprobs_unchecked
 
@@ -296,11 +297,11 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     # validated once for every path; the operators check the targets' range
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    if (need_dx or need_dw or need_db) and impl != "fused" and target.numel() > 0:
+    if (need_dx or need_dw or need_db) and target.numel() > 0:
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
-        chunked = resolve_impl(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
-                               chunk_tokens) == "chunked"
+        chunked = forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
+                                         chunk_tokens)
         if chunked and plan[0] == "generic":
             _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
         if chunked and plan[0] != "generic":

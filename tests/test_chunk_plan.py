@@ -47,7 +47,7 @@ def test_auto_counts_the_callers_chunk_tokens():
     """`resolve_impl`'s memory check sizes the buffer at the caller's chunk_tokens, not the default plan's."""
     import torch
 
-    from fusedkern.linear_cross_entropy import chunked_extra_bytes
+    from fusedkern.dispatch import chunked_extra_bytes
 
     w = torch.empty(V, H, dtype=torch.bfloat16, device="meta", requires_grad=True)
     assert chunked_extra_bytes(32768, w, "weight_dtype", None) == 1024 * V * 2  # 256 MiB plan

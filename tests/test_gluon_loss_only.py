@@ -1,16 +1,15 @@
 """The Gluon loss-only pass (fusedkern/kernels/gluon_logits_stats.py) and its dispatch in `linear_cross_entropy` and
 `linear_logprobs` (cross-entropy, and log-probs at a temperature with or without the entropy, under no_grad).
 
-CPU: which calls the dispatch sends to it (options, dtypes, shapes, devices, FUSEDKERN_GLUON_LOSS_ONLY), that on CPU
-it is never taken and nothing changes, and its host side (launch chunks, partial slots, the tile pass's merge) on a
-torch emulation of the kernel's partials; the sm_90a compile. GPU (an sm_90 device): the kernel through the public
-functions against float64 within 2× torch's bf16 error, ragged and one-row shapes, ignored rows, extreme logits,
+CPU: which calls the dispatcher (`fusedkern/dispatch.py`) sends to it (options, dtypes, shapes, devices, `impl`),
+that on CPU it is never taken and nothing changes, and its host side (launch chunks, partial slots, the tile pass's
+merge) on a torch emulation of the kernel's partials; the sm_90a compile. GPU (an sm_90 device): the kernel through the
+public functions against float64 within 2× torch's bf16 error, ragged and one-row shapes, ignored rows, extreme logits,
 confident predictions, poisoned buffers, a host and a device `num_valid_tokens`, temperature and entropy, and that
-the switch actually launches it."""
+impl="auto" actually launches it, with or without a gradient to follow."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -21,16 +20,14 @@ import pytest
 import torch
 
 import fusedkern
-from fusedkern import reference
+from fusedkern import dispatch, reference
 from fusedkern.chunked import LossOptions
 from fusedkern.logprobs import linear_logprobs_with_stats
 from tests._accuracy import assert_close_to_ref, rel_err, torch_linear_cross_entropy, torch_logprobs_entropy
 from tests.conftest import DEVICE
 
-lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
 ROOT = Path(__file__).resolve().parents[1]
-SWITCH, LOGPROBS_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY", "FUSEDKERN_GLUON_LOGPROBS"
-g = lce._gluon_ops()  # the kernel module, None where this Triton has no Gluon
+g = dispatch._gluon_kernels()  # the kernel module, None where this Triton has no Gluon
 needs_gluon = pytest.mark.skipif(g is None, reason="triton.experimental.gluon (Triton 3.6) cannot be imported")
 ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 (H100/H200) GPU")
@@ -97,112 +94,84 @@ def emulated_gluon(monkeypatch):
         emulated_partials(x2d, *args, **kwargs)
 
     monkeypatch.setattr(g, "launch_partials", launch)
-    monkeypatch.setattr(lce, "takes_gluon_pass", lambda *args: True)
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")  # the log-prob calls too (their default; set, so the caller's env cannot)
+    monkeypatch.setattr(dispatch.Gluon, "unsupported", lambda self, call: None)
     return calls
 
 
 # ------------------------------------------------------------------------------------------------ CPU: dispatch
 
 
-SWITCHES = [(SWITCH, "GLUON_LOSS_ONLY_DEFAULT", "gluon_loss_only_switch"),
-            (LOGPROBS_SWITCH, "GLUON_LOGPROBS_DEFAULT", "gluon_logprobs_switch")]
-
-
-@pytest.mark.parametrize("name,default_name,reader", SWITCHES, ids=["loss-only", "logprobs"])
-@pytest.mark.parametrize("value,on", [(None, None), ("", None), ("0", False), ("1", True), (" 1 ", True)])
-def test_switch_reads_0_or_1_and_falls_back_to_the_default(monkeypatch, name, default_name, reader, value, on):
-    if value is None:
-        monkeypatch.delenv(name, raising=False)
-    else:
-        monkeypatch.setenv(name, value)
-    for default in ("0", "1"):
-        monkeypatch.setattr(lce, default_name, default)
-        assert getattr(lce, reader)() is (default == "1" if on is None else on)
-
-
-@pytest.mark.parametrize("name,default_name,reader", SWITCHES, ids=["loss-only", "logprobs"])
-@pytest.mark.parametrize("value", ["2", "yes", "true", "on", "01"])
-def test_switch_refuses_other_values(monkeypatch, name, default_name, reader, value):
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=name):
-        getattr(lce, reader)()
-    x, w, y = make_inputs(5, 8, 11, dtype=torch.float32, seed=0)
-    with torch.no_grad(), pytest.raises(ValueError, match=name):  # a typo is noticed on CPU too
-        if name == SWITCH:
-            fusedkern.linear_cross_entropy(x, w, y)
-        else:
-            fusedkern.linear_logprobs(x, w, y, temperature=0.7, return_entropy=True)
+def _stub_cuda_gluon(monkeypatch):
+    """The Gluon kernel's own checks passing on CPU tensors seen as CUDA ones (this is CPU)."""
+    stub = type("Stub", (), {"unsupported_reason": staticmethod(lambda x, w: None)})
+    monkeypatch.setattr(dispatch, "_gluon_kernels", lambda: stub)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(dispatch, "_chunked_needs_more_than_free", lambda *args: False)
 
 
 @pytest.mark.parametrize("change,plain", [
     ({}, True), ({"bias": True}, False), ({"weight": True}, False), ({"label_smoothing": 0.1}, False),
     ({"z_loss": 1e-4}, False), ({"softcap": 30.0}, False), ({"logit_scale": 1 / 0.7}, True),
-], ids=["plain", "bias", "class-weight", "smoothing", "z-loss", "softcap", "temperature"])
-def test_only_the_options_it_computes_are_eligible(change, plain):
+    ({"entropy": True}, True),
+], ids=["plain", "bias", "class-weight", "smoothing", "z-loss", "softcap", "temperature", "entropy"])
+def test_only_the_options_it_computes_are_eligible(monkeypatch, change, plain):
+    _stub_cuda_gluon(monkeypatch)
     change = dict(change)
     b = torch.zeros(3) if change.pop("bias", False) else None
     cw = torch.ones(3) if change.pop("weight", False) else None
-    assert lce.gluon_pass_options(b, cw, LossOptions(-100, **change)) is plain
-    assert lce.gluon_pass_options(b, cw, LossOptions(7, **change)) is plain  # any ignore_index
+    entropy = change.pop("entropy", False)
+    x, w = torch.zeros(2, 4), torch.zeros(3, 4)
+    for ignore_index in (-100, 7):  # any ignore_index
+        call = dispatch.Call(x, w, b, cw, LossOptions(ignore_index, **change), entropy)
+        assert (dispatch.STRATEGIES["gluon"].unsupported(call) is None) is plain
+        chosen = dispatch.choose("auto", call, statistics_only=True).name
+        assert chosen == ("gluon" if plain else "chunked")
+        assert dispatch.choose("auto", call).name == "chunked"  # a pass that forms gradients: the chunked GEMMs
+        assert dispatch.choose("chunked", call, statistics_only=True).name == "chunked"
 
 
-@pytest.mark.parametrize("softcap,bias,grad,switches,impl", [
-    (None, False, False, "11", "gluon"), (None, False, True, "11", "chunked"), (30.0, False, False, "11", "chunked"),
-    (None, True, False, "11", "chunked"), (None, False, False, "10", "chunked"), (None, False, False, "01", "chunked"),
-    (None, False, False, "1", "gluon"), (None, False, False, "", "gluon"), (None, False, False, "0", "chunked"),
-], ids=["no-grad", "grad-wanted", "softcap", "bias", "logprobs-switch-off", "loss-only-switch-off", "logprobs-default",
-        "both-defaults", "loss-only-off-logprobs-default"])
-def test_logprobs_take_the_gluon_pass_only_without_a_backward_softcap_or_bias(monkeypatch, softcap, bias, grad,
-                                                                              switches, impl):
-    """`logprobs_impl` with the kernel's own checks passing (stubbed: this is CPU): a temperature is fine, a gradient
-    wanted, a softcap or a bias are not; both switches must be on (switches: FUSEDKERN_GLUON_LOSS_ONLY's value,
-    then FUSEDKERN_GLUON_LOGPROBS's, unset when missing), and both are on by default."""
-    monkeypatch.setattr(lce, "_gluon_ops", lambda: type("Stub", (), {"is_supported": staticmethod(lambda x, w: True)}))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    for name, value in zip((SWITCH, LOGPROBS_SWITCH), (switches + "-")[:2]):
-        if value == "-":
-            monkeypatch.delenv(name, raising=False)
+@pytest.mark.parametrize("impl,reason", [("gluon", "CUDA GPU"), ("fused", "entropy")])
+def test_an_explicit_impl_that_cannot_run_the_call_says_why(impl, reason):
+    x, w, y = make_inputs(5, 8, 11, dtype=torch.float32, seed=0)
+    with torch.no_grad(), pytest.raises(ValueError, match=reason):
+        if impl == "gluon":
+            fusedkern.linear_cross_entropy(x, w, y, impl="gluon")
         else:
-            monkeypatch.setenv(name, value)
-    b = torch.zeros(5) if bias else None
-    x, w = torch.zeros(3, 4), torch.zeros(5, 4)
-    assert lce.logprobs_impl(x, w, b, softcap, 1 / 0.7, grad) == impl
+            dispatch.choose("fused", dispatch.Call(x, w, None, None, LossOptions(), with_entropy=True))
 
 
 @pytest.mark.parametrize("call,grad", [(call, False) for call in ("mean", "sum", "none", "lse", "count", "logprobs",
                                                                   "logprobs-tau-entropy")]
-                         + [("mean", True), ("none", True)])
+                         + [("mean", True), ("none", True), ("logprobs-tau-entropy", True)])
 def test_cpu_never_takes_the_gluon_pass_and_nothing_changes(monkeypatch, call, grad):
-    """FUSEDKERN_GLUON_LOSS_ONLY=1 on CPU tensors: the Gluon module is never asked (it would raise here) and every
-    output is bitwise the one with the switch off."""
+    """impl="auto" on CPU tensors: the Gluon module is never asked (it would raise here) and every output is bitwise
+    the one of impl="chunked"."""
     x, w, y = make_inputs(21, 16, 70, dtype=torch.float32)
 
-    def run():
+    def run(impl):
         xx = x.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             if call == "logprobs":
-                out = fusedkern.linear_logprobs(xx, w, y)
+                out = fusedkern.linear_logprobs(xx, w, y, impl=impl)
             elif call == "logprobs-tau-entropy":
-                out = torch.stack(fusedkern.linear_logprobs(xx, w, y, temperature=0.7, return_entropy=True))
+                out = torch.stack(fusedkern.linear_logprobs(xx, w, y, temperature=0.7, return_entropy=True,
+                                                            impl=impl))
             elif call == "lse":
-                out = torch.stack(fusedkern.linear_cross_entropy(xx, w, y, reduction="none", return_lse=True))
+                out = torch.stack(fusedkern.linear_cross_entropy(xx, w, y, reduction="none", return_lse=True,
+                                                                 impl=impl))
             elif call == "count":
-                out = fusedkern.linear_cross_entropy(xx, w, y, num_valid_tokens=int((y != -100).sum()))
+                out = fusedkern.linear_cross_entropy(xx, w, y, num_valid_tokens=int((y != -100).sum()), impl=impl)
             else:
-                out = fusedkern.linear_cross_entropy(xx, w, y, reduction=call)
+                out = fusedkern.linear_cross_entropy(xx, w, y, reduction=call, impl=impl)
         return out.detach()
 
-    monkeypatch.setenv(SWITCH, "0")
-    off = run()
-    monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
+    tile = run("chunked")
 
     def never(*args, **kwargs):
-        raise AssertionError("the Gluon pass was taken on CPU")
+        raise AssertionError("the Gluon pass was asked on CPU")
 
-    monkeypatch.setattr(lce, "_gluon_ops", never)
-    assert torch.equal(run(), off)
+    monkeypatch.setattr(dispatch, "_gluon_kernels", never)
+    assert torch.equal(run("auto"), tile)
 
 
 @needs_gluon
@@ -325,8 +294,8 @@ def test_host_side_keeps_a_confident_loss_to_its_digits(emulated_gluon, margin):
 def test_host_side_logprobs_at_a_temperature_with_entropy(emulated_gluon, temperature, count):
     """linear_logprobs under no_grad through the Gluon dispatch, kernel emulated: the scale and the entropy's plane
     through the tile pass's merge give float64's log-probs and entropy to fp32 rounding, dense and with either count
-    (a host count launches the valid rows only); without the entropy the same log-probs; with a gradient wanted the
-    pass is not taken."""
+    (a host count launches the valid rows only); without the entropy the same log-probs; with a gradient to follow
+    the same pass and values."""
     x, w, y = make_inputs(23, 16, 700, dtype=torch.float32, ignore_frac=0.3)
     n = int((y != -100).sum())
     kw = {"dense": {}, "host": {"num_valid_tokens": n}, "device": {"num_valid_tokens": torch.tensor(n)}}[count]
@@ -343,8 +312,14 @@ def test_host_side_logprobs_at_a_temperature_with_entropy(emulated_gluon, temper
     assert torch.count_nonzero(entropy[y == -100]) == 0 and torch.count_nonzero(logps[y == -100]) == 0
     emulated_gluon.clear()
     xx = x.clone().requires_grad_()
-    fusedkern.linear_logprobs(xx, w, y, temperature=temperature, return_entropy=True, **kw)[1].sum().backward()
-    assert emulated_gluon == []
+    grad_logps, grad_entropy = fusedkern.linear_logprobs(xx, w, y, temperature=temperature, return_entropy=True,
+                                                         chunk_tokens=8, **kw)
+    (grad_logps.sum() + grad_entropy.sum()).backward()
+    # with a gradient to follow: the same statistics pass (the backward recomputes the logits with the chunked
+    # GEMMs), so the same log-probs and entropy: a policy and its reference model agree
+    assert emulated_gluon == [min(C, rows - r) for r in range(0, rows, C)]
+    assert torch.equal(grad_logps.detach(), logps) and torch.equal(grad_entropy.detach(), entropy)
+    assert torch.isfinite(xx.grad).all()
 
 
 @needs_gluon
@@ -422,18 +397,16 @@ def _assert_fp32_within_2x_torch(outputs: dict) -> None:
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_gpu_loss_only_bf16_matches_fp64(monkeypatch, gluon_launches, reduction):
     """The realistic case (bf16, T = 2048, H = 1024, V = 32003: ragged last column tile), switch on: one launch of
-    the Gluon kernel, loss and lse within 2× torch's bf16 error of float64; switch off, explicit impl="fused" or a
-    gradient wanted: never launched, and the tile pass agrees with it."""
-    monkeypatch.setenv(SWITCH, "1")
+    the Gluon kernel, loss and lse within 2× torch's bf16 error of float64; impl="chunked", impl="fused" or a
+    mean/sum with a gradient (three GEMMs): never launched, and the tile pass agrees with it."""
     x, w, y = make_inputs(2048, 1024, 32003)
     loss, lse = _check_loss_and_lse(x, w, y, reduction)
     assert gluon_launches == [2048]
-    monkeypatch.setenv(SWITCH, "0")
-    tile_loss, tile_lse = _loss_only(x, w, y, reduction=reduction, return_lse=True)
-    monkeypatch.setenv(SWITCH, "1")
+    tile_loss, tile_lse = _loss_only(x, w, y, reduction=reduction, return_lse=True, impl="chunked")
     _loss_only(x, w, y, reduction=reduction, impl="fused")
     fusedkern.linear_cross_entropy(x, w.clone().requires_grad_(), y, reduction=reduction)
-    assert gluon_launches == [2048]
+    # a per-token loss with a gradient to follow computes its statistics on the same pass
+    assert gluon_launches == ([2048, 2048] if reduction == "none" else [2048])
     # the tile pass rounds its logits to bf16, the Gluon pass keeps them in fp32: close, not equal
     assert rel_err(loss, tile_loss) < 1e-2 and rel_err(lse, tile_lse) < 1e-3
 
@@ -445,7 +418,6 @@ def test_gpu_loss_only_bf16_matches_fp64(monkeypatch, gluon_launches, reduction)
 def test_gpu_ragged_shapes(monkeypatch, gluon_launches, T, H, V):
     """T and V off the 128 × 256 tile (TMA zero-fills past them, the epilogue masks), down to one row and a
     vocabulary smaller than one tile."""
-    monkeypatch.setenv(SWITCH, "1")
     x, w, y = make_inputs(T, H, V)
     for reduction in ("mean", "none"):
         _check_loss_and_lse(x, w, y, reduction)
@@ -457,7 +429,6 @@ def test_gpu_ragged_shapes(monkeypatch, gluon_launches, T, H, V):
 def test_gpu_ignored_rows_launch_chunks_and_logprobs(monkeypatch, gluon_launches):
     """All targets ignored (NaN mean like torch, 0 sum, zero per-token loss, lse still every row's); chunk_tokens
     splits the launches; linear_logprobs at temperature 1 takes the Gluon pass too."""
-    monkeypatch.setenv(SWITCH, "1")
     x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
     ignored = torch.full_like(y, -100)
     assert torch.isnan(_loss_only(x, w, ignored))
@@ -483,7 +454,6 @@ def test_gpu_ignored_rows_launch_chunks_and_logprobs(monkeypatch, gluon_launches
 def test_gpu_num_valid_tokens_host_int(monkeypatch, gluon_launches):
     """A host count launches the valid rows only; each row's loss is the dense call's (same K order and merge, so
     within an fp32 ulp or two), "none" puts zeros back at the ignored rows."""
-    monkeypatch.setenv(SWITCH, "1")
     x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.4)
     n = int((y != -100).sum())
     dense = _loss_only(x, w, y, reduction="none")
@@ -500,7 +470,6 @@ def test_gpu_num_valid_tokens_host_int(monkeypatch, gluon_launches):
 @needs_sm90
 def test_gpu_extreme_logits(monkeypatch, gluon_launches):
     """Weights scaled up until logits reach ~±1e3: finite, and within 2× torch's bf16 error of float64."""
-    monkeypatch.setenv(SWITCH, "1")
     x, w, y = make_inputs(512, 1024, 32003, w_scale=300.0)
     for reduction in ("sum", "none"):
         loss, lse = _check_loss_and_lse(x, w, y, reduction)
@@ -513,7 +482,6 @@ def test_gpu_extreme_logits(monkeypatch, gluon_launches):
 def test_gpu_confident_prediction_keeps_its_digits(monkeypatch, gluon_launches):
     """`test_gpu_confident_prediction_gradient_keeps_its_digits`' loss in bf16 (exact logits: one-hot features,
     bf16 weights): targets 8, 16, 24, 30 above the rest, δ = loss down to ~2e-9, within 1e-5 relative."""
-    monkeypatch.setenv(SWITCH, "1")
     V, H = 32003, 64
     x = torch.zeros(4, H, device="cuda", dtype=torch.bfloat16)
     x[:, 0] = 1.0
@@ -534,7 +502,6 @@ def test_gpu_confident_prediction_keeps_its_digits(monkeypatch, gluon_launches):
 def test_gpu_every_output_is_written(monkeypatch, gluon_launches, poison_allocations):
     """Every buffer the package allocates starts as NaN (`poison_allocations`): the partials' slots the kernel owns,
     the per-token loss and the statistics must all be overwritten."""
-    monkeypatch.setenv(SWITCH, "1")
     poison_allocations()
     x, w, y = make_inputs(300, 512, 5000)
     loss, lse = _check_loss_and_lse(x, w, y, "none")
@@ -589,20 +556,20 @@ def _check_logprobs_entropy(x, w, y, temperature, **kwargs):
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
 def test_gpu_logprobs_temperature_entropy_match_fp64(monkeypatch, gluon_launches, temperature):
     """The RL log-prob pass (bf16, T = 2048, H = 1024, V = 32003), switch on: one launch with the scale and the
-    entropy's plane, log-probs and entropy within 2× torch's bf16 error of float64; a gradient wanted or the switch
-    off: never launched, and the tile pass agrees with it."""
-    monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
+    entropy's plane, log-probs and entropy within 2× torch's bf16 error of float64; with a gradient to follow, the
+    same launch and the same values; impl="chunked": the tile pass, which agrees with it."""
     x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
     logps, entropy = _check_logprobs_entropy(x, w, y, temperature)
     assert gluon_launches == [2048]
     assert torch.count_nonzero(logps[y == -100]) == 0 and torch.count_nonzero(entropy[y == -100]) == 0
-    monkeypatch.setenv(SWITCH, "0")
     with torch.no_grad():
-        tile_logps, tile_entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True)
-    monkeypatch.setenv(SWITCH, "1")
-    fusedkern.linear_logprobs(x, w.clone().requires_grad_(), y, temperature=temperature, return_entropy=True)
-    assert gluon_launches == [2048]
+        tile_logps, tile_entropy = fusedkern.linear_logprobs(x, w, y, temperature=temperature, return_entropy=True,
+                                                             impl="chunked")
+    grad_logps, grad_entropy = fusedkern.linear_logprobs(x, w.clone().requires_grad_(), y, temperature=temperature,
+                                                         return_entropy=True)
+    # with a gradient to follow: the same pass, the same log-probs (a policy and its reference agree)
+    assert gluon_launches == [2048, 2048]
+    assert torch.equal(grad_logps.detach(), logps) and torch.equal(grad_entropy.detach(), entropy)
     # the tile pass rounds its logits to bf16, the Gluon pass keeps them in fp32: close, not equal
     assert rel_err(logps, tile_logps) < 1e-2 and rel_err(entropy, tile_entropy) < 1e-2
 
@@ -612,8 +579,6 @@ def test_gpu_logprobs_temperature_entropy_match_fp64(monkeypatch, gluon_launches
 def test_gpu_logprobs_counts_extremes_and_with_stats(monkeypatch, gluon_launches):
     """A host count (valid rows only launched) and a device count give the dense call's values; logits to ~±1e3 at
     τ 0.5 stay finite and within the 2× rule; `linear_logprobs_with_stats` (row max, lse) takes the same pass."""
-    monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.setenv(LOGPROBS_SWITCH, "1")
     x, w, y = make_inputs(1024, 1024, 32003, ignore_frac=0.4)
     n = int((y != -100).sum())
     dense = _check_logprobs_entropy(x, w, y, 0.7)

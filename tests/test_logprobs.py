@@ -239,3 +239,36 @@ def test_with_stats_matches_linear_logprobs_and_fp64(softcap):
     torch.testing.assert_close(ws.grad, wr.grad, rtol=0, atol=0)
     with pytest.raises(ValueError, match="temperature"):
         fusedkern.logprobs.linear_logprobs_with_stats(x, w, y, temperature=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("temperature,entropy,chunk_tokens", [(1.0, False, None), (0.7, True, None),
+                                                              (1.0, True, 16)])
+def test_policy_and_reference_paths_give_equal_logprobs(dtype, temperature, entropy, chunk_tokens):
+    """The same weights and batch through the gradient path (a policy) and under no_grad (its reference model): the
+    same statistics pass, so the same per-token log-probs to ≤ 1e-6 and sequence sums to ≤ 1e-5 (bitwise here). DPO's
+    first loss is then log 2, as with TRL's own head. On a GPU the pass is the Gluon kernel (tests/test_gluon_loss_only.py
+    checks the launches); here the tile pass."""
+    from fusedkern.logprobs import linear_logprobs_with_stats
+
+    torch.manual_seed(0)
+    B, S, H, V = 3, 11, 32, 300
+    x = torch.randn(B, S, H, device=DEVICE).to(dtype)
+    w = (torch.randn(V, H, device=DEVICE) / math.sqrt(H)).to(dtype)
+    y = torch.randint(0, V, (B, S), device=DEVICE)
+    y[:, :4] = -100  # prompts
+    kw = dict(temperature=temperature, return_entropy=entropy, chunk_tokens=chunk_tokens)
+    with torch.no_grad():
+        ref = linear_logprobs_with_stats(x, w, y, **kw)
+    policy = linear_logprobs_with_stats(x.clone().requires_grad_(), w.clone().requires_grad_(), y, **kw)
+    assert (policy[0] - ref[0]).abs().max() <= 1e-6
+    assert (policy[0].sum(-1) - ref[0].sum(-1)).abs().max() <= 1e-5
+    if entropy:
+        assert (policy[1] - ref[1]).abs().max() <= 1e-6
+    plain = fusedkern.linear_logprobs(x.clone().requires_grad_(), w, y, temperature=temperature)
+    with torch.no_grad():
+        plain_ref = fusedkern.linear_logprobs(x, w, y, temperature=temperature)
+    assert (plain.detach() - plain_ref).abs().max() <= 1e-6
+    margin = (policy[0].sum(-1) - ref[0].sum(-1)).detach()  # DPO's log-ratio difference at step 0
+    dpo = -F.logsigmoid(0.1 * (margin[0] - margin[1]))
+    assert abs(dpo.item() - math.log(2)) <= 1e-6

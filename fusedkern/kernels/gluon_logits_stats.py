@@ -13,9 +13,9 @@ max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` ke
 1.054–1.089× at 4096–32768 tokens against the tile pass's 1.169–1.209×
 (`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
 
-`loss_only` (what `linear_cross_entropy` runs under no_grad unless `FUSEDKERN_GLUON_LOSS_ONLY=0`, see
-`linear_cross_entropy.takes_gluon_pass`; with a temperature and the entropy, what `linear_logprobs` runs under
-no_grad unless `FUSEDKERN_GLUON_LOGPROBS=0`, see `linear_cross_entropy.logprobs_impl`) merges the partials
+`loss_only` (the `gluon` strategy of `fusedkern/dispatch.py`: every statistics-only pass under impl="auto" that it
+supports, cross-entropy and log-probs at a temperature with the entropy, with or without a backward to follow) merges
+the partials
 with `ce_rows.merge_row_stats`, the tile pass's own merge, so its loss and statistics mean exactly what the tile
 pass's do. The temperature and entropy variants passed their GPU tests on an H100 (docs/design.md). This module
 imports Gluon at import time: import it only where `is_supported` can hold (the dispatch imports it lazily, on

@@ -13,17 +13,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
-from unittest import mock
 
 import torch
 
 from fusedkern.reference import logits_to_mean_ce_grad_, softcap_with_derivative_
 from fusedkern.study.workloads import IGNORE_INDEX, Inputs
 
-GLUON_SWITCH, GLUON_LOGPROBS_SWITCH = "FUSEDKERN_GLUON_LOSS_ONLY", "FUSEDKERN_GLUON_LOGPROBS"
 FLOORS_NOTE = (
     "cublas_1gemm and cublas_3gemm are the dense all-token floors whatever the workload: the logits GEMM "
     "and the three GEMMs over every one of the T tokens, with an N(0, 1) logits gradient G, the floor the "
@@ -193,26 +190,17 @@ def _ce_fusedkern(counted: str | None = None, **options) -> Callable[[Inputs], d
     return build
 
 
-def _gluon_switched(switch: str, inner: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
-    """`inner`'s loss-only step with FUSEDKERN_GLUON_LOSS_ONLY and FUSEDKERN_GLUON_LOGPROBS = switch set inside the
-    timed step (the library reads them at each call, and the other providers of the same rounds must not see them):
-    "1" the Gluon statistics kernel (`kernels/gluon_logits_stats.py`, where it supports the operands), "0" the tile
-    pass."""
+def _on_gluon(inner: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], dict[str, Step]]:
+    """`inner` (a provider built with impl="gluon") made unavailable where the Gluon statistics kernel
+    (`kernels/gluon_logits_stats.py`) cannot take the operands, instead of raising in the timed step."""
 
     def build(inp: Inputs) -> dict[str, Step]:
-        if switch == "1":
-            from fusedkern.kernels import gluon_logits_stats
+        from fusedkern.kernels import gluon_logits_stats
 
-            reason = gluon_logits_stats.unsupported_reason(inp.x2d(), inp.w)
-            if reason is not None or inp.softcap is not None:
-                raise ProviderUnavailable(f"the Gluon loss-only pass: {reason or 'no softcap'}")
-        step = inner(inp)["loss_only"]
-
-        def switched(state):
-            with mock.patch.dict(os.environ, {GLUON_SWITCH: switch, GLUON_LOGPROBS_SWITCH: switch}):
-                return step.run(state)
-
-        return {"loss_only": Step(switched, step.setup)}
+        reason = gluon_logits_stats.unsupported_reason(inp.x2d(), inp.w)
+        if reason is not None or inp.softcap is not None:
+            raise ProviderUnavailable(f"the Gluon loss-only pass: {reason or 'no softcap'}")
+        return {"loss_only": inner(inp)["loss_only"]}
 
     return build
 
@@ -292,13 +280,13 @@ def _logprob_objective(logps: torch.Tensor, entropy: torch.Tensor, target: torch
     return (-logps.float().sum() - LOGPROB_ENTROPY_COEF * entropy.float().sum()) / count
 
 
-def _logprobs_fusedkern(counted: str | None = None) -> Callable[[Inputs], dict[str, Step]]:
+def _logprobs_fusedkern(counted: str | None = None, impl: str = "auto") -> Callable[[Inputs], dict[str, Step]]:
     """`linear_logprobs` at LOGPROB_TEMPERATURE with the entropy; counted as in `_ce_fusedkern`."""
     def build(inp: Inputs) -> dict[str, Step]:
         from fusedkern import linear_logprobs
 
         _no_softcap(inp, "the log-prob pass (timed without softcap, as Liger's kernel takes none)")
-        kwargs = {"temperature": LOGPROB_TEMPERATURE, "return_entropy": True}
+        kwargs = {"temperature": LOGPROB_TEMPERATURE, "return_entropy": True, "impl": impl}
         if counted == "host":
             kwargs["num_valid_tokens"] = int((inp.target != IGNORE_INDEX).sum())
 
@@ -838,13 +826,13 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("huggingface_bf16", _ce_hf_bf16),
             Provider("torch_fp32_upcast", _ce_upcast),
             Provider("transformers_loss", _ce_transformers_loss),
-            Provider("fusedkern_chunked", _ce_fusedkern(impl="chunked")),
+            Provider("fusedkern_chunked", _ce_fusedkern(impl="auto")),
             Provider("fusedkern_chunked_lean", _ce_fusedkern(impl="chunked", weight_grad_accum="weight_dtype")),
             Provider("fusedkern_fused", _ce_fusedkern(impl="fused")),
-            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="chunked")),
+            Provider("fusedkern_chunked_counted", _ce_fusedkern(counted="host", impl="auto")),
             Provider("fusedkern_chunked_lean_counted",
                      _ce_fusedkern(counted="host", impl="chunked", weight_grad_accum="weight_dtype")),
-            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="chunked")),
+            Provider("fusedkern_chunked_device_count", _ce_fusedkern(counted="device", impl="auto")),
             Provider("fusedkern_chunked_lean_device_count",
                      _ce_fusedkern(counted="device", impl="chunked", weight_grad_accum="weight_dtype")),
             # the chunk-size study: time and memory against the 256 MiB default chunk (1024 tokens at V = 128256)
@@ -861,23 +849,22 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             # TRL's own fused LM head: what SFTTrainer and GRPOTrainer use by default since trl 1.16 (it scores the
             # labelled rows only, so on a masked workload it is its own "+gather")
             Provider("trl_fused_lm_head", _trl_fused_lm_head(), _dist_label_suffix("trl", "fused LM head")),
-            # the loss-only pass pinned to either kernel (fusedkern_chunked takes the library's default)
-            Provider("fusedkern_gluon", _gluon_switched("1", _ce_fusedkern(impl="chunked")), accuracy=False),
-            Provider("fusedkern_gluon_counted", _gluon_switched("1", _ce_fusedkern(counted="host", impl="chunked")),
+            # the loss-only pass pinned to either kernel (fusedkern_chunked takes the library's default, impl="auto")
+            Provider("fusedkern_gluon", _on_gluon(_ce_fusedkern(impl="gluon")), accuracy=False),
+            Provider("fusedkern_gluon_counted", _on_gluon(_ce_fusedkern(counted="host", impl="gluon")),
                      accuracy=False),
-            Provider("fusedkern_tile_pass", _gluon_switched("0", _ce_fusedkern(impl="chunked")), accuracy=False),
-            Provider("fusedkern_tile_pass_counted",
-                     _gluon_switched("0", _ce_fusedkern(counted="host", impl="chunked")), accuracy=False),
+            Provider("fusedkern_tile_pass", _ce_fusedkern(impl="chunked"), accuracy=False),
+            Provider("fusedkern_tile_pass_counted", _ce_fusedkern(counted="host", impl="chunked"), accuracy=False),
             # the RL log-prob pass (temperature, entropy): fusedkern's (the library's default, and pinned to the Gluon
             # pass or the tile pass) and Liger's per-token kernels
             Provider("fusedkern_logprobs", _logprobs_fusedkern(), accuracy=False),
             Provider("fusedkern_logprobs_counted", _logprobs_fusedkern(counted="host"), accuracy=False),
-            Provider("fusedkern_logprobs_gluon", _gluon_switched("1", _logprobs_fusedkern()), accuracy=False),
-            Provider("fusedkern_logprobs_gluon_counted", _gluon_switched("1", _logprobs_fusedkern(counted="host")),
+            Provider("fusedkern_logprobs_gluon", _on_gluon(_logprobs_fusedkern(impl="gluon")), accuracy=False),
+            Provider("fusedkern_logprobs_gluon_counted", _on_gluon(_logprobs_fusedkern(counted="host", impl="gluon")),
                      accuracy=False),
-            Provider("fusedkern_logprobs_tile_pass", _gluon_switched("0", _logprobs_fusedkern()), accuracy=False),
-            Provider("fusedkern_logprobs_tile_pass_counted",
-                     _gluon_switched("0", _logprobs_fusedkern(counted="host")), accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass", _logprobs_fusedkern(impl="chunked"), accuracy=False),
+            Provider("fusedkern_logprobs_tile_pass_counted", _logprobs_fusedkern(counted="host", impl="chunked"),
+                     accuracy=False),
             Provider("trl_logprobs", _trl_fused_lm_head(LOGPROB_TEMPERATURE, with_entropy=True),
                      _dist_label_suffix("trl", "fused LM head log-probs"), accuracy=False),
             Provider("liger_cute_sm90_logprobs", _logprobs_liger_cute_sm90,

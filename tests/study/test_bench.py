@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from pathlib import Path
 
@@ -777,17 +776,16 @@ def test_trl_fused_lm_head_providers_match_fp64():
 
 
 def test_log_prob_providers_pin_their_pass_and_agree(monkeypatch):
-    """The log-prob providers at τ 0.7 with the entropy: the default and the tile-pass pin (switches "0" inside the
-    step, whatever the caller's environment says) give the same loss dense and counted; the Gluon pin is skipped on
-    CPU with its reason, not run on another pass."""
+    """The log-prob providers at τ 0.7 with the entropy: the default (impl="auto") and the tile-pass pin
+    (impl="chunked") give the same loss dense and counted; the Gluon pin is skipped on CPU with its reason, not run
+    on another pass."""
     import importlib
 
-    lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the function of that name
+    logprobs = importlib.import_module("fusedkern.logprobs")  # the module: where the providers' calls choose
     seen = []
-    real = lce.gluon_logprobs_switch
-    monkeypatch.setattr(lce, "gluon_logprobs_switch", lambda: seen.append(os.environ.get(prov.GLUON_LOGPROBS_SWITCH))
-                        or real())
-    monkeypatch.setenv(prov.GLUON_LOGPROBS_SWITCH, "1")
+    real = logprobs.choose
+    monkeypatch.setattr(logprobs, "choose", lambda impl, *args, **kwargs: seen.append(impl) or real(impl, *args,
+                                                                                                   **kwargs))
     names = ["fusedkern_logprobs", "fusedkern_logprobs_tile_pass", "fusedkern_logprobs_counted",
              "fusedkern_logprobs_tile_pass_counted", "fusedkern_logprobs_gluon"]
     rows = sweeps.run_sweep("ce", [16], providers=names, seq=8, workloads=["masked_50"], modes=["loss_only"],
@@ -795,7 +793,7 @@ def test_log_prob_providers_pin_their_pass_and_agree(monkeypatch):
     assert sorted(r["provider"] for r in rows) == sorted(names[:4])
     assert all(r["note"] == "" for r in rows)
     assert max(r["loss"] for r in rows) == pytest.approx(min(r["loss"] for r in rows), rel=1e-6)
-    assert "0" in seen and "1" in seen  # the pins set the switch inside their timed steps
+    assert "auto" in seen and "chunked" in seen  # each provider asks for its own strategy
 
 
 def test_pad_rows_keeps_the_mean_and_the_gradient():

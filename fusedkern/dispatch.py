@@ -1,0 +1,213 @@
+"""Which strategy runs a call: the one place a strategy is named, checked and chosen.
+
+Three strategies compute the same per-token statistics (loss ℓ_t, the (max, log Σ exp) row statistics, and the
+entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from them:
+
+- `CHUNKED` (`chunked.py`): cuBLAS GEMMs over token chunks and the Triton row kernels, on the chunk engine. Where
+  the upstream gradient is known in the forward (scalar reductions, formulas of the log-probs) it forms the
+  gradients there: three GEMMs. Takes every option.
+- `GLUON` (`kernels/gluon_logits_stats.py`): the statistics in the logits GEMM's epilogue (no logits buffer; sm_90,
+  bf16, no bias, class weights, label smoothing, z-loss or softcap; a temperature and the entropy are fine). It has
+  no backward of its own: a gradient recomputes the logits with the chunked strategy's GEMMs.
+- `FUSED` (`kernels/fused_ce.py`): Triton GEMM with an online log-sum-exp, logits recomputed in backward; O(T + V)
+  extra memory. No logit scale and no entropy.
+
+`impl="auto"` takes the chunked GEMMs unless their buffers do not fit the free GPU memory (then fused), and runs a
+statistics-only forward on Gluon wherever it applies, so that a forward with gradient and one without compute the
+same statistics with the same kernel (a policy and its reference model see equal log-probs). An explicit `impl`
+that cannot take the call raises ValueError saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from fusedkern._validation import IMPLS as VALID_IMPLS
+from fusedkern.autograd import is_traced
+from fusedkern.chunked import chunked_grads, chunked_loss, plan_for_grads
+from fusedkern.engine import LossOptions
+
+AUTO, CHUNKED, FUSED, GLUON = "auto", "chunked", "fused", "gluon"
+IMPLS = (AUTO, CHUNKED, FUSED, GLUON)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a strategy's `unsupported` check reads: the flat operands and the options of one call."""
+
+    x2d: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor | None
+    class_weight: torch.Tensor | None
+    opts: LossOptions
+    with_entropy: bool = False
+
+
+class Strategy:
+    """A strategy's per-token statistics and gradients. `statistics` → (loss_tok [T] fp32, stats [2, T] fp32);
+    `gradients` → (dx, dw, db) of Σ_t grad_tok[t]·ℓ_t (+ grad_entropy[t]·H_t) from the saved stats, None where not
+    wanted. `forms_grads_in_forward`: the three-GEMM paths (gradient formed in the forward pass) run on it.
+    `scales_logits`: its kernels take a logit scale (a temperature); without it the caller scales the operands."""
+
+    name: str
+    forms_grads_in_forward = False
+    scales_logits = True
+
+    def unsupported(self, call: Call) -> str | None:
+        """Why this strategy cannot take the call, or None when it can."""
+        return None
+
+    def statistics(self, x, w, b, target, class_weight, opts: LossOptions, chunk_tokens, entropy=None):
+        raise NotImplementedError
+
+    def gradients(self, x, w, b, target, class_weight, opts: LossOptions, stats, grad_tok, *, need_dx, need_dw,
+                  need_db, weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
+        return chunked_grads(x, w, b, target, class_weight, opts, stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
+                             need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                             entropy=entropy, grad_entropy=grad_entropy)
+
+
+class Chunked(Strategy):
+    name = CHUNKED
+    forms_grads_in_forward = True
+
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
+        return chunked_loss(x, w, b, target, class_weight, opts, chunk_tokens, entropy=entropy)
+
+
+class Fused(Strategy):
+    name = FUSED
+    scales_logits = False
+
+    def unsupported(self, call: Call) -> str | None:
+        if call.with_entropy:
+            return "the fused strategy has no entropy statistic"
+        return None
+
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
+        assert opts.logit_scale == 1.0 and entropy is None, "the fused kernels take no logit scale and no entropy"
+        return _fused_kernels().fused_ce_forward(
+            x, w, b, target, class_weight, ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
+            z_loss=opts.z_loss, softcap=opts.softcap, return_stats=True)
+
+    def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
+                  weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
+        return _fused_kernels().fused_ce_backward(
+            x, w, b, target, class_weight, stats, grad_tok, ignore_index=opts.ignore_index,
+            label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap, need_dx=need_dx,
+            need_dw=need_dw, need_db=need_db)
+
+
+class Gluon(Strategy):
+    name = GLUON
+
+    def unsupported(self, call: Call) -> str | None:
+        opts = call.opts
+        if call.b is not None or call.class_weight is not None or opts.label_smoothing or opts.z_loss \
+                or opts.softcap is not None:
+            return "the Gluon pass takes no bias, class weights, label smoothing, z-loss or softcap"
+        if not call.x2d.is_cuda:
+            return f"the Gluon pass runs on a CUDA GPU, not on {call.x2d.device.type} tensors"
+        if is_traced(call.x2d, call.w):  # fake tensors have no address to check TMA's alignment on
+            return "the Gluon pass does not run under torch.compile tracing"
+        kernels = _gluon_kernels()
+        if kernels is None:
+            return "this Triton has no Gluon API the kernel was written for"
+        return kernels.unsupported_reason(call.x2d, call.w)
+
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
+        return _gluon_kernels().loss_only(x, w, target, opts.ignore_index, chunk_tokens, logit_scale=opts.logit_scale,
+                                          entropy=entropy)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Chunked(), Fused(), Gluon())}
+assert set(IMPLS) == {AUTO, *STRATEGIES} == set(VALID_IMPLS), "a strategy is registered here and validated there"
+
+
+def _fused_kernels():
+    from fusedkern.kernels import fused_ce
+
+    return fused_ce
+
+
+@functools.cache
+def _gluon_kernels():
+    """`kernels.gluon_logits_stats`, or None where this Triton cannot import it (no Gluon, another API)."""
+    try:
+        from fusedkern.kernels import gluon_logits_stats
+    except (ImportError, AttributeError):
+        return None
+    return gluon_logits_stats
+
+
+def strategy(name: str) -> Strategy:
+    return STRATEGIES[name]
+
+
+def check_supported(impl: str, call: Call) -> None:
+    """An explicit impl that cannot take the call raises ValueError naming why (before any kernel runs)."""
+    if impl in STRATEGIES and (reason := STRATEGIES[impl].unsupported(call)) is not None:
+        raise ValueError(f"impl={impl!r} cannot run this call: {reason}; use impl='auto' (or 'chunked')")
+
+
+def choose(impl: str, call: Call, *, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
+           statistics_only: bool = False, fused_fallback: bool = True) -> Strategy:
+    """The strategy for a call. impl "auto": "fused" when the chunked buffers (at the caller's `chunk_tokens` when
+    given) do not fit the free GPU memory and `fused_fallback` allows it; else, for a statistics-only forward
+    (`statistics_only`: no gradient is formed in this pass; a backward may recompute the logits), "gluon" wherever
+    it applies; else "chunked". An explicit impl is checked (`check_supported`) and kept."""
+    if impl != AUTO:
+        check_supported(impl, call)
+        return STRATEGIES[impl]
+    if fused_fallback and STRATEGIES[FUSED].unsupported(call) is None \
+            and _chunked_needs_more_than_free(call.x2d, call.w, weight_grad_accum, chunk_tokens):
+        return STRATEGIES[FUSED]
+    if statistics_only and STRATEGIES[GLUON].unsupported(call) is None:
+        return STRATEGIES[GLUON]
+    return STRATEGIES[CHUNKED]
+
+
+def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,
+                 chunk_tokens: int | None) -> str:
+    """'auto' → 'chunked' (the faster strategy for a pass that forms gradients), unless its buffers do not fit
+    the free GPU memory: then 'fused', which needs only O(tokens) extra. An explicit impl is returned as is."""
+    if impl != AUTO:
+        return impl
+    return FUSED if _chunked_needs_more_than_free(x2d, w, weight_grad_accum, chunk_tokens) else CHUNKED
+
+
+def forms_grads_in_forward(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,
+                           chunk_tokens: int | None) -> bool:
+    """Whether a pass with gradients may take a three-GEMM path (the gradient formed in the forward pass on the
+    chunk engine): a strategy that forms them ("gluon" has no backward: its calls with gradients take the chunked
+    GEMMs)."""
+    name = resolve_impl(impl, x2d, w, weight_grad_accum, chunk_tokens)
+    return STRATEGIES[CHUNKED if name == GLUON else name].forms_grads_in_forward
+
+
+def _chunked_needs_more_than_free(x2d, w, weight_grad_accum, chunk_tokens) -> bool:
+    if not x2d.is_cuda or torch.compiler.is_compiling():
+        return False  # under torch.compile: the free memory is a driver query, not something a graph can hold
+    need = chunked_extra_bytes(x2d.shape[0], w, weight_grad_accum, chunk_tokens)
+    return not _cached_bytes_cover(need, x2d.device) and torch.cuda.mem_get_info(x2d.device)[0] < need
+
+
+def chunked_extra_bytes(n_tokens: int, w: torch.Tensor, weight_grad_accum: str, chunk_tokens: int | None) -> int:
+    """Bytes the chunked strategy allocates beyond inputs and gradients: its logits buffer (none when it
+    lives in dW's storage) and the fp32 dW accumulator."""
+    vocab, hidden = w.shape
+    plan = plan_for_grads(n_tokens, w, w.requires_grad, weight_grad_accum, chunk_tokens)
+    need = 0 if plan.buffer_in_dw_storage else plan.chunk_tokens * vocab * w.element_size()
+    if plan.fp32_accumulator:
+        need += vocab * hidden * 4
+    return need
+
+
+def _cached_bytes_cover(need: int, device: torch.device) -> bool:
+    """Whether PyTorch's caching allocator already holds `need` free bytes (reserved − allocated: no
+    driver call). In a training loop the previous step's buffers are there, so 'auto' asks the
+    driver (`cudaMemGetInfo`, which can synchronize and cost far more than this check) only on the first steps."""
+    return need <= torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
