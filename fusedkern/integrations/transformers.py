@@ -7,7 +7,8 @@
     out = model(input_ids, labels=labels, num_items_in_batch=n)  # out.loss from fusedkern, out.logits None
 
 No list of architectures: with labels, the patched forward runs the model's own forward, with two
-stand-ins for that call only. The output head (`get_output_embeddings()`, an `nn.Linear`) returns a
+stand-ins for that call only. The output head (`get_output_embeddings()`: an `nn.Linear`, or PEFT's LoRA
+`Linear` or `ModulesToSaveWrapper` over one, whose operands `integrations/heads.py` resolves) returns a
 `DeferredLogits` that records what the forward does to the logits: scaling by a number or a 0-d tensor
 (Cohere's `logit_scale`, Granite's `logits_scaling`), tanh capping (Gemma-2/3's
 `final_logit_softcapping`), `.float()`; any other operation raises TypeError naming it. The model's
@@ -50,6 +51,7 @@ except ImportError:  # pragma: no cover - older Transformers
 
 from fusedkern import _validation as V_
 from fusedkern.integrations.fsdp import call_as_forward
+from fusedkern.integrations.heads import peft_class_name, resolve_head
 from fusedkern._validation import validate_strategy
 from fusedkern.linear_cross_entropy import linear_cross_entropy
 
@@ -57,6 +59,7 @@ __all__ = ["patch", "unpatch", "patched", "is_patched", "DeferredLogits"]
 
 _MARK = "__fusedkern_patch__"  # attribute of our forward functions, holding their _PatchInfo
 _ABSENT = object()             # "no entry in __dict__" (what unpatch restores by deleting)
+_WHO = "fusedkern's loss"      # who reads the output head, in resolve_head's messages
 _EVAL_WARNING = ("fusedkern's patched forward returns logits=None for a labelled batch, in eval mode too: "
                  "Trainer.evaluate's compute_metrics (or anything reading the logits) gets no predictions. "
                  "Pass eval_logits=True to patch() to run the original forward in eval mode (logits and "
@@ -114,6 +117,11 @@ def _check_loss_function_used(cls: type, owner: type) -> None:
 def _resolve(cls: type) -> Callable:
     """The unpatched forward function of a causal-LM class (the nearest in its MRO)."""
     if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        peft = peft_class_name(cls)
+        if peft is not None:  # PeftModelForCausalLM: its forward calls the Transformers model's, which is patchable
+            raise _unsupported(cls, f"not a Transformers PreTrainedModel but {peft}, a wrapper around one: patch "
+                                    "peft_model.get_base_model() (the model under the adapters; the wrapper's forward "
+                                    "calls its forward, adapters included)")
         raise _unsupported(cls, "not a Transformers PreTrainedModel")
     owner = next(k for k in cls.__mro__ if "forward" in k.__dict__)
     info = _info(owner.__dict__["forward"])
@@ -339,13 +347,14 @@ def _causal_lm_loss(hidden_states: torch.Tensor, logits: DeferredLogits, labels:
         labels = labels.to(hidden_states.device)
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.to(hidden_states.device).reshape(-1)
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])  # the head's input (a LoRA dropout's mask drawn on it)
     if x.shape[0] != target.shape[0]:
         raise ValueError(f"the labels give {target.shape[0]} targets but the model kept {x.shape[0]} positions "
                          f"(hidden states {tuple(hidden_states.shape)}); as in Transformers, labels (or shift_labels) "
                          "must cover exactly the positions that logits_to_keep keeps")
-    head = logits.head
-    weight, bias = head.weight, head.bias
+    # the head's operands: its weight and bias, or for PEFT's wrappers what their forward uses (a LoRA adapter's
+    # low-rank term folded into the weight, or as extra input columns under dropout; heads.py)
+    x, weight, bias = resolve_head(logits.head, _WHO).operands(x)
     # the logits' scale k folded into the operand that is cheap to scale: k·(xWᵀ + b) = (k·x)Wᵀ + k·b;
     # autograd carries k into dx, dW and db (and into a trainable scale's own gradient)
     x = logits.scale(x)
@@ -420,13 +429,11 @@ class _Call:
                     holder.__dict__[attr] = value
 
 
-def _output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module, str]:
-    """(head, the module that holds it, its attribute name there)."""
+def _output_head(model: nn.Module) -> tuple[nn.Module, nn.Module, str]:
+    """(head, the module that holds it, its attribute name there). The head is an nn.Linear or PEFT's LoRA Linear
+    or ModulesToSaveWrapper over one (heads.py); anything else raises TypeError, naming the class."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"fusedkern's loss reads the output head's weight directly and needs it "
-                        f"(get_output_embeddings()) to be an nn.Linear, got {type(head).__name__} "
-                        "(adapters or wrappers on lm_head are not supported)")
+    resolve_head(head, _WHO)
     for name, child in model._modules.items():
         if child is head:
             return head, model, name
@@ -534,6 +541,8 @@ def patch(model_or_class, *, impl: str = "auto", weight_grad_accum: str = "fp32"
     options = _check_options(impl, weight_grad_accum, chunk_tokens, label_smoothing, z_loss, eval_logits, skip_ignored)
     holder, slot, cls = _target(model_or_class)
     original = _resolve(cls)
+    if not isinstance(holder, type):  # an instance: a head the loss cannot read (a PEFT tuner, ...) refused now
+        _output_head(holder)
     current = holder.__dict__.get(slot, _ABSENT)
     info = _info(current)
     previous = info.previous if info is not None else current

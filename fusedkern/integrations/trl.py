@@ -48,6 +48,7 @@ import warnings
 import torch
 
 from fusedkern.distillation import linear_distillation_loss
+from fusedkern.integrations.heads import check_model_head, resolve_head
 from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
 
 logger = logging.getLogger(__name__)
@@ -459,6 +460,8 @@ def check_trainer(trainer) -> None:
         if model is not None and not has_fused_head(model):
             raise RuntimeError(f"trainer.{role} does not carry fusedkern's fused LM head: call "
                                f"fusedkern.integrations.trl.patch() before building the trainer{note}")
+        if model is not None:  # a head the fused head cannot read (a PEFT tuner other than LoRA, ...): TypeError now
+            check_model_head(model, f"fusedkern's TRL head (trainer.{role})", linear_subclasses=False)
 
 
 def logit_scale_of(text_config) -> float:
@@ -485,8 +488,9 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 
     Raises ValueError for what it cannot reproduce: `log_sum_sq_probs` (DPOConfig(use_weighting=True), WPO),
     `mean_logits` under a final logit softcap, a logit scale together with a softcap. At each call, TypeError for
-    an `lm_head` that is not a plain nn.Linear (a LoRA adapter or modules_to_save wrapper on the head, whose
-    weight TRL's own head would read without the adapter) and for DeepSpeed ZeRO-3 parameters."""
+    an `lm_head` that is neither a plain nn.Linear nor PEFT's LoRA Linear or ModulesToSaveWrapper over one (those
+    are resolved by `fusedkern.integrations.heads`; other PEFT tuners, DoRA, a quantized base are refused) and for
+    DeepSpeed ZeRO-3 parameters."""
     transformers = importlib.import_module("transformers")
     from packaging.version import Version
     outputs = tuple(outputs)
@@ -537,31 +541,30 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
             hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
         else:
             hidden, labels = backbone_outputs.last_hidden_state, shift_labels
-        lm_head = self.get_output_embeddings()  # looked up at each call: FSDP and PEFT replace modules
-        if type(lm_head) is not torch.nn.Linear:
-            raise TypeError(f"fusedkern's TRL head needs the model's lm_head to be a plain nn.Linear, got "
-                            f"{type(lm_head).__name__} (a LoRA adapter or modules_to_save on lm_head is not "
-                            "reproduced: leave lm_head out of the PEFT config)")
-        weight, bias = lm_head.weight, lm_head.bias
+        # looked up at each call (FSDP and PEFT replace modules): a plain nn.Linear, or PEFT's LoRA Linear or
+        # ModulesToSaveWrapper over one, resolved to what its forward uses (heads.py); anything else raises TypeError
+        head = resolve_head(self.get_output_embeddings(), "fusedkern's TRL head", linear_subclasses=False)
+        weight, bias = head.weight, head.bias
         if hasattr(weight, "ds_id"):
             raise TypeError("fusedkern's TRL head does not support DeepSpeed ZeRO-3 parameters (its backward "
                             "recomputes the logits from lm_head.weight)")
         every_mean = None
         if mean_logits_at_every_position:  # [B, S] (CPO's and ORPO's logits/* metrics average over all positions)
-            every_mean = mean_logits_of(backbone_outputs.last_hidden_state.to(weight.device), weight, bias,
-                                        effective_temperature)
+            every_mean = mean_logits_of(*head.operands(backbone_outputs.last_hidden_state.to(weight.device),
+                                                       dropout=False), effective_temperature)
         hidden = hidden.to(weight.device)
         labels = labels.to(weight.device)
         mask = labels != -100
-        autocast_ctx = contextlib.nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden, weight = hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
-            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
         # only the scored positions reach the GEMMs (a host sync, as TRL's own head on a Triton device)
         rows = mask.reshape(-1).nonzero().squeeze(-1)
         x = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         y = labels.reshape(-1).index_select(0, rows)
+        x, weight, bias = head.operands(x)  # a LoRA adapter's low-rank term, folded or as extra columns
+        autocast_ctx = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            x, weight = x.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            autocast_ctx = torch.autocast(x.device.type, enabled=False)
         if distill_from is not None:  # GKD: the divergence from a teacher inside the student's (wrapped) forward
             return distill_output(x, weight, bias, rows, mask, distill_from, softcap, logit_scale, num_items_in_batch,
                                   weight_grad_accum, chunk_tokens)
