@@ -57,6 +57,14 @@ def save_precomputed_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
     ctx.used = False
 
 
+def save_output_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, need_dx: bool, need_dw: bool,
+                      need_db: bool, dx, dw, db, dw_out) -> None:
+    """`save_precomputed_grads` for an operator that returned (dx, dw, db, dw_out) as outputs, empty where
+    not computed (dw_out is 2-D when it holds dW's storage)."""
+    save_precomputed_grads(ctx, x, w, b, dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                           dw_out if dw_out.dim() == 2 else None)
+
+
 def rescaled_grads(ctx, grad_loss: torch.Tensor, what: str):
     """(dx, dw, db) saved by `save_precomputed_grads`, times the upstream gradient, in the inputs'
     dtypes and shapes. In place on our own buffers, so a second backward is refused."""
@@ -93,6 +101,11 @@ def first_order_only(backward):
 
 def cast_or_none(grad: torch.Tensor | None, dtype: torch.dtype):
     return None if grad is None else grad.to(dtype)
+
+
+# the forward operators read their checks' host flags behind an event: no CUDA graph may capture them
+# (under mode="reduce-overhead" inductor leaves a graph holding one uncaptured, or partitions around it)
+CHECKING_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
 class _OpSpec(NamedTuple):
@@ -137,7 +150,9 @@ class _EagerOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the formula sees them: the operator's inputs
+        if not getattr(ctx, "inputs_only", False):  # once: a retained graph's second backward sees them trimmed
+            ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the formula sees them: the operator's inputs
+            ctx.inputs_only = True
         return (None, *ctx.backward_fn(ctx, *grads))
 
 

@@ -34,6 +34,7 @@ from fusedkern._validation import (
     validate_strategy,
 )
 from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
     absent,
     call_op,
     cast_or_none,
@@ -42,13 +43,13 @@ from fusedkern.autograd import (
     register_op,
     register_op_without_grad,
     rescaled_grads,
+    save_output_grads,
 )
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
 from fusedkern import engine
-from fusedkern.engine import Chunk, Grads, logits_buffer, logits_into, plan_for_grads, token_chunks
+from fusedkern.engine import Chunk, Grads, logits_buffer, logits_into, plan_for_grads, token_chunks, valid_rows_first
 from fusedkern.sharded import full_weights
 from fusedkern.kernels.distill_rows import distill_rows
-from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads, valid_rows_first
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *,
     engine.run(xs, ws, bs, token_chunks(xs.shape[0], C), row_pass, grads=grads)
 
 
-def mean_denominator(target: torch.Tensor | None, n_tokens: int, ignore_index: int) -> torch.Tensor | float:
+def clamped_mean_divisor(target: torch.Tensor | None, n_tokens: int, ignore_index: int) -> torch.Tensor | float:
     """The mean's divisor: the rows whose target is not ignored, at least 1 (TRL's clamp: all ignored gives
     a loss of 0, not NaN), or every row without a target."""
     if target is None:
@@ -142,7 +143,7 @@ def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
                           student_softcap, teacher_logit_scale, teacher_softcap)
     T = xs.shape[0]
     if reduction == "mean":
-        grad_scale = (1.0 / torch.as_tensor(mean_denominator(target, T, ignore_index), device=xs.device,
+        grad_scale = (1.0 / torch.as_tensor(clamped_mean_divisor(target, T, ignore_index), device=xs.device,
                                             dtype=torch.float32)).reshape(1)
     else:
         grad_scale = torch.ones(1, device=xs.device, dtype=torch.float32)
@@ -378,11 +379,11 @@ def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_gra
         return loss_tok, entropy
     if reduction == "sum":
         return loss_tok.sum(), entropy
-    return loss_tok.sum() / mean_denominator(y, xs.shape[0], opts.ignore_index), entropy
+    return loss_tok.sum() / clamped_mean_divisor(y, xs.shape[0], opts.ignore_index), entropy
 
 
-def empty_batch_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, student_bias: torch.Tensor | None,
-                     reduction: str, return_entropy: bool):
+def empty_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                            student_bias: torch.Tensor | None, reduction: str, return_entropy: bool):
     """A batch of no token: 0 for mean (TRL's clamped divisor) and sum, an empty tensor for "none", with zero
     gradients of the right shapes through the [0, V] logits, which cost nothing (the kernels are not launched:
     Triton takes no grid of zero rows)."""
@@ -471,7 +472,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         batch_divisor = batchmean_divisor(lead_shape, target is not None)
         reduction = "mean" if batch_divisor is None else "sum"
     if lead_shape.numel() == 0:
-        return empty_batch_loss(student_hidden, student_weight, student_bias, reduction, return_entropy)
+        return empty_distillation_loss(student_hidden, student_weight, student_bias, reduction, return_entropy)
     xs = student_hidden.reshape(-1, student_hidden.shape[-1])
     xt = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     xs, xt = (x if x.stride(-1) == 1 else x.contiguous() for x in (xs, xt))

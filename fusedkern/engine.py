@@ -84,6 +84,11 @@ class Chunk:
             offset += n
 
 
+def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Row indices with every non-ignored row first, in order (a stable sort on the device: no host sync)."""
+    return torch.argsort((target == ignore_index).to(torch.uint8), stable=True)
+
+
 def token_chunks(n_tokens: int, chunk_tokens: int) -> list[Chunk]:
     """Consecutive chunks of `chunk_tokens` rows (the last one shorter)."""
     return [Chunk(i, (slice(c0, min(c0 + chunk_tokens, n_tokens)),))

@@ -18,7 +18,7 @@ import torch
 from fusedkern._validation import finish_checks, start_checks
 from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
 from fusedkern.chunk_plan import GradChunkPlan
-from fusedkern.engine import Chunk, Formula, LossOptions, formula_loss_and_grads
+from fusedkern.engine import Chunk, Formula, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,30 @@ def formula_loss(x, w, b, target, opts: LossOptions, spec: FormulaSpec):
     """`FormulaLoss` applied: (loss, logp [T], entropy [T] or None)."""
     loss, logp, entropy = FormulaLoss.apply(x, w, b, target, opts, spec)
     return loss, logp, entropy if spec.with_entropy else None
+
+
+def grouped_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
+                 chunk_tokens: int | None):
+    """(groups per chunk, the chunk plan) for rows of `seq` tokens coupled in groups: a chosen/rejected pair
+    (paired, rows g and n_rows/2 + g) or one sequence; 0 groups when a chunk cannot hold one (then the caller takes
+    its generic four-GEMM path)."""
+    grad_plan = plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
+    group_rows = 2 if paired else 1
+    return min(grad_plan.chunk_tokens // (group_rows * seq), n_rows // group_rows), grad_plan
+
+
+def grouped_tail_spec(n_rows: int, seq: int, paired: bool, per_chunk: int, plan, tail, what: str) -> FormulaSpec:
+    """A loss given as tail(logp [R, S]) → 0-d, an O(R·S) function that couples rows only within a group (the
+    preference family: a pair, or KTO's sequence), as a formula over the engine: a chunk of whole groups has its
+    ∂L/∂log p exact by autograd of the tail with the chunk's rows filled in, whatever the other rows hold. Rows not
+    yet computed hold a benign −1 (ORPO's log(1 − e^A) is −∞ at A = 0)."""
+
+    def formula(chunk, logp):
+        with torch.enable_grad():
+            filled = logp.view(n_rows, seq).clone().requires_grad_()
+            (g_all,) = torch.autograd.grad(tail(filled), filled)
+        return chunk.take(g_all.reshape(-1))
+
+    n_groups = n_rows // 2 if paired else n_rows
+    return FormulaSpec(formula, lambda logp, _: tail(logp.view(n_rows, seq)),
+                       group_chunks(n_groups, per_chunk, seq, paired), plan, what, logp_fill=-1.0)

@@ -34,6 +34,7 @@ from fusedkern._validation import (
     validate_strategy,
 )
 from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
     absent,
     call_op,
     cast_or_none,
@@ -43,9 +44,10 @@ from fusedkern.autograd import (
     register_op,
     register_op_without_grad,
     rescaled_grads,
-    save_precomputed_grads,
+    save_output_grads,
 )
 from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
+from fusedkern.engine import valid_rows_first
 from fusedkern.dispatch import Call, choose, forms_grads_in_forward, strategy
 from fusedkern.sharded import full_weights
 
@@ -114,9 +116,6 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
             or_absent(dw_out if return_dw_out else None, w))
 
 
-# the forward operators read their checks' host flags behind an event: no CUDA graph may capture them
-# (under mode="reduce-overhead" inductor leaves a graph holding one uncaptured, or partitions around it)
-CHECKING_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chunked_scalar, mutates_args=(),
                                             tags=CHECKING_OP_TAGS)
 
@@ -134,14 +133,6 @@ def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, soft
             w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
             w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else absent(w, f32),
             w.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(w))
-
-
-def save_output_grads(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, need_dx: bool, need_dw: bool,
-                      need_db: bool, dx, dw, db, dw_out) -> None:
-    """`save_precomputed_grads` for an operator that returned (dx, dw, db, dw_out) as outputs, empty where
-    not computed (dw_out is 2-D when it holds dW's storage)."""
-    save_precomputed_grads(ctx, x, w, b, dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-                           dw_out if dw_out.dim() == 2 else None)
 
 
 def _setup_chunked_scalar(ctx, inputs, output):
@@ -329,11 +320,6 @@ def _(x, w, b, target, stats, entropy, grad_tok, grad_entropy, ignore_index, sof
 
 # ----------------------------------------------------------------------------------------------
 # the public function
-
-
-def valid_rows_first(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Row indices with every non-ignored row first, in order (a stable sort on the device: no host sync)."""
-    return torch.argsort((target == ignore_index).to(torch.uint8), stable=True)
 
 
 def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str, impl: str, weight_grad_accum: str,

@@ -5,16 +5,16 @@ Built as the math factors: per-token target log-probs of every response token (t
 `fusedkern.preference.preference_loss_from_logps`, an O(R·S) tail. Two ways to differentiate it:
 
 - three GEMMs (the default, impl "auto"/"chunked", when a logits chunk holds a whole chosen/rejected pair;
-  for KTO one sequence): the chunk engine forms the gradient in the forward pass (`preference_spec`). Every loss
-  here allows it: a response's upstream gradient is a closed form of its own pair's (Σ log p, token count)
-  and of constants (reference log-probs, the detached KTO KL, the NLL's N_w from the targets), so it is
-  exact once the chunk holding the pair has its statistics.
+  for KTO one sequence): the chunk engine forms the gradient in the forward pass
+  (`formula.grouped_tail_spec`). Every loss here allows it: a response's upstream gradient is a closed form of its
+  own pair's (Σ log p, token count) and of constants (reference log-probs, the detached KTO KL, the NLL's N_w
+  from the targets), so it is exact once the chunk holding the pair has its statistics.
 - four GEMMs otherwise (impl="fused", a response longer than half a chunk, reference log-probs that require
   grad, or under torch.compile): `linear_logprobs` (the forward's logits GEMM keeps only the log-sum-exp and
   the target logit), then autograd through the tail hands its backward one upstream gradient per token, and
   the backward recomputes the logits for dX and dW.
-`linear_simpo_loss` keeps its own three-GEMM SimPO path (and a 3.5-GEMM prepass mode for chunks holding one
-response, which this module does not have); loss_type="simpo" gives the same result.
+`linear_simpo_loss` keeps its own three-GEMM SimPO formula (float64 log-probs, and a 3.5-GEMM prepass mode for
+chunks holding one response, which this module does not have); loss_type="simpo" gives the same result.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from fusedkern import _validation as V_
 from fusedkern.sharded import full_weights
-from fusedkern.engine import LossOptions, group_chunks, plan_for_grads
-from fusedkern.formula import FormulaSpec, formula_loss
+from fusedkern.engine import LossOptions
+from fusedkern.formula import formula_loss, grouped_plan, grouped_tail_spec
 from fusedkern.autograd import follows_autocast, is_traced
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
@@ -82,12 +82,13 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
                                    chunk_tokens):
         paired = loss_type != "kto"
         n_rows, seq, hidden = input.shape
-        per_chunk, grad_plan = preference_plan(n_rows, seq, paired, linear_weight, need[1], weight_grad_accum,
-                                               chunk_tokens)
+        per_chunk, grad_plan = grouped_plan(n_rows, seq, paired, linear_weight, need[1], weight_grad_accum,
+                                             chunk_tokens)
         if per_chunk > 0:
             opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
-            spec = preference_spec(n_rows, seq, paired, per_chunk, grad_plan,
-                                   lambda lp: preference_loss_from_logps(lp, mask, **kw)[0])
+            spec = grouped_tail_spec(n_rows, seq, paired, per_chunk, grad_plan,
+                                     lambda lp: preference_loss_from_logps(lp, mask, **kw)[0],
+                                     "linear_preference_loss (chunked)")
             loss, logps, _ = formula_loss(input.reshape(-1, hidden), linear_weight, linear_bias,
                                           target.reshape(-1).contiguous(), opts, spec)
             return loss, preference_loss_from_logps(logps.view(n_rows, seq), mask, **kw)[1]
@@ -96,29 +97,3 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
                                weight_grad_accum=weight_grad_accum)  # [R, S] float32, 0 where ignored
     return preference_loss_from_logps(logps, mask, **kw)
 
-
-def preference_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
-                    chunk_tokens: int | None):
-    """(groups per chunk, the chunk plan): a group is a chosen/rejected pair (paired) or one sequence (KTO);
-    0 groups when a chunk cannot hold one (then the generic path runs)."""
-    grad_plan = plan_for_grads(n_rows * seq, w, need_dw, weight_grad_accum, chunk_tokens)
-    group_rows = 2 if paired else 1
-    return min(grad_plan.chunk_tokens // (group_rows * seq), n_rows // group_rows), grad_plan
-
-
-def preference_spec(n_rows: int, seq: int, paired: bool, per_chunk: int, plan, tail) -> FormulaSpec:
-    """A preference loss as a formula over the engine: tail(logp [R, S]) → loss is the O(R·S) loss on per-token
-    log-probs, and a chunk of whole groups (pairs, or KTO's sequences) has its ∂L/∂log p exact by autograd of the
-    tail with the chunk's rows filled in, whatever the other rows hold. Rows not yet computed hold a benign −1
-    (ORPO's log(1 − e^A) is −∞ at A = 0)."""
-
-    def formula(chunk, logp):
-        with torch.enable_grad():
-            filled = logp.view(n_rows, seq).clone().requires_grad_()
-            (g_all,) = torch.autograd.grad(tail(filled), filled)
-        return chunk.take(g_all.reshape(-1))
-
-    n_groups = n_rows // 2 if paired else n_rows
-    return FormulaSpec(formula, lambda logp, _: tail(logp.view(n_rows, seq)),
-                       group_chunks(n_groups, per_chunk, seq, paired), plan, "linear_preference_loss (chunked)",
-                       logp_fill=-1.0)

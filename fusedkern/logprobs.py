@@ -24,7 +24,8 @@ from fusedkern.sharded import full_weights
 from fusedkern._validation import validate_call
 from fusedkern.autograd import call_op, follows_autocast
 from fusedkern.dispatch import Call, choose
-from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens, valid_rows_first
+from fusedkern.engine import valid_rows_first
+from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens
 
 
 @follows_autocast

@@ -25,21 +25,22 @@ from fusedkern import _validation as V_
 from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import chunked_loss
 from fusedkern.engine import Chunk, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
-from fusedkern.formula import FormulaSpec
+from fusedkern.formula import FormulaSpec, formula_loss, grouped_plan, grouped_tail_spec
 from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
 from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
     absent,
     call_op,
     first_order_only,
     follows_autocast,
+    is_traced,
     or_absent,
     register_op,
     rescaled_grads,
+    save_output_grads,
 )
 from fusedkern.dispatch import forms_grads_in_forward
-from fusedkern.linear_cross_entropy import CHECKING_OP_TAGS, save_output_grads
-from fusedkern.linear_preference import linear_preference_loss
 from fusedkern.logprobs import logprobs_unchecked
 
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
@@ -283,20 +284,15 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     """
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
-    if softcap is not None and target.numel() > 0:  # (no token: the softcap changes nothing, the generic path below)
-        # the preference family's SimPO (`loss_type="simpo"`, the same loss and metrics) carries a softcap
-        # through its three-GEMM path; this module's own paths have none
-        return linear_preference_loss(input, linear_weight, target, loss_type="simpo", beta=beta, gamma=gamma,
-                                      alpha=alpha, label_smoothing=label_smoothing, linear_bias=linear_bias,
-                                      ignore_index=ignore_index, softcap=softcap, impl=impl,
-                                      weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and input.requires_grad, grad and linear_weight.requires_grad
     need_db = grad and linear_bias is not None and linear_bias.requires_grad
     # validated once for every path; the operators check the targets' range
-    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, impl=impl,
+    validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    softcap = None if softcap is None else float(softcap)
+    mask = target != ignore_index
     if (need_dx or need_dw or need_db) and target.numel() > 0:
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
@@ -304,7 +300,19 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
                                          chunk_tokens)
         if chunked and plan[0] == "generic":
             _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
-        if chunked and plan[0] != "generic":
+        if chunked and softcap is not None and not is_traced(input, linear_weight):
+            # the softcapped logits: SimPO's tail as a formula over pairs (float32 log-probs), three GEMMs
+            per_chunk, grad_plan = grouped_plan(two_b, seq, True, linear_weight, need_dw, weight_grad_accum,
+                                                chunk_tokens)
+            if per_chunk > 0:
+                spec = grouped_tail_spec(two_b, seq, True, per_chunk, grad_plan,
+                                         lambda lp: simpo_loss_from_logps(lp, mask, **hp)[0],
+                                         "linear_simpo_loss (chunked, softcap)")
+                loss, logps, _ = formula_loss(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias,
+                                              target.reshape(-1).contiguous(),
+                                              LossOptions(ignore_index=ignore_index, softcap=softcap), spec)
+                return loss, simpo_loss_from_logps(logps.view(two_b, seq), mask, **hp)[1]
+        elif chunked and plan[0] != "generic":
             # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`)
             loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,
                                       *hp.values(), weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
@@ -312,8 +320,8 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
             _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
             return loss, metrics
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
-                               softcap=None, impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
-    return simpo_loss_from_logps(logps, target != ignore_index, beta=beta, gamma=gamma, alpha=alpha,
+                               softcap=softcap, impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)
+    return simpo_loss_from_logps(logps, mask, beta=beta, gamma=gamma, alpha=alpha,
                                  label_smoothing=label_smoothing)
 
 

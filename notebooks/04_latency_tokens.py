@@ -448,7 +448,7 @@ if gluon_csv.exists():
 # ## The loss-only pass on the Gluon kernel, in the library
 #
 # The kernel above, with the tile pass's exact-ties epilogue and its merge, is the library's loss-only pass for plain
-# options on sm_90 (`fusedkern/kernels/gluon_logits_stats.py`; `FUSEDKERN_GLUON_LOSS_ONLY=0` restores the tile pass).
+# options on sm_90 (`fusedkern/kernels/gluon_logits_stats.py`; `impl="chunked"` pins the tile pass).
 # `scripts/gpu_calls.sh OUTDIR probe` timed it under `no_grad` beside the tile pass, the seed baseline, Transformers'
 # loss and `linear_logprobs` (temperature 0.7 with the entropy, still on the tile pass), one bench process per size,
 # × one cuBLAS GEMM of the same rounds: over all rows (dense) or over the valid rows (half of every sequence

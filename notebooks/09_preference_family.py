@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from IPython.display import display
 
 from fusedkern import preference, reference
-from fusedkern.linear_preference import preference_plan
+from fusedkern.formula import grouped_plan
 from fusedkern.study import plotting, results, tables
 
 plotting.use_style()
@@ -208,7 +208,7 @@ print("  " + ", ".join(f"{k} {tables.error_bound(v, 1e-15)}" for k, v in logit_e
 # (GEMM 2) before dX and dW (GEMMs 3 and 4). Unlike `linear_simpo_loss`, `linear_preference_loss`
 # has no 3.5-GEMM prepass mode (notebook 05).
 #
-# `fusedkern.linear_preference.preference_plan` decides; here it is asked for the measured shapes
+# `fusedkern.formula.grouped_plan` decides; here it is asked for the measured shapes
 # (seq 1024, the Llama-3 head: V 128256, H 4096, bf16), for the default (fp32 dW accumulation) and
 # the lean mode (dW in bf16, ≤ 256 MiB of logits buffer: 1024-token chunks). A weight on the meta
 # device suffices, nothing is allocated.
@@ -219,7 +219,7 @@ plan_rows = []
 for mode, accum in (("default", "fp32"), ("lean", "weight_dtype")):
     for paired, what in ((True, "pairs (7 types)"), (False, "KTO")):
         for batch in (2, 4, 8, 16):
-            per_chunk, grad_plan = preference_plan(batch, 1024, paired, w_meta, True, accum, None)
+            per_chunk, grad_plan = grouped_plan(batch, 1024, paired, w_meta, True, accum, None)
             plan_rows.append(dict(mode=mode, loss=what, batch=batch, chunk_tokens=grad_plan.chunk_tokens,
                                   groups_per_chunk=per_chunk, GEMMs=3 if per_chunk else 4))
 plans = pd.DataFrame(plan_rows)

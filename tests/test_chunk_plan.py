@@ -61,7 +61,7 @@ def test_auto_counts_the_callers_chunk_tokens():
 def test_gpu_auto_falls_back_to_fused_when_the_callers_chunk_does_not_fit():
     import torch
 
-    from fusedkern.linear_cross_entropy import resolve_impl
+    from fusedkern.dispatch import resolve_impl
 
     # a tiny hidden size keeps the inputs small while one chunk of all tokens would need ~200 GB
     x = torch.empty(1 << 20, 1, device="cuda", dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fusedkern
+from fusedkern.engine import valid_rows_first
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import IMPLS, make_inputs
 
@@ -215,7 +216,7 @@ def _opcheck_cases():
     x, w, y, b, cw = make_inputs(T, H, V, torch.float32, bias=True, weight=True, seed=11)
     xh, wh = x.half(), w.half()
     loss_opts = (-100, 0.1, 1e-3, 4.0)
-    rows_first = lce.valid_rows_first(y, -100)
+    rows_first = valid_rows_first(y, -100)
     n = (y != -100).sum()
     stats = lce.ce_per_token(x, w, b, y, cw, *loss_opts, "chunked", "fp32", None, None, None, None, -1)[1]
     simpo_x = x.reshape(4, 3, H)

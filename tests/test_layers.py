@@ -1,41 +1,44 @@
-"""Layers point down (issue 41 item 4): the import graph of the repository's own Python modules has no cycle, no
-library module imports the integrations or the study, the kernels import only kernels and `_runtime`, and the
-longest chain of imports, scripts, probes, examples and notebooks included, spans at most 8 layers.
+"""Layers point down: every module of the repository sits on one of eight declared layers, and every import goes to
+its own layer or a lower one; the losses stand side by side (none imports another); the kernels import only kernels
+and the foundation; and the graph has no cycle.
+
+The layers, bottom up: the foundation (runtime, validation, plans, references), the kernels, the core (the chunk
+engine, the autograd plumbing, the strategies and their dispatcher), the operators (cross-entropy and log-probs, and
+the preference family's formulas of log-probs), the losses, the public API and the integrations, the study, and the
+files around the package (scripts, probes, examples, notebooks, run_all.py).
 
 The graph is read with `ast` (imports inside functions count). A node is one module: `fusedkern.x.y` for the
 package, a path such as `probes/probe_host.py` for the files around it. An import names the deepest module it
 reaches; a name imported from a package's `__init__` that only re-exports it (`from fusedkern import
 linear_logprobs`, or `fusedkern.linear_logprobs` after `import fusedkern`) counts as an import of the module the
 `__init__` takes it from, so the re-exports do not close cycles; a plain `import fusedkern` used for its side
-effect counts as an import of the `__init__`, which imports every loss. A module's layer is 1 + the highest layer
-of what it imports (1 for one that imports nothing of the repository)."""
+effect counts as an import of the `__init__`, which imports every loss."""
 
 import ast
 from functools import cache
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LAYERS = 8
 #: the files around the package that the graph includes (patterns relative to the repository root)
 AROUND = ("scripts/*.py", "probes/*.py", "examples/*.py", "notebooks/*.py", "run_all.py")
-#: library packages whose modules may import none of `UPPER` (fusedkern/*.py and fusedkern/kernels/*.py)
-LIBRARY_PACKAGES = ("fusedkern", "fusedkern.kernels")
-UPPER = ("fusedkern.integrations", "fusedkern.study")
-KERNELS_MAY_IMPORT = ("fusedkern.kernels", "fusedkern._runtime")
-
-#: What the tree breaks of these rules until issue 41 item 4 is done. A test fails on any break not listed here
-#: and xfails (its message names what is left) while only listed ones remain; once one is mended, its entry goes
-#: (the test fails until it does), and at 8 layers or fewer `KNOWN_LAYERS` becomes None.
-KNOWN_UPWARD = {
-    ("fusedkern.bench", "fusedkern.study.bench"),  # `python -m fusedkern.bench`, the study's CLI by a short name
-}
-KNOWN_KERNEL_IMPORTS = {
-    ("fusedkern.kernels.fused_ce", "fusedkern.chunk_plan"),  # fused_accumulator_budget
-    ("fusedkern.kernels.gluon_logits_stats", "fusedkern.chunk_plan"),  # LOSS_CHUNK_BUDGET_BYTES
-}
-KNOWN_LAYERS = 14
+#: bottom up: (name, the modules on it: a module, or a package with ".*" for everything under it)
+LAYERS = (
+    ("foundation", ("fusedkern._runtime", "fusedkern._validation", "fusedkern.chunk_plan", "fusedkern.reference",
+                    "fusedkern.sharded")),
+    ("kernels", ("fusedkern.kernels", "fusedkern.kernels.*")),
+    ("core", ("fusedkern.engine", "fusedkern.autograd", "fusedkern.chunked", "fusedkern.compacted",
+              "fusedkern.formula", "fusedkern.dispatch")),
+    ("operators", ("fusedkern.linear_cross_entropy", "fusedkern.logprobs", "fusedkern.preference",
+                   "fusedkern.anticipated")),
+    ("losses", ("fusedkern.grpo", "fusedkern.linear_preference", "fusedkern.simpo", "fusedkern.distillation",
+                "fusedkern.distributed")),
+    ("public API and integrations", ("fusedkern", "fusedkern.integrations", "fusedkern.integrations.*")),
+    ("study", ("fusedkern.study", "fusedkern.study.*", "fusedkern.bench")),
+    ("around the package", tuple(AROUND)),
+)
+MAX_LAYERS = 8
+KERNELS_MAY_IMPORT = ("fusedkern.kernels", "fusedkern._runtime", "fusedkern.chunk_plan")
 
 
 def _module_name(path: Path) -> str:
@@ -191,12 +194,18 @@ def layers(graph) -> dict[str, tuple[int, tuple[str, ...]]]:
     return memo
 
 
-def _library(name: str) -> bool:
-    return name in LIBRARY_PACKAGES or name.rpartition(".")[0] in LIBRARY_PACKAGES
-
-
 def _under(name: str, packages) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def layer_of(name: str) -> int | None:
+    """1-based index of the declared layer holding `name`, or None."""
+    for index, (_, members) in enumerate(LAYERS, start=1):
+        for member in members:
+            if member.endswith(".*") and name.startswith(member[:-1]) or name == member \
+                    or "*" in member and Path(name).match(member):
+                return index
+    return None
 
 
 def test_the_graph_sees_the_repository():
@@ -214,37 +223,27 @@ def test_no_cycles():
     assert not cycles, f"modules that import each other (a cycle): {cycles}"
 
 
-def _against_known(found: set, known: set, rule: str) -> None:
-    """Fails on a break of `rule` not in `known` or on a `known` one that is mended; xfails on known ones alone."""
-    new, mended = sorted(found - known), sorted(known - found)
-    show = lambda edges: ", ".join(f"{a} → {b}" for a, b in edges)  # noqa: E731
-    assert not new, f"{rule}: {show(new)}"
-    assert not mended, f"mended, so drop from this file's KNOWN list: {show(mended)}"
-    if found:
-        pytest.xfail(f"{rule} (known, issue 41 item 4): {show(sorted(found))}")
+def test_every_module_sits_on_one_of_8_layers():
+    assert len(LAYERS) <= MAX_LAYERS
+    unplaced = sorted(name for name in import_graph() if layer_of(name) is None)
+    assert not unplaced, f"modules on no declared layer (add each to LAYERS in {Path(__file__).name}): {unplaced}"
 
 
-def test_library_imports_no_integration_and_no_study():
-    upward = {(a, b) for a, targets in import_graph().items() if _library(a) for b in targets if _under(b, UPPER)}
-    _against_known(upward, KNOWN_UPWARD, "library modules (fusedkern/*, fusedkern/kernels/*) that import an "
-                                         "integration or the study (an import running back up)")
+def test_imports_point_down():
+    names = [name for name, _ in LAYERS]
+    upward = sorted((a, b) for a, targets in import_graph().items() for b in targets
+                    if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a))
+    assert not upward, "imports running back up: " + ", ".join(
+        f"{a} ({names[layer_of(a) - 1]}) → {b} ({names[layer_of(b) - 1]})" for a, b in upward)
 
 
-def test_kernels_import_only_kernels_and_runtime():
-    outside = {(a, b) for a, targets in import_graph().items() if _under(a, ("fusedkern.kernels",))
-               for b in targets if _under(b, ("fusedkern",)) and not _under(b, KERNELS_MAY_IMPORT)}
-    _against_known(outside, KNOWN_KERNEL_IMPORTS,
-                   "kernels that import fusedkern beyond fusedkern.kernels and fusedkern._runtime")
+def test_losses_stand_side_by_side():
+    losses = LAYERS[[name for name, _ in LAYERS].index("losses")][1]
+    stacked = sorted((a, b) for a, targets in import_graph().items() if a in losses for b in targets if b in losses)
+    assert not stacked, f"a loss built on another loss instead of the operators below: {stacked}"
 
 
-def test_at_most_8_layers():
-    graph = import_graph()
-    assert not _cycles(graph), "a cycle: see test_no_cycles"
-    depth = layers(graph)
-    count, chain = max(depth.values())
-    message = f"{count} layers (at most {MAX_LAYERS}); the longest chain: " + " → ".join(chain)
-    if count <= MAX_LAYERS:
-        assert KNOWN_LAYERS is None, f"{message}: set KNOWN_LAYERS = None"
-        return
-    assert KNOWN_LAYERS is not None and count <= KNOWN_LAYERS, f"{message}; {KNOWN_LAYERS} known"
-    pytest.xfail(f"{message} (known, issue 41 item 4)")
+def test_kernels_import_only_kernels_and_the_foundation():
+    outside = sorted((a, b) for a, targets in import_graph().items() if _under(a, ("fusedkern.kernels",))
+                     for b in targets if _under(b, ("fusedkern",)) and not _under(b, KERNELS_MAY_IMPORT))
+    assert not outside, f"kernels that import fusedkern beyond {KERNELS_MAY_IMPORT}: {outside}"

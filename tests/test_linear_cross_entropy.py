@@ -314,14 +314,13 @@ def test_gpu_loss_does_not_race_beside_another_stream(monkeypatch):
     GEMM on a second stream making the row kernel's scheduling irregular (how `probe_overlap.py` caught
     it). The forward + backward's loss and the tile pass's loss-only pass round the same bf16 logits, so a raced
     row (its loss off by about a logit) would show as a gap of ~1/T in the mean; rounding alone is ~1e-7. (The
-    Gluon loss-only pass, the default on sm_90, keeps its logits in fp32: a systematic 1e-5 from the bf16 rounding
-    here, so the comparison pins the tile pass.)"""
+    Gluon loss-only pass, impl="auto"'s on sm_90, keeps its logits in fp32: a systematic 1e-5 from the bf16 rounding
+    here, so the comparison pins the tile pass with impl="chunked".)"""
     x, w, y, _, _ = make_inputs(8192, 1024, 32768, torch.bfloat16, ignore_frac=0.0, device="cuda", seed=3)
     side = torch.cuda.Stream()
     busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("FUSEDKERN_GLUON_LOSS_ONLY", "0")
     with torch.no_grad():
-        loss_only = fusedkern.linear_cross_entropy(x, w, y, chunk_tokens=2048)  # no in-place gradient
+        loss_only = fusedkern.linear_cross_entropy(x, w, y, chunk_tokens=2048, impl="chunked")  # no in-place gradient
     gaps = []
     for _ in range(20):
         side.wait_stream(torch.cuda.current_stream())

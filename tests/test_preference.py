@@ -16,7 +16,7 @@ import fusedkern
 from fusedkern import reference
 from fusedkern.preference import LOSS_TYPES, PAIR_LOSS_TYPES, preference_loss_from_logps
 from fusedkern.formula import FormulaLoss
-from fusedkern.linear_preference import preference_plan
+from fusedkern.formula import grouped_plan
 from fusedkern.simpo import simpo_loss_from_logps
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
@@ -134,7 +134,7 @@ def test_three_gemm_path_half_precision_matches_fp64(name, dtype, chunk_pairs):
     """Half-precision weights: dW accumulates in fp32; with one pair per chunk the logits buffer lives in
     dW's own storage (the chunk plan's buffer_in_dw_storage)."""
     w_like = torch.empty(V, H, dtype=dtype)
-    assert preference_plan(2 * B, S, True, w_like, True, "fp32", 2 * chunk_pairs * S)[1].buffer_in_dw_storage \
+    assert grouped_plan(2 * B, S, True, w_like, True, "fp32", 2 * chunk_pairs * S)[1].buffer_in_dw_storage \
         == (chunk_pairs == 1)
     with mock.patch.object(FormulaLoss, "apply", wraps=FormulaLoss.apply) as spy:
         check_against_fp64(CASES[name], dtype, impl="auto", chunk_tokens=2 * chunk_pairs * S, seed=11)
@@ -144,7 +144,7 @@ def test_three_gemm_path_half_precision_matches_fp64(name, dtype, chunk_pairs):
 def test_generic_path_when_a_chunk_cannot_hold_a_pair():
     """chunk_tokens < 2·S: no chunk holds a pair, so the four-GEMM path runs (same loss and gradients)."""
     x, w, y, b, extra = inputs(CASES["sigmoid"], torch.float32)
-    assert preference_plan(2 * B, S, True, w, True, "fp32", 2 * S - 1)[0] == 0
+    assert grouped_plan(2 * B, S, True, w, True, "fp32", 2 * S - 1)[0] == 0
     with mock.patch.object(FormulaLoss, "apply", wraps=FormulaLoss.apply) as spy:
         check_against_fp64(CASES["sigmoid"], torch.float32, impl="chunked", chunk_tokens=2 * S - 1,
                            x=x, w=w, y=y, b=b, extra=extra)
