@@ -45,7 +45,13 @@ from fusedkern.autograd import (
     rescaled_grads,
     save_output_grads,
 )
-from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES, LOSS_CHUNK_BUDGET_BYTES, GradChunkPlan, chunk_rows
+from fusedkern.chunk_plan import (
+    CHUNK_MULTIPLE,
+    GRAD_CHUNK_BUDGET_BYTES,
+    LOSS_CHUNK_BUDGET_BYTES,
+    GradChunkPlan,
+    chunk_rows,
+)
 from fusedkern import engine
 from fusedkern.engine import Chunk, Grads, logits_buffer, logits_into, plan_for_grads, token_chunks, valid_rows_first
 from fusedkern.sharded import full_weights
@@ -74,23 +80,40 @@ class DistillOptions:
 
 def distill_plan(n_tokens: int, ws: torch.Tensor, wt: torch.Tensor, need_dw: bool, weight_grad_accum: str,
                  chunk_tokens: int | None) -> GradChunkPlan:
-    """`chunked.plan_for_grads` for the student, with C capped so that the teacher's [C, V] buffer also stays
-    within the 256 MiB logits budget (the student's may live in dW's storage; the teacher's never can)."""
+    """`chunked.plan_for_grads` for the student, with C sized for two [C, V] buffers, the student's and the
+    teacher's. With fp32 accumulation of a bf16/fp16 dW (teacher in the same dtype): one chunk of every token when
+    both buffers fit the accumulator's allowance (2·T·V·e ≤ 256 MiB + V·H·4: one dW GEMM, no accumulator), else both
+    buffers in dW's own storage (idle until the accumulator is cast into it): C = H/2 tokens at no memory beyond the
+    accumulator (`shares_dw_storage`). Otherwise C is capped so that the teacher's buffer stays within the 256 MiB
+    logits budget."""
     plan = plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, chunk_tokens)
     if chunk_tokens:
         return plan
+    (V, H), e = ws.shape, ws.element_size()
+    if need_dw and weight_grad_accum == "fp32" and ws.dtype != torch.float32 and wt.dtype == ws.dtype:
+        if 2 * n_tokens * V * e <= GRAD_CHUNK_BUDGET_BYTES + V * H * 4:
+            return plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, n_tokens)
+        half = H // 2 // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+        if half:
+            shared = plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, half)
+            if shares_dw_storage(shared, ws):
+                return shared
     cap = chunk_rows(n_tokens, wt.shape[0], wt.element_size(), GRAD_CHUNK_BUDGET_BYTES)
     return plan if plan.chunk_tokens <= cap else plan_for_grads(n_tokens, ws, need_dw, weight_grad_accum, cap)
+
+
+def shares_dw_storage(plan: GradChunkPlan, ws: torch.Tensor) -> bool:
+    """Whether both [C, V] logits buffers fit dW's own storage (V·H elements) under an fp32 accumulator."""
+    return plan.fp32_accumulator and 2 * plan.chunk_tokens * ws.shape[0] <= ws.numel()
 
 
 class DistillRows:
     """The engine's row pass of distillation: the teacher's logits GEMM for the chunk's rows into its own buffer,
     then `kernels.distill_rows` (each token's loss, and with grad the student's ∂L/∂Z_s in place)."""
 
-    def __init__(self, xt, wt, bt, target, opts: DistillOptions, buffer_rows: int, *, loss_tok, grad,
+    def __init__(self, xt, wt, bt, target, opts: DistillOptions, buf_t: torch.Tensor, *, loss_tok, grad,
                  per_token_grad: bool, entropy=None):
-        self.xt, self.wt, self.bt, self.target, self.opts = xt, wt, bt, target, opts
-        self.buf_t = logits_buffer(buffer_rows, wt.shape[0], xt)
+        self.xt, self.wt, self.bt, self.target, self.opts, self.buf_t = xt, wt, bt, target, opts, buf_t
         self.loss_tok, self.grad, self.per_token_grad, self.entropy = loss_tok, grad, per_token_grad, entropy
 
     def __call__(self, zs, xs_c, chunk: Chunk) -> None:
@@ -108,11 +131,16 @@ class DistillRows:
 def _run_chunks(xs, ws, bs, xt, wt, bt, target, opts: DistillOptions, C: int, *, loss_tok, grad,
                 per_token_grad: bool, grads: Grads | None = None, entropy=None) -> None:
     """The engine's loop with the distillation row pass over chunks of C tokens (with grad: the student's
-    gradients into `grads`)."""
-    rows = min(C, xs.shape[0])
-    row_pass = DistillRows(xt, wt, bt, target, opts, rows, loss_tok=loss_tok, grad=grad,
-                           per_token_grad=per_token_grad, entropy=entropy)
-    engine.run(xs, ws, bs, token_chunks(xs.shape[0], C), row_pass, grads=grads)
+    gradients into `grads`). Both logits buffers sit in dW's own storage when the plan says so
+    (`shares_dw_storage`), the student's first."""
+    rows, V = min(C, xs.shape[0]), ws.shape[0]
+    buf_s = buf_t = None
+    if grads is not None and grads.dw_out is not None and shares_dw_storage(grads.plan, ws):
+        flat = grads.dw_out.view(-1)
+        buf_s, buf_t = flat[: rows * V].view(rows, V), flat[rows * V: 2 * rows * V].view(rows, V)
+    row_pass = DistillRows(xt, wt, bt, target, opts, logits_buffer(rows, V, xt) if buf_t is None else buf_t,
+                           loss_tok=loss_tok, grad=grad, per_token_grad=per_token_grad, entropy=entropy)
+    engine.run(xs, ws, bs, token_chunks(xs.shape[0], C), row_pass, grads=grads, buffer=buf_s)
 
 
 def clamped_mean_divisor(target: torch.Tensor | None, n_tokens: int, ignore_index: int) -> torch.Tensor | float:

@@ -140,9 +140,9 @@ assert wide["within rule"].all(), wide[~wide["within rule"]]
 # A materialized distillation loss holds, at its backward's peak, both models' [T, V] logits in the
 # inputs' dtype, their fp32 upcasts, both fp32 log-softmaxes, the fp32 gradient of the student's logits and
 # its cast back — T·V·(3e + 20) bytes, plus T·V·4 for the generalized JSD's log-mixture
-# (`fusedkern/study/distill_memory.py` lists each term). fusedkern holds two [C, V] chunk buffers — the
-# student's one lives in dW's own storage whenever the chunk plan allows it — and, with several chunks of a
-# bf16 head, the fp32 [V, H] dW accumulator: flat in T. Both sides exclude dX and dW, which every
+# (`fusedkern/study/distill_memory.py` lists each term). fusedkern holds two [C, V] chunk buffers — both live
+# in dW's own storage when several chunks of a bf16 head accumulate dW in fp32 (C = H/2 tokens each) — and then
+# the fp32 [V, H] dW accumulator: flat in T. Both sides exclude dX and dW, which every
 # implementation returns, and the inputs. These are byte counts from formulas and from the chunk rules
 # `linear_distillation_loss` runs with (`fusedkern.chunk_plan`), **not measured peaks**; notebook 03 checks
 # the same kind of model for cross-entropy against measurements.

@@ -488,3 +488,41 @@ def test_trl_gkd_loss_is_trls_batchmean(beta):
         if rows.numel():
             torch.testing.assert_close(torch.autograd.grad(out.loss, w)[0], torch.autograd.grad(want, w2)[0],
                                        rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_both_buffers_in_dw_storage_give_the_same_grads(monkeypatch, reduction):
+    """Several chunks of a bf16 head with fp32 dW accumulation: the plan puts the student's and the teacher's
+    [C, V] buffers in dW's own storage (C = H/2), which the accumulator's cast overwrites at the end; the loss and
+    gradients are bitwise those of the same chunks in buffers of their own (chunk_tokens given), and within the
+    accuracy rule of float64."""
+    from fusedkern import distillation
+
+    n, h, v = 200, 128, 67
+    g = torch.Generator().manual_seed(5)
+    xs, xt = (torch.randn(n, h, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    ws, wt = ((torch.randn(v, h, generator=g) / math.sqrt(h) * 2).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    y = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    y[::7] = -100
+    monkeypatch.setattr(distillation, "GRAD_CHUNK_BUDGET_BYTES", 0)  # past one chunk's allowance at this size
+    plan = distillation.distill_plan(n, ws, wt, True, "fp32", None)
+    assert plan.chunk_tokens == 64 and plan.fp32_accumulator and distillation.shares_dw_storage(plan, ws)
+    upstream = torch.randn(n, generator=g).to(DEVICE) if reduction == "none" else torch.tensor(1.3)
+    results = []
+    for chunk_tokens in (None, 64):
+        x_leaf, w_leaf = leaves(xs, ws)
+        loss = fusedkern.linear_distillation_loss(x_leaf, w_leaf, xt, wt, y, beta=0.5, reduction=reduction,
+                                                  chunk_tokens=chunk_tokens)
+        loss.backward(upstream if reduction == "none" else None)
+        results.append((loss.detach(), x_leaf.grad, w_leaf.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    f64 = leaves(xs, ws, dtype=torch.float64)
+    loss64 = reference.linear_distillation_loss_fp64(f64[0], f64[1], xt, wt, y, beta=0.5, reduction=reduction)
+    same = leaves(xs, ws)
+    loss_torch = reference.upcast_linear_distillation_loss(same[0], same[1], xt, wt, y, beta=0.5, reduction=reduction)
+    assert_close_to_ref("loss", results[0][0], loss64, loss_torch, atol=1e-4)
+    for out, ts in ((loss64, f64), (loss_torch, same)):
+        out.backward(upstream.to(out.dtype) if reduction == "none" else None)
+    for name, ours, t64, tt in zip(("dX", "dW"), results[0][1:], f64, same):
+        assert_close_to_ref(name, ours, t64.grad, tt.grad, atol=1e-4)

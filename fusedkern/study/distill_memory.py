@@ -10,14 +10,15 @@ A generalized JSD (0 < β < 1) also keeps the fp32 log-mixture: + T·V·4. Count
 gradients every implementation returns) and without the inputs.
 
 fusedkern: the student's [C, V] logits buffer (in dW's own storage when the plan says so: no extra bytes),
-the teacher's [C, V] buffer (never in dW's storage), and the fp32 [V, H] dW accumulator when the plan has one.
+the teacher's [C, V] buffer (also in dW's storage when both fit it under an fp32 accumulator:
+`distillation.shares_dw_storage`), and the fp32 [V, H] dW accumulator when the plan has one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fusedkern.distillation import distill_plan
+from fusedkern.distillation import distill_plan, shares_dw_storage
 
 # V, H of the heads the study names (config.json of each model)
 HEADS = {
@@ -40,7 +41,7 @@ def fusedkern_bytes(tokens: int, vocab: int, hidden: int, elt: int, *, weight_gr
     plan = distill_plan(tokens, head, head, True, weight_grad_accum, None)
     C = plan.chunk_tokens
     student = 0 if plan.buffer_in_dw_storage else C * vocab * elt
-    teacher = C * vocab * elt
+    teacher = 0 if shares_dw_storage(plan, head) else C * vocab * elt
     accumulator = vocab * hidden * 4 if plan.fp32_accumulator else 0
     return student + teacher + accumulator
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedkern.chunk_plan import GRAD_CHUNK_BUDGET_BYTES
-from fusedkern.distillation import distill_plan
+from fusedkern.distillation import distill_plan, shares_dw_storage
 from fusedkern.study import architectures, distill_accuracy, distill_memory
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -30,11 +30,17 @@ def test_fusedkern_bytes_follow_the_functions_chunk_plan(head, tokens):
     V, H = distill_memory.HEADS[head]["vocab"], distill_memory.HEADS[head]["hidden"]
     w = torch.empty((V, H), dtype=torch.bfloat16, device="meta")
     plan = distill_plan(tokens, w, w, True, "fp32", None)  # what linear_distillation_loss runs with
-    want = (0 if plan.buffer_in_dw_storage else plan.chunk_tokens * V * 2) + plan.chunk_tokens * V * 2 \
-        + (V * H * 4 if plan.fp32_accumulator else 0)
+    shared = shares_dw_storage(plan, w)  # both buffers in dW's own storage, beside the fp32 accumulator
+    want = (0 if plan.buffer_in_dw_storage else plan.chunk_tokens * V * 2) \
+        + (0 if shared else plan.chunk_tokens * V * 2) + (V * H * 4 if plan.fp32_accumulator else 0)
     got = distill_memory.fusedkern_bytes(tokens, V, H, 2)
     assert got == want
-    assert plan.chunk_tokens * V * 2 <= GRAD_CHUNK_BUDGET_BYTES  # the teacher's buffer within the budget
+    if shared:
+        assert 2 * plan.chunk_tokens * V <= V * H and plan.chunk_tokens == H // 2 // 64 * 64
+    elif plan.chunk_tokens == tokens:  # one chunk, no accumulator: both buffers within the accumulator's allowance
+        assert not plan.fp32_accumulator and 2 * tokens * V * 2 <= GRAD_CHUNK_BUDGET_BYTES + V * H * 4
+    else:  # the teacher's own buffer within the logits budget
+        assert plan.chunk_tokens * V * 2 <= GRAD_CHUNK_BUDGET_BYTES
 
 
 def test_memory_rows_flat_in_tokens_past_the_first_cap():
