@@ -143,8 +143,9 @@ def count_calls(monkeypatch):
     import fusedkern.integrations.trl as fk_trl
 
     calls = []
-    real = fk_trl.linear_logprobs_with_stats
-    monkeypatch.setattr(fk_trl, "linear_logprobs_with_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("linear_logprobs_with_stats", "linear_logprobs_anticipated"):  # (SFT's anticipated head: the second)
+        real = getattr(fk_trl, name)
+        monkeypatch.setattr(fk_trl, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     return calls
 
 
@@ -490,7 +491,7 @@ def test_trainer_built_while_patched_stays_fused_after_the_block(tiny, monkeypat
     assert not any("does not cover" in str(w.message) for w in caught)
     assert not fk_trl.is_patched()
     fk_trl.check_trainer(trainer)
-    calls = spy(monkeypatch, "linear_logprobs_with_stats", "linear_distillation_loss")
+    calls = spy(monkeypatch, "linear_logprobs_with_stats", "linear_logprobs_anticipated", "linear_distillation_loss")
     trainer.train()
     assert calls, "fusedkern did not run"
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)

@@ -47,8 +47,10 @@ import warnings
 
 import torch
 
+from fusedkern.anticipated import linear_logprobs_anticipated
 from fusedkern.distillation import linear_distillation_loss
 from fusedkern.integrations.heads import check_model_head, resolve_head
+from fusedkern.integrations.trl_sft import anticipated_pattern, forget_pattern, mark_sft_trainer
 from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
 
 logger = logging.getLogger(__name__)
@@ -306,6 +308,10 @@ def _plan(options: dict) -> _Applied:
         patches += [Patch.on(cls, "concatenated_forward", fused_concatenated_forward),
                     Patch.on(cls, "__init__", _init_then(cls, give_head))]
         covered.append(cls.__name__)
+    # SFTTrainer: its loss's upstream is anticipated by the policy's head (trl_sft.py), recorded after its __init__
+    sft_cls = getattr(_import_or_none("trl.trainer.sft_trainer"), "SFTTrainer", None)
+    if sft_cls is not None and "__init__" in vars(sft_cls):
+        patches.append(Patch.on(sft_cls, "__init__", _init_then(sft_cls, mark_sft_trainer)))
     # any other TRL trainer built while patched warns (transformers' Trainer.__init__: every TRL trainer calls it)
     base = importlib.import_module("transformers").Trainer
     patches.append(Patch.on(base, "__init__", _warn_uncovered_init(base.__init__, tuple(covered))))
@@ -519,6 +525,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     want_stats = "is_top1" in outputs
     want_mean = "mean_logits" in outputs
     original_forward = model.forward
+    forget_pattern(model)  # a trainer that anticipates its loss's upstream records it after this (trl_sft.py)
     backbone_attr = "base_model"
     if text_config is not model.config and Version(transformers.__version__) < Version("5.0.0"):
         backbone_attr = "model"
@@ -570,7 +577,10 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                                   weight_grad_accum, chunk_tokens)
         with autocast_ctx:
             if rows.numel() > 0:
-                logps, entropy, row_max, row_lse = linear_logprobs_with_stats(
+                pattern = anticipated_pattern(self)  # SFTTrainer's nll/dft: the gradient formed in the forward
+                head_logprobs = linear_logprobs_with_stats if pattern is None else functools.partial(
+                    linear_logprobs_anticipated, anticipate=pattern)
+                logps, entropy, row_max, row_lse = head_logprobs(
                     x, weight, y, linear_bias=bias, softcap=softcap, temperature=effective_temperature,
                     return_entropy=want_entropy, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
             else:  # an all-masked micro-batch still gives a differentiable zero connected to the model
