@@ -317,7 +317,7 @@ def parse_args(argv):
         p.error("--device cpu runs fusedkern's kernels through Triton's interpreter, which is on only when no GPU "
                 "is visible or TRITON_INTERPRET=1 is set before Python starts")
     if args.arch == "llama" and not HAS_TRANSFORMERS:
-        p.error("--arch llama needs Hugging Face Transformers (pip install 'fusedkern[hf]'); or use --arch torch")
+        p.error("--arch llama needs Hugging Face Transformers (pip install -e '.[hf]' in a clone); or use --arch torch")
     if args.model is not None and args.arch != "llama":
         p.error("--model loads a Transformers checkpoint: it needs --arch llama (any supported causal LM)")
     return args

@@ -720,7 +720,8 @@ def grpo_loss_from_logps(
     if loss_type == "bnpo":
         return total / m.sum().clamp(min=1.0)
     if loss_type == "dapo":
-        return total / (m.sum().clamp(min=1.0) if num_items_in_batch is None else max(float(num_items_in_batch), 1.0))
+        # a given count divides as given: TRL's divisor, spread over ranks, may be below 1
+        return total / (m.sum().clamp(min=1.0) if num_items_in_batch is None else float(num_items_in_batch))
     if loss_type == "dr_grpo":
         return total / (logps.shape[0] * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")

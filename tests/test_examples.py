@@ -40,7 +40,7 @@ def train_sft():
 @pytest.mark.parametrize("arch", ["llama", "torch"])
 def test_fusedkern_loss_equals_the_logits_loss_at_step_0(train_sft, arch, capsys, monkeypatch):
     if arch == "llama" and importlib.util.find_spec("transformers") is None:
-        pytest.skip("needs Hugging Face Transformers (pip install 'fusedkern[hf]')")
+        pytest.skip("needs Hugging Face Transformers (pip install -e '.[hf]' in a clone)")
     calls = []
     # count the calls where the model finds fusedkern: the patch's module for Llama, the package for torch
     host = importlib.import_module("fusedkern.integrations.transformers") if arch == "llama" else fusedkern
@@ -68,7 +68,7 @@ def test_bad_arguments_exit_with_a_message(train_sft, capsys):
 @pytest.mark.parametrize("arch", ["llama", "torch"])
 def test_on_cuda_the_loss_matches_and_the_peak_memory_is_lower(train_sft, arch):
     if arch == "llama" and importlib.util.find_spec("transformers") is None:
-        pytest.skip("needs Hugging Face Transformers (pip install 'fusedkern[hf]')")
+        pytest.skip("needs Hugging Face Transformers (pip install -e '.[hf]' in a clone)")
     args = ["--device", "cuda", "--preset", "small", "--steps", "2", "--arch", arch]
     fused = train_sft.main(args)
     plain = train_sft.main([*args, "--no-fusedkern"])
@@ -191,7 +191,7 @@ def test_cce_without_cce_patch_calls_linear_cross_entropy_as_cce_patch_does(trai
 DPO_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_dpo.py"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (pip install 'fusedkern[trl]')")
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (pip install -e '.[trl]' in a clone)")
 @pytest.mark.skipif(not interpreting(), reason="CPU tensors need Triton's interpreter (on when no GPU is visible)")
 def test_train_dpo_fusedkern_equals_trl_head(monkeypatch, tmp_path):
     """examples/train_dpo.py on CPU: two SGD steps of TRL's DPOTrainer with fusedkern's head (counted) and with

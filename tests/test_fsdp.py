@@ -313,7 +313,7 @@ def test_fsdp2_tiny_lm_matches_unsharded(ranks):
                 torch.testing.assert_close(got["grads"][name], scale * grad, **TOL, msg=f"{mode} rank {r}: {name}")
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs Hugging Face Transformers (pip install 'fusedkern[hf]')")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs Hugging Face Transformers (pip install -e '.[hf]' in a clone)")
 def test_fsdp2_patched_llama_matches_unpatched_unsharded(ranks):
     ranks = [result["llama"] for result in ranks]
     ids, labels = lm_batch(VOCAB)
