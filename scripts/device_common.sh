@@ -1,6 +1,7 @@
 # Sourced by the GPU-machine drivers (h200_*.sh): the steps every one of them starts with.
 #   device_setup OUTDIR         OUTDIR made absolute (in $outdir), the repository in $repo and the working
-#                               directory, unbuffered Python, $start for elapsed times, $failures
+#                               directory, unbuffered Python, USE_HUB_KERNELS=NO, $start for elapsed times,
+#                               $failures
 #   install_wheels SITE DIR...  the carried wheels of every existing DIR (e.g. .whl/liger085) into SITE,
 #                               then SITE and the repository on PYTHONPATH (the machine has no package index)
 #   install_quack               QuACK 0.6.1 from the carried parts (.whl/qa, .whl/qb) onto PYTHONPATH ($quack_path)
@@ -25,6 +26,9 @@ device_setup() {
     mkdir -p "$1" && outdir="$(cd "$1" && pwd)"
     cd "$repo" || exit 1
     export PYTHONUNBUFFERED=1
+    # transformers 5.25's from_pretrained turns use_kernels on by default and raises without the `kernels`
+    # package, which the image lacks (and the Hub it fetches from is unreachable): the layers stay PyTorch's
+    export USE_HUB_KERNELS=NO
     start=$SECONDS
     failures=()
 }
