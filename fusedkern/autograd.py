@@ -1,10 +1,11 @@
 """The autograd plumbing of fusedkern's operators: custom operators with fake implementations and autograd
-formulas (`register_op`, `call_op`), gradients formed in the forward pass and rescaled in backward
+formulas (`define_op`: tensors plus one frozen options dataclass, flattened into the operator's scalars and
+rebuilt in one place), gradients formed in the forward pass and rescaled in backward
 (`save_precomputed_grads`, `rescaled_grads`), first-order-only backwards, and the autocast rule of the
 public entry points (`follows_autocast`).
 
 Why custom operators: `torch.compile` traces a call as one node per operator with no graph break
-(`fullgraph=True` works). Outside tracing (`call_op`) the same implementation and formula run through a
+(`fullgraph=True` works). Outside tracing (`Op.__call__`) the same implementation and formula run through a
 plain autograd.Function, which costs less host time than the dispatcher, and the backward rescales the
 saved gradients in place. A gradient that is not asked for comes back as an empty [0] tensor
 (`absent`): an operator returns tensors, never None.
@@ -12,9 +13,11 @@ saved gradients in place. A gradient that is not asked for comes back as an empt
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
+import typing
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -108,64 +111,183 @@ def cast_or_none(grad: torch.Tensor | None, dtype: torch.dtype):
 CHECKING_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-class _OpSpec(NamedTuple):
-    impl: Callable
-    setup_context: Callable | None  # None: an operator with no gradient (a backward's)
-    backward: Callable | None
+# ----------------------------------------------------------------------------------------------
+# operators: tensors plus one frozen options dataclass, flattened into the schema's scalars in one place
+
+_SCHEMA_TYPES = {int: "SymInt", float: "float", bool: "bool", str: "str"}
 
 
-_EAGER: dict = {}
+def _option_fields(cls) -> list[tuple[tuple[str, ...], str]]:
+    """(attribute path, schema type) of each scalar of an options dataclass, in field order; a field that is
+    itself a dataclass (e.g. the loss's own options) contributes its scalars in its place."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += [((f.name, *path), schema) for path, schema in _option_fields(tp)]
+            continue
+        args = typing.get_args(tp)
+        optional = len(args) == 2 and type(None) in args  # X | None
+        base = next(a for a in args if a is not type(None)) if optional else tp
+        if base not in _SCHEMA_TYPES:
+            raise TypeError(f"{cls.__name__}.{f.name}: an operator option is an int, float, bool or str (or None "
+                            f"of one) or a dataclass of them, got {tp}")
+        out.append(((f.name,), _SCHEMA_TYPES[base] + ("?" if optional else "")))
+    return out
 
 
-def register_op(op, impl: Callable, setup_context: Callable, backward: Callable) -> None:
-    """The autograd formula of `op` (a `torch.library.custom_op` of `impl`), for the dispatcher and for `call_op`.
+def _builder(cls) -> Callable:
+    """build(values: iterator) → cls(...) from the scalars in `_option_fields` order (nested dataclasses rebuilt)."""
+    hints = typing.get_type_hints(cls)
+    parts = [(f.name, _builder(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None)
+             for f in dataclasses.fields(cls)]
 
-    The operators return their precomputed gradients as (non-differentiable) outputs; autograd would hand
-    the backward a zero-filled gradient of each — a transient dX + dW (+1 GiB at V·H = 128256·4096 in
-    bf16) — so the formula sees None for outputs nothing flowed into."""
+    def build(values):
+        return cls(**{name: next(values) if sub is None else sub(values) for name, sub in parts})
 
-    def setup_without_zero_grads(ctx, inputs, output):
+    return build
+
+
+class Op:
+    """A fusedkern operator: a `torch.library.custom_op` whose arguments are tensors and one frozen options
+    dataclass, called as `op(*tensors, options)`.
+
+    The options are flattened into the operator's scalar arguments (its schema is built from the dataclass's
+    fields) and rebuilt here, so `impl(*tensors, options)`, `fake(*tensors, options)`,
+    `setup_context(ctx, tensors, options, output)` and `backward(ctx, *grads)` never see a positional list. The
+    backward returns the gradients of the leading tensors (x, w, b); every other input gets None here, and it
+    sees `ctx.needs_input_grad` of the tensors only. While torch.compile (or export) traces, the call is the
+    registered operator (one graph node); otherwise the same implementation and formula run through a plain
+    autograd.Function (`_EagerOp`), which costs less host time than the dispatcher, and with no gradient asked
+    for, the implementation alone.
+
+    The operators return their precomputed gradients as (non-differentiable) outputs; autograd would hand the
+    backward a zero-filled gradient of each (a transient dX + dW), so the formula sees None for outputs nothing
+    flowed into. An operator without `backward` has no gradient of its own (a backward's)."""
+
+    def __init__(self, name: str, tensor_args: Sequence[str], options_cls: type, outputs: int, impl: Callable,
+                 fake: Callable, setup_context: Callable | None = None, backward: Callable | None = None,
+                 tags: Sequence[torch.Tag] = ()):
+        fields = _option_fields(options_cls)
+        names = [a.rstrip("?") for a in tensor_args] + [path[-1] for path, _ in fields]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{name}: argument names repeat: {names}")
+        args = [f"Tensor? {a[:-1]}" if a.endswith("?") else f"Tensor {a}" for a in tensor_args]
+        args += [f"{schema} {path[-1]}" for path, schema in fields]
+        returns = "Tensor" if outputs == 1 else f"({', '.join(['Tensor'] * outputs)})"
+        self.options_cls, self.n_tensors, self._paths = options_cls, len(tensor_args), [p for p, _ in fields]
+        self.impl, self._setup_context = impl, setup_context
+        self._build = _builder(options_cls)
+        self.backward = None if backward is None else first_order_only(backward)
+        n = self.n_tensors
+        self.custom_op = torch.library.custom_op(
+            name, lambda *a: impl(*a[:n], self._build(iter(a[n:]))), mutates_args=(),
+            schema=f"({', '.join(args)}) -> {returns}", tags=tuple(tags))
+        self.custom_op.register_fake(lambda *a: fake(*a[:n], self._build(iter(a[n:]))))
+        if backward is not None:
+            self.custom_op.register_autograd(
+                self._backward, setup_context=lambda ctx, inputs, output: self.setup_context(
+                    ctx, inputs[:n], self._build(iter(inputs[n:])), output))
+
+    def flat_args(self, *args) -> tuple:
+        """The registered operator's arguments for `op(*tensors, options)`: the tensors, then the options'
+        scalars (what `torch.library.opcheck` takes)."""
+        *tensors, options = args
+        assert len(tensors) == self.n_tensors and isinstance(options, self.options_cls), (len(tensors), options)
+        flat = list(tensors)
+        for path in self._paths:
+            value = options
+            for name in path:
+                value = getattr(value, name)
+            flat.append(value)
+        return tuple(flat)
+
+    def setup_context(self, ctx, tensors, options, output) -> None:
         ctx.set_materialize_grads(False)
-        setup_context(ctx, inputs, output)
+        self._setup_context(ctx, tensors, options, output)
 
-    op.register_autograd(backward, setup_context=setup_without_zero_grads)
-    _EAGER[op] = _OpSpec(impl, setup_without_zero_grads, backward)
+    def _backward(self, ctx, *grads):
+        """The formula's gradients of the leading tensors, then one None for each further input as autograd
+        counts them (the registered operator's flat scalars, or `_EagerOp`'s options)."""
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:self.n_tensors]  # as the formula sees them: the tensors only
+        try:
+            result = tuple(self.backward(ctx, *grads))
+        finally:
+            ctx.needs_input_grad = needs
+        return (*result, *([None] * (len(needs) - len(result))))
+
+    def __call__(self, *args):
+        *tensors, options = args
+        present = [t for t in tensors if t is not None]
+        if is_traced(*present):
+            return self.custom_op(*self.flat_args(*args))
+        if self.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in present):
+            return _EagerOp.apply(*tensors, (self, options))
+        return self.impl(*tensors, options)
 
 
-def register_op_without_grad(op, impl: Callable) -> None:
-    """`call_op` for an operator with no gradient of its own (a backward's)."""
-    _EAGER[op] = _OpSpec(impl, None, None)
+def define_op(name: str, tensor_args: Sequence[str], options_cls: type, outputs: int, impl: Callable,
+              fake: Callable, setup_context: Callable | None = None, backward: Callable | None = None,
+              tags: Sequence[torch.Tag] = ()) -> Op:
+    """An `Op` named `name` ("fusedkern::..."): tensor_args name its tensors, a trailing "?" for one that may be
+    None; options_cls is the frozen dataclass of everything else; outputs: how many tensors it returns."""
+    return Op(name, tensor_args, options_cls, outputs, impl, fake, setup_context, backward, tags)
 
 
 class _EagerOp(torch.autograd.Function):
     """An operator's implementation and autograd formula applied directly: the same computation as the
-    registered operator, without the dispatcher's host time."""
+    registered operator, without the dispatcher's host time. forward(*tensors, (op, options))."""
 
     @staticmethod
-    def forward(ctx, spec: _OpSpec, *args):
-        output = spec.impl(*args)
-        spec.setup_context(ctx, args, output)
-        ctx.backward_fn = spec.backward
+    def forward(ctx, *args):
+        *tensors, (op, options) = args
+        output = op.impl(*tensors, options)
+        op.setup_context(ctx, tuple(tensors), options, output)
+        ctx.op = op
         return output
 
     @staticmethod
     def backward(ctx, *grads):
-        if not getattr(ctx, "inputs_only", False):  # once: a retained graph's second backward sees them trimmed
-            ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the formula sees them: the operator's inputs
-            ctx.inputs_only = True
-        return (None, *ctx.backward_fn(ctx, *grads))
+        return ctx.op._backward(ctx, *grads)
 
 
-def call_op(op, *args):
-    """`op(*args)` while torch.compile (or export) traces, so that the graph holds the operator; else the
-    same implementation and formula through `_EagerOp` (no autograd node when no gradient is asked for)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if is_traced(*tensors):
-        return op(*args)
-    spec = _EAGER[op]
-    if spec.backward is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _EagerOp.apply(spec, *args)
-    return spec.impl(*args)
+# the keys the dispatcher excludes while an operator's body runs (below autograd)
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                  torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def differentiable():
+    """`torch.enable_grad()` that also works inside an operator's body: the dispatcher runs a registered operator's
+    implementation below autograd (its keys excluded), where a formula that differentiates its own small tail
+    (`torch.autograd.grad` of an O(R·S) function of the log-probs) would record nothing. The keys are included
+    again for the block; outside an operator (eager) nothing else changes."""
+    with contextlib.ExitStack() as stack:
+        for key in _AUTOGRAD_KEYS:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
+def grads_formed_in_forward(what: str | Callable[[typing.Any], str]) -> tuple[Callable, Callable]:
+    """(setup_context, backward) for `define_op` of an operator that forms its gradients in the forward pass and
+    returns (loss, outputs without gradient ..., dx, dw, db, dw_out): the last four are saved
+    (`save_output_grads`, by the options' need_dx / need_dw / need_db) and the backward rescales them by the
+    loss's upstream gradient. what: the loss's name in errors (or a function of the options giving it)."""
+
+    def setup_context(ctx, tensors, options, output):
+        x, w, b = tensors[:3]
+        save_output_grads(ctx, x, w, b, options.need_dx, options.need_dw, options.need_db and b is not None,
+                          *output[-4:])
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.what = what if isinstance(what, str) else what(options)
+
+    def backward(ctx, grad_loss, *_):
+        return rescaled_grads(ctx, grad_loss, ctx.what)
+
+    return setup_context, backward
 
 
 def absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

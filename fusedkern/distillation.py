@@ -36,14 +36,10 @@ from fusedkern._validation import (
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
     absent,
-    call_op,
     cast_or_none,
-    first_order_only,
+    define_op,
+    grads_formed_in_forward,
     or_absent,
-    register_op,
-    register_op_without_grad,
-    rescaled_grads,
-    save_output_grads,
 )
 from fusedkern.chunk_plan import (
     CHUNK_MULTIPLE,
@@ -152,161 +148,167 @@ def clamped_mean_divisor(target: torch.Tensor | None, n_tokens: int, ignore_inde
 
 
 # ----------------------------------------------------------------------------------------------
-# custom operators (see `linear_cross_entropy.py` for the pattern: fake implementation + autograd formula)
+# custom operators (`autograd.define_op`; see `linear_cross_entropy.py` for the pattern: fake implementation +
+# autograd formula, options in one frozen dataclass per operator)
+
+
+@dataclass(frozen=True)
+class DistillScalarOptions:
+    """`distill_scalar`'s options: the loss, its reduction ("mean"/"sum"), the chunk plan's inputs, which of the
+    student's gradients to form, whether dW's own storage comes back (`return_dw_out`), a host count to check
+    (`count_int`, -1: none) and whether the student's entropy is formed."""
+
+    loss: DistillOptions
+    reduction: str
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+    count_int: int = -1
+    with_entropy: bool = False
+
+
+@dataclass(frozen=True)
+class DistillPerTokenOptions:
+    """`distill_per_token`'s options: the loss, the chunks (`chunk_tokens`; None: the loss-only budget; the
+    backward's plan), a host count to check (`count_int`, -1: none) and whether the student's entropy is formed."""
+
+    loss: DistillOptions
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    count_int: int = -1
+    with_entropy: bool = False
+
+
+@dataclass(frozen=True)
+class DistillGradOptions:
+    """`distill_per_token_backward`'s options: the loss, the chunk plan's inputs and which gradients to form."""
+
+    loss: DistillOptions
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+
+
+DISTILL_TENSORS = ["xs", "ws", "bs?", "xt", "wt", "bt?", "target?"]
 
 
 def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor, wt: torch.Tensor,
-                    bt: torch.Tensor | None, target: torch.Tensor | None, beta: float, temperature: float,
-                    ignore_index: int, weight_hard_loss: float, weight_soft_loss: float, student_logit_scale: float,
-                    student_softcap: float | None, teacher_logit_scale: float, teacher_softcap: float | None,
-                    reduction: str, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool,
-                    need_db: bool, return_dw_out: bool, check_target: torch.Tensor | None, count: torch.Tensor | None,
-                    count_int: int, with_entropy: bool
+                    bt: torch.Tensor | None, target: torch.Tensor | None, check_target: torch.Tensor | None,
+                    count: torch.Tensor | None, o: DistillScalarOptions
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mean/sum with gradients: loss and the student's gradients in one pass (four GEMMs). Returns (loss 0-d
     fp32, entropy [T] fp32 (with_entropy; else [0]), dx, dw (fp32 accumulator or dW), db fp32, dw_out) as
     `linear_cross_entropy._chunked_scalar`."""
-    checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
-    opts = DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
-                          student_softcap, teacher_logit_scale, teacher_softcap)
+    ignore_index = o.loss.ignore_index
+    checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count,
+                                                    o.count_int)
     T = xs.shape[0]
-    if reduction == "mean":
+    if o.reduction == "mean":
         grad_scale = (1.0 / torch.as_tensor(clamped_mean_divisor(target, T, ignore_index), device=xs.device,
                                             dtype=torch.float32)).reshape(1)
     else:
         grad_scale = torch.ones(1, device=xs.device, dtype=torch.float32)
-    plan = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens)
+    plan = distill_plan(T, ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
-    entropy = torch.empty(T if with_entropy else 0, device=xs.device, dtype=torch.float32)
-    grads = Grads.allocate(xs, ws, bs, need_dx, need_dw, need_db, plan)
-    _run_chunks(xs, ws, bs, xt, wt, bt, target, opts, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
-                per_token_grad=False, grads=grads, entropy=entropy if with_entropy else None)
+    entropy = torch.empty(T if o.with_entropy else 0, device=xs.device, dtype=torch.float32)
+    grads = Grads.allocate(xs, ws, bs, o.need_dx, o.need_dw, o.need_db, plan)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
+                per_token_grad=False, grads=grads, entropy=entropy if o.with_entropy else None)
     dx, dw, db, dw_out = grads.as_tuple()
-    loss = loss_tok.sum() * grad_scale[0] if reduction == "mean" else loss_tok.sum()
+    loss = loss_tok.sum() * grad_scale[0] if o.reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
     return (loss, entropy, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
-            or_absent(dw_out if return_dw_out else None, ws))
+            or_absent(dw_out if o.return_dw_out else None, ws))
 
 
-distill_scalar = torch.library.custom_op("fusedkern::distill_scalar", _distill_scalar, mutates_args=(),
-                                         tags=CHECKING_OP_TAGS)
-
-
-@distill_scalar.register_fake
-def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
-      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, reduction, weight_grad_accum,
-      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, check_target, count, count_int, with_entropy):
+def _fake_distill_scalar(xs, ws, bs, xt, wt, bt, target, check_target, count, o: DistillScalarOptions):
     (T, H), V = xs.shape, ws.shape[0]
-    fp32_accumulator = distill_plan(T, ws, wt, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
+    fp32_accumulator = distill_plan(T, ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens).fp32_accumulator
     f32 = torch.float32
-    return (xs.new_empty((), dtype=f32), xs.new_empty((T if with_entropy else 0,), dtype=f32),
-            xs.new_empty((T, H)) if need_dx else absent(xs),
-            ws.new_empty((V, H), dtype=f32 if fp32_accumulator else ws.dtype) if need_dw else absent(ws),
-            ws.new_empty((V,), dtype=f32) if need_db else absent(ws, f32),
-            ws.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(ws))
+    return (xs.new_empty((), dtype=f32), xs.new_empty((T if o.with_entropy else 0,), dtype=f32),
+            xs.new_empty((T, H)) if o.need_dx else absent(xs),
+            ws.new_empty((V, H), dtype=f32 if fp32_accumulator else ws.dtype) if o.need_dw else absent(ws),
+            ws.new_empty((V,), dtype=f32) if o.need_db else absent(ws, f32),
+            ws.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(ws))
 
 
-def _setup_distill_scalar(ctx, inputs, output):
-    xs, ws, bs = inputs[:3]
-    need_dx, need_dw, need_db = inputs[19:22]
-    save_output_grads(ctx, xs, ws, bs, need_dx, need_dw, need_db, *output[2:])
-    ctx.mark_non_differentiable(*output[1:])
-
-
-@first_order_only
-def _backward_distill_scalar(ctx, grad_loss, *_):
-    return (*rescaled_grads(ctx, grad_loss, "linear_distillation_loss (mean/sum)"), *([None] * 24))
-
-
-register_op(distill_scalar, _distill_scalar, _setup_distill_scalar, _backward_distill_scalar)
+distill_scalar = define_op("fusedkern::distill_scalar", [*DISTILL_TENSORS, "check_target?", "count?"],
+                           DistillScalarOptions, 6, _distill_scalar, _fake_distill_scalar,
+                           *grads_formed_in_forward("linear_distillation_loss (mean/sum)"), tags=CHECKING_OP_TAGS)
 
 
 def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
-                       wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None, beta: float,
-                       temperature: float, ignore_index: int, weight_hard_loss: float, weight_soft_loss: float,
-                       student_logit_scale: float, student_softcap: float | None, teacher_logit_scale: float,
-                       teacher_softcap: float | None, weight_grad_accum: str, chunk_tokens: int | None,
-                       check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int,
-                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None,
+                       check_target: torch.Tensor | None, count: torch.Tensor | None, o: DistillPerTokenOptions
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token loss ℓ_t [T] fp32, the student's entropy [T] fp32 (with_entropy; else [0])), no gradient
     formed: chunks whose two buffers fit the 64 MiB loss-only budget each (or `chunk_tokens`). The backward
     recomputes both logits and accepts any ∂L/∂ℓ_t."""
-    checks = [] if target is None else start_checks(target, ws.shape[0], ignore_index, check_target, count, count_int)
+    checks = [] if target is None else start_checks(target, ws.shape[0], o.loss.ignore_index, check_target, count,
+                                                    o.count_int)
     T, V = xs.shape[0], ws.shape[0]
-    C = chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
+    C = o.chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
-    entropy = torch.empty(T if with_entropy else 0, device=xs.device, dtype=torch.float32)
-    _run_chunks(xs, ws, bs, xt, wt, bt, target,
-                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
-                               student_softcap, teacher_logit_scale, teacher_softcap), C,
-                loss_tok=loss_tok, grad=None, per_token_grad=False, entropy=entropy if with_entropy else None)
+    entropy = torch.empty(T if o.with_entropy else 0, device=xs.device, dtype=torch.float32)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, C, loss_tok=loss_tok, grad=None, per_token_grad=False,
+                entropy=entropy if o.with_entropy else None)
     finish_checks(checks)
     return loss_tok, entropy
 
 
-distill_per_token = torch.library.custom_op("fusedkern::distill_per_token", _distill_per_token, mutates_args=(),
-                                            tags=CHECKING_OP_TAGS)
-
-
-@distill_per_token.register_fake
-def _(xs, ws, bs, xt, wt, bt, target, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
-      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, weight_grad_accum, chunk_tokens,
-      check_target, count, count_int, with_entropy):
+def _fake_distill_per_token(xs, ws, bs, xt, wt, bt, target, check_target, count, o: DistillPerTokenOptions):
     T = xs.shape[0]
-    return xs.new_empty((T,), dtype=torch.float32), xs.new_empty((T if with_entropy else 0,), dtype=torch.float32)
+    return xs.new_empty((T,), dtype=torch.float32), xs.new_empty((T if o.with_entropy else 0,), dtype=torch.float32)
 
 
-def _setup_distill_per_token(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:7])
-    ctx.options = tuple(inputs[7:18])
+def _setup_distill_per_token(ctx, tensors, o: DistillPerTokenOptions, output):
+    ctx.save_for_backward(*tensors[:7])
+    ctx.options = o
     ctx.mark_non_differentiable(output[1])
 
 
-@first_order_only
 def _backward_distill_per_token(ctx, grad_loss_tok, _grad_entropy):
     xs, ws, bs, xt, wt, bt, target = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bs is not None
-    dx, dw, db = call_op(distill_per_token_backward, xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
-                         *ctx.options, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, *([None] * 19))
-
-
-register_op(distill_per_token, _distill_per_token, _setup_distill_per_token, _backward_distill_per_token)
+    o = ctx.options
+    dx, dw, db = distill_per_token_backward(
+        xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
+        DistillGradOptions(o.loss, o.weight_grad_accum, o.chunk_tokens, need_dx, need_dw, need_db))
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
 def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
                                 wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None,
-                                grad_tok: torch.Tensor, beta: float, temperature: float, ignore_index: int,
-                                weight_hard_loss: float, weight_soft_loss: float, student_logit_scale: float,
-                                student_softcap: float | None, teacher_logit_scale: float,
-                                teacher_softcap: float | None, weight_grad_accum: str,
-                                chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool
+                                grad_tok: torch.Tensor, o: DistillGradOptions
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t with both logits recomputed: (dx, dw, db) in the student's dtypes."""
-    plan = distill_plan(xs.shape[0], ws, wt, need_dw, weight_grad_accum, chunk_tokens)
-    grads = Grads.allocate(xs, ws, bs, need_dx, need_dw, need_db, plan)
+    plan = distill_plan(xs.shape[0], ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+    grads = Grads.allocate(xs, ws, bs, o.need_dx, o.need_dw, o.need_db, plan)
     loss_tok = torch.empty(xs.shape[0], device=xs.device, dtype=torch.float32)
-    _run_chunks(xs, ws, bs, xt, wt, bt, target,
-                DistillOptions(beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss, student_logit_scale,
-                               student_softcap, teacher_logit_scale, teacher_softcap), plan.chunk_tokens,
-                loss_tok=loss_tok, grad=grad_tok, per_token_grad=True, grads=grads)
+    _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_tok,
+                per_token_grad=True, grads=grads)
     dx, dw, db = grads.dx, grads.weight_grad(), grads.db
     return (or_absent(cast_or_none(dx, xs.dtype), xs), or_absent(cast_or_none(dw, ws.dtype), ws),
             absent(ws) if db is None else db.to(bs.dtype))
 
 
-distill_per_token_backward = torch.library.custom_op("fusedkern::distill_per_token_backward",
-                                                     _distill_per_token_backward, mutates_args=())
-register_op_without_grad(distill_per_token_backward, _distill_per_token_backward)
+def _fake_distill_per_token_backward(xs, ws, bs, xt, wt, bt, target, grad_tok, o: DistillGradOptions):
+    return (torch.empty_like(xs) if o.need_dx else absent(xs), torch.empty_like(ws) if o.need_dw else absent(ws),
+            torch.empty_like(bs) if o.need_db and bs is not None else absent(ws))
 
 
-@distill_per_token_backward.register_fake
-def _(xs, ws, bs, xt, wt, bt, target, grad_tok, beta, temperature, ignore_index, weight_hard_loss, weight_soft_loss,
-      student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, weight_grad_accum, chunk_tokens,
-      need_dx, need_dw, need_db):
-    return (torch.empty_like(xs) if need_dx else absent(xs), torch.empty_like(ws) if need_dw else absent(ws),
-            torch.empty_like(bs) if need_db and bs is not None else absent(ws))
+distill_per_token = define_op("fusedkern::distill_per_token", [*DISTILL_TENSORS, "check_target?", "count?"],
+                              DistillPerTokenOptions, 2, _distill_per_token, _fake_distill_per_token,
+                              _setup_distill_per_token, _backward_distill_per_token, tags=CHECKING_OP_TAGS)
+distill_per_token_backward = define_op("fusedkern::distill_per_token_backward", [*DISTILL_TENSORS, "grad_tok"],
+                                       DistillGradOptions, 3, _distill_per_token_backward,
+                                       _fake_distill_per_token_backward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,15 +396,16 @@ def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_gra
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and xs.requires_grad, grad and ws.requires_grad
     need_db = grad and bs is not None and bs.requires_grad
-    loss_options = (opts.beta, opts.temperature, opts.ignore_index, opts.weight_hard_loss, opts.weight_soft_loss,
-                    opts.student_logit_scale, opts.student_softcap, opts.teacher_logit_scale, opts.teacher_softcap)
+    check_target, count, count_int = checks
     if reduction != "none" and (need_dx or need_dw or need_db):
-        loss, entropy, *_ = call_op(distill_scalar, xs, ws, bs, xt, wt, bt, y, *loss_options, reduction,
-                                    weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                    not torch.compiler.is_compiling(), *checks, with_entropy)
+        loss, entropy, *_ = distill_scalar(
+            xs, ws, bs, xt, wt, bt, y, check_target, count,
+            DistillScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+                                 not torch.compiler.is_compiling(), count_int, with_entropy))
         return loss, entropy
-    loss_tok, entropy = call_op(distill_per_token, xs, ws, bs, xt, wt, bt, y, *loss_options, weight_grad_accum,
-                                chunk_tokens, *checks, with_entropy)
+    loss_tok, entropy = distill_per_token(
+        xs, ws, bs, xt, wt, bt, y, check_target, count,
+        DistillPerTokenOptions(opts, weight_grad_accum, chunk_tokens, count_int, with_entropy))
     if reduction == "none":
         return loss_tok, entropy
     if reduction == "sum":

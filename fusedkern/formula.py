@@ -5,7 +5,8 @@ sequence or per pair) needs four GEMMs when its upstream gradient reaches the he
 chunk holds every row that the formula couples (a token, a sequence, a chosen/rejected pair), ∂L/∂logp of the
 chunk's rows is exact as soon as the chunk's statistics are known: the engine's `FormulaRows` forms it there and
 writes the logits gradient in place, and the backward only rescales the saved gradients (one backward per call).
-Eager only: under torch.compile the losses take their generic path, `linear_logprobs` and autograd.
+Each loss runs its formula inside its own operator (`autograd.define_op`: SimPO, the preference family, GRPO), so
+that torch.compile traces the same three GEMMs as eager.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusedkern._validation import finish_checks, start_checks
-from fusedkern.autograd import first_order_only, rescaled_grads, save_precomputed_grads
+from fusedkern.autograd import differentiable
 from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.engine import Chunk, Formula, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
 
@@ -26,50 +26,28 @@ class FormulaSpec:
     """formula: ∂L/∂logp of a chunk's rows (`engine.Formula`). loss(logp [T], entropy [T] | None) → the 0-d loss
     from every row's log-probs. chunks: the engine's chunks (each holding whole coupled groups) over `plan`.
     logp_dtype: float64 where the formula's gradient is steep in a sum of log-probs. logp_fill: what rows not yet
-    computed hold when the formula reads them. what: the loss's name in errors."""
+    computed hold when the formula reads them."""
 
     formula: Formula
     loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
     chunks: Sequence[Chunk]
     plan: GradChunkPlan
-    what: str
     logp_dtype: torch.dtype = torch.float32
     with_entropy: bool = False
     logp_fill: float = 0.0
 
 
-class FormulaLoss(torch.autograd.Function):
-    """forward(x [T, H], w [V, H], b [V] | None, target [T], opts: `LossOptions`, spec: `FormulaSpec`) →
-    (loss 0-d fp32, logp [T] in spec.logp_dtype, entropy [T] fp32 or [0]); logp and entropy are not
-    differentiable (the formula's gradient already went into the head's)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, target, opts: LossOptions, spec: FormulaSpec):
-        # targets out of range raise after the kernels are queued, as in every operator (no sync before)
-        checks = start_checks(target, w.shape[0], opts.ignore_index, None, None, -1)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        logp, entropy, grads = formula_loss_and_grads(
-            x, w, b, target, opts, spec.formula, spec.chunks, spec.plan, need_dx=need_dx, need_dw=need_dw,
-            need_db=need_db and b is not None, logp_dtype=spec.logp_dtype, with_entropy=spec.with_entropy,
-            logp_fill=spec.logp_fill)
-        finish_checks(checks)
-        save_precomputed_grads(ctx, x, w, b, grads.dx, grads.dw, grads.db, grads.dw_out)
-        ctx.what = spec.what
-        loss = spec.loss(logp, entropy).float()
-        entropy = logp.new_empty(0, dtype=torch.float32) if entropy is None else entropy
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss, logp, entropy
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        return (*rescaled_grads(ctx, grad_loss, ctx.what), None, None, None)
-
-
-def formula_loss(x, w, b, target, opts: LossOptions, spec: FormulaSpec):
-    """`FormulaLoss` applied: (loss, logp [T], entropy [T] or None)."""
-    loss, logp, entropy = FormulaLoss.apply(x, w, b, target, opts, spec)
-    return loss, logp, entropy if spec.with_entropy else None
+def run_formula(x, w, b, target, opts: LossOptions, spec: FormulaSpec, *, need_dx: bool, need_dw: bool,
+                need_db: bool):
+    """The loss of `spec` over the engine with its gradients formed in the forward pass: (loss 0-d fp32, logp [T] in
+    spec.logp_dtype, entropy [T] fp32 or None, grads: `engine.Grads`). The body of a loss's operator (`simpo.py`,
+    `linear_preference.py`, `grpo.py`), which checks the targets and returns the gradients for its backward to
+    rescale (`autograd.grads_formed_in_forward`)."""
+    logp, entropy, grads = formula_loss_and_grads(
+        x, w, b, target, opts, spec.formula, spec.chunks, spec.plan, need_dx=need_dx, need_dw=need_dw,
+        need_db=need_db and b is not None, logp_dtype=spec.logp_dtype, with_entropy=spec.with_entropy,
+        logp_fill=spec.logp_fill)
+    return spec.loss(logp, entropy).float(), logp, entropy, grads
 
 
 def grouped_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_dw: bool, weight_grad_accum: str,
@@ -82,18 +60,18 @@ def grouped_plan(n_rows: int, seq: int, paired: bool, w: torch.Tensor, need_dw: 
     return min(grad_plan.chunk_tokens // (group_rows * seq), n_rows // group_rows), grad_plan
 
 
-def grouped_tail_spec(n_rows: int, seq: int, paired: bool, per_chunk: int, plan, tail, what: str) -> FormulaSpec:
+def grouped_tail_spec(n_rows: int, seq: int, paired: bool, per_chunk: int, plan, tail) -> FormulaSpec:
     """A loss given as tail(logp [R, S]) → 0-d, an O(R·S) function that couples rows only within a group (the
     preference family: a pair, or KTO's sequence), as a formula over the engine: a chunk of whole groups has its
     ∂L/∂log p exact by autograd of the tail with the chunk's rows filled in, whatever the other rows hold. Rows not
     yet computed hold a benign −1 (ORPO's log(1 − e^A) is −∞ at A = 0)."""
 
     def formula(chunk, logp):
-        with torch.enable_grad():
+        with differentiable():
             filled = logp.view(n_rows, seq).clone().requires_grad_()
             (g_all,) = torch.autograd.grad(tail(filled), filled)
         return chunk.take(g_all.reshape(-1))
 
     n_groups = n_rows // 2 if paired else n_rows
     return FormulaSpec(formula, lambda logp, _: tail(logp.view(n_rows, seq)),
-                       group_chunks(n_groups, per_chunk, seq, paired), plan, what, logp_fill=-1.0)
+                       group_chunks(n_groups, per_chunk, seq, paired), plan, logp_fill=-1.0)

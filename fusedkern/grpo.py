@@ -7,19 +7,31 @@ forward, then the recomputed logits, dX and dW in the backward), because that ba
 only after the forward has returned. But with token-level importance sampling ∂L/∂logp_t is a function of
 that token's own logp_t (its ratio exp(logp_t − old_t), the clip bounds, its advantage and reference
 log-prob) and of loss-type weights that depend on the mask alone, so the chunked strategy forms the
-gradient in the forward pass instead (a formula over the chunk engine, `formula.py`): three GEMMs, the default
-whenever it applies (eager, chunked, a gradient wanted, old/reference log-probs and advantages not requiring grad).
+gradient in the forward pass instead (a formula over the chunk engine, `formula.py`, inside the custom operator
+`fusedkern::grpo_chunked`): three GEMMs, eager and compiled alike, the default whenever it applies (chunked, a
+gradient wanted, old/reference log-probs and advantages not requiring grad).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from fusedkern import _validation as V_
 from fusedkern.engine import LossOptions, plan_for_grads, token_chunks
-from fusedkern.formula import FormulaSpec, formula_loss
+from fusedkern.formula import FormulaSpec, run_formula
 from fusedkern.sharded import full_weights
-from fusedkern.autograd import follows_autocast, is_traced
+from fusedkern._validation import finish_checks, start_checks
+from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
+    absent,
+    define_op,
+    differentiable,
+    follows_autocast,
+    grads_formed_in_forward,
+    or_absent,
+)
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
 
@@ -283,11 +295,11 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
 
 def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, *, impl,
                               weight_grad_accum, chunk_tokens) -> bool:
-    """Whether `linear_grpo_loss` takes the three-GEMM chunked path: a gradient is wanted, the strategy is
-    chunked, nothing traces the call (torch.compile takes the generic path, whose operators it knows) and no
-    gradient is asked of the per-token inputs (the chunked form treats them as constants)."""
+    """Whether `linear_grpo_loss` takes the three-GEMM chunked path (`grpo_chunked`, eager and compiled alike): a
+    gradient is wanted, the strategy is chunked and no gradient is asked of the per-token inputs (the chunked form
+    treats them as constants)."""
     params = [t for t in (input, linear_weight, linear_bias) if t is not None]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)) or is_traced(*params):
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
         return False
     if any(t is not None and t.requires_grad for t in (advantages, old_logps, ref_logps)):
         return False
@@ -295,14 +307,51 @@ def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old
     return forms_grads_in_forward(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
 
 
-def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,
-             temperature, compute_entropy, weight_grad_accum, chunk_tokens):
-    """`linear_grpo_loss` as a formula over the engine (`formula.FormulaLoss`): (loss, metrics) as the generic path
-    gives them."""
-    x2d = input.reshape(-1, input.shape[-1])
+@dataclass(frozen=True)
+class GRPOOptions:
+    """`grpo_chunked`'s options: the loss's hyperparameters and normalization (`grpo_loss_from_logps`; a Python
+    num_items_in_batch here, a tensor one travels as a tensor), the logits' options (softcap, 1/temperature), the
+    entropy, the chunk plan's inputs, which gradients to form and whether dW's own storage comes back
+    (`return_dw_out`: eager, where the backward writes dW into it)."""
+
+    loss_type: str
+    beta: float
+    epsilon: float
+    epsilon_high: float | None
+    max_completion_length: int | None
+    num_items_in_batch: float | None
+    ignore_index: int
+    softcap: float | None
+    logit_scale: float
+    with_entropy: bool
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+
+
+def _grpo_plan(x: torch.Tensor, w: torch.Tensor, o: GRPOOptions):
+    return plan_for_grads(x.shape[0] * x.shape[1], w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+
+
+def _grpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                  advantages: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                  num_items_tensor: torch.Tensor | None, o: GRPOOptions
+                  ) -> tuple[torch.Tensor, ...]:
+    """GRPO as a formula over the engine: each token's ∂L/∂logp from its own log-prob, formed in the forward pass
+    (three GEMMs). x [B, T, H] · w [V, H] · b [V] | None · target [B, T] · advantages [B] or [B, T] · old_logps,
+    ref_logps [B, T] or None · num_items_tensor: a tensor num_items_in_batch (None: the options' number, if any).
+    Returns (loss 0-d fp32, logp [B, T] fp32, entropy [B, T] fp32 or [0], dx [B·T, H], dw, db, dw_out as
+    `linear_cross_entropy.ce_chunked_scalar` returns them)."""
+    checks = start_checks(target, w.shape[0], o.ignore_index, None, None, -1)
+    x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()
+    mask = target != o.ignore_index
+    hp = dict(beta=o.beta, epsilon=o.epsilon, epsilon_high=o.epsilon_high)
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float().expand(target.shape)
     adv_flat, mask_flat = adv.reshape(-1), mask.reshape(-1)
     flat = [None if t is None else t.float().reshape(-1) for t in (old_logps, ref_logps)]
@@ -312,11 +361,13 @@ def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, no
         old_c, ref_c = (None if t is None else off_mask_as_policy(t[rows], logp_c, m) for t in flat)
         return grpo_per_token_loss(logp_c, advantages=adv_flat[rows], old_logps=old_c, ref_logps=ref_c, **hp)[0]
 
-    weights = grpo_token_weights(mask, **norm).reshape(-1)
+    count = num_items_tensor if num_items_tensor is not None else o.num_items_in_batch
+    weights = grpo_token_weights(mask, loss_type=o.loss_type, max_completion_length=o.max_completion_length,
+                                 num_items_in_batch=count).reshape(-1)
 
     def formula(chunk, logp):  # ∂L/∂logp_t of each token of the chunk: a function of its own log-prob
         rows = chunk.rows
-        with torch.enable_grad():
+        with differentiable():  # inside the operator's body: below autograd
             logp_c = logp[rows].detach().requires_grad_()
             loss_c = (per_token_loss(logp_c, rows) * weights[rows]).sum()
             return torch.autograd.grad(loss_c, logp_c)[0]
@@ -324,15 +375,54 @@ def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, no
     def loss(logp, _entropy):
         return (per_token_loss(logp, slice(None)) * weights).sum()
 
-    plan = plan_for_grads(x2d.shape[0], w, w.requires_grad, weight_grad_accum, chunk_tokens)
-    spec = FormulaSpec(formula, loss, token_chunks(x2d.shape[0], plan.chunk_tokens), plan, "linear_grpo_loss",
-                       with_entropy=compute_entropy)
-    opts = LossOptions(ignore_index, softcap=None if softcap is None else float(softcap),
-                       logit_scale=1.0 / float(temperature))
-    loss, logp, entropy = formula_loss(x2d, w, b, y, opts, spec)
-    logps = logp.view(target.shape)
+    plan = _grpo_plan(x, w, o)
+    spec = FormulaSpec(formula, loss, token_chunks(x2d.shape[0], plan.chunk_tokens), plan,
+                       with_entropy=o.with_entropy)
+    opts = LossOptions(o.ignore_index, softcap=o.softcap, logit_scale=o.logit_scale)
+    loss, logp, entropy, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=o.need_dx, need_dw=o.need_dw,
+                                             need_db=o.need_db)
+    finish_checks(checks)
+    dx, dw, db, dw_out = grads.as_tuple()
+    entropy = absent(x, torch.float32) if entropy is None else entropy.view(target.shape)
+    return (loss, logp.view(target.shape), entropy, or_absent(dx, x), or_absent(dw, w),
+            or_absent(db, w, torch.float32), or_absent(dw_out if o.return_dw_out else None, w))
+
+
+def _fake_grpo_chunked(x, w, b, target, advantages, old_logps, ref_logps, num_items_tensor, o: GRPOOptions):
+    B, T, H = x.shape
+    V = w.shape[0]
+    fp32_accumulator = _grpo_plan(x, w, o).fp32_accumulator
+    f32 = torch.float32
+    return (x.new_empty((), dtype=f32), x.new_empty((B, T), dtype=f32),
+            x.new_empty((B, T) if o.with_entropy else (0,), dtype=f32),
+            x.new_empty((B * T, H)) if o.need_dx else absent(x),
+            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
+            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+
+
+grpo_chunked = define_op(
+    "fusedkern::grpo_chunked",
+    ["x", "w", "b?", "target", "advantages", "old_logps?", "ref_logps?", "num_items_tensor?"],
+    GRPOOptions, 7, _grpo_chunked, _fake_grpo_chunked, *grads_formed_in_forward("linear_grpo_loss"),
+    tags=CHECKING_OP_TAGS)
+
+
+def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,
+             temperature, compute_entropy, weight_grad_accum, chunk_tokens):
+    """`linear_grpo_loss` through `grpo_chunked`: (loss, metrics) as the generic path gives them."""
+    grad = torch.is_grad_enabled()
+    n = norm["num_items_in_batch"]
+    o = GRPOOptions(norm["loss_type"], float(hp["beta"]), float(hp["epsilon"]),
+                    None if hp["epsilon_high"] is None else float(hp["epsilon_high"]), norm["max_completion_length"],
+                    None if n is None or isinstance(n, torch.Tensor) else float(n), ignore_index,
+                    None if softcap is None else float(softcap), 1.0 / float(temperature), compute_entropy,
+                    weight_grad_accum, chunk_tokens, grad and input.requires_grad, grad and w.requires_grad,
+                    grad and b is not None and b.requires_grad, return_dw_out=not torch.compiler.is_compiling())
+    loss, logps, entropy, *_ = grpo_chunked(input, w, b, target, advantages, old_logps, ref_logps,
+                                            n if isinstance(n, torch.Tensor) else None, o)
+    adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float().expand(target.shape)
     old, ref = (None if t is None else off_mask_as_policy(t, logps, mask) for t in (old_logps, ref_logps))
     _, ratio, per_token_kl = grpo_per_token_loss(logps, advantages=adv, old_logps=old, ref_logps=ref, **hp)
     return loss, grpo_metrics(ratio, mask, adv, epsilon=hp["epsilon"], epsilon_high=hp["epsilon_high"],
-                              per_token_kl=per_token_kl,
-                              entropy=None if entropy is None else entropy.view(target.shape))
+                              per_token_kl=per_token_kl, entropy=entropy if compute_entropy else None)

@@ -12,7 +12,7 @@ a call as one node per operator with no graph break (`fullgraph=True` works). Th
 in Python before the operator call (they read only shapes, dtypes and Python values); the target range
 and count checks, which read the device, run inside the operator bodies: started before the kernels
 are queued and read after them (`_validation.TargetRangeCheck`), so that no step waits for the GPU.
-Outside tracing (`call_op`) the same implementations and formulas run through a plain autograd.Function,
+Outside tracing (`autograd.Op`) the same implementations and formulas run through a plain autograd.Function,
 which costs less host time than the dispatcher, and the backward rescales the saved gradients in place.
 
 Size (> 400 lines): the public function, its module and the custom operators of both strategies; each
@@ -21,6 +21,7 @@ operator's fake implementation and autograd formula sit beside its body.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,15 +37,11 @@ from fusedkern._validation import (
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
     absent,
-    call_op,
     cast_or_none,
-    first_order_only,
+    define_op,
     follows_autocast,
+    grads_formed_in_forward,
     or_absent,
-    register_op,
-    register_op_without_grad,
-    rescaled_grads,
-    save_output_grads,
 )
 from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
@@ -67,16 +64,32 @@ def mean_denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ig
 
 
 # ----------------------------------------------------------------------------------------------
-# custom operators: the kernels behind `torch.library.custom_op`, each with a fake implementation
-# (shapes and dtypes only, for tracing) and an autograd formula (`fusedkern/autograd.py`).
+# custom operators: the kernels behind `autograd.define_op`, each with a fake implementation (shapes and dtypes
+# only, for tracing) and an autograd formula; their options travel in one frozen dataclass per operator
+
+
+@dataclass(frozen=True)
+class ChunkedScalarOptions:
+    """`ce_chunked_scalar`'s options: the loss, its reduction ("mean"/"sum"), the chunk plan's inputs, which
+    gradients to form, whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW
+    into it), the row-count path (`skip_ignored`, which forms no bias gradient: need_db False) and a host count to
+    check (`count_int`, -1: none)."""
+
+    loss: LossOptions
+    reduction: str
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+    skip_ignored: bool = False
+    count_int: int = -1
 
 
 def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                    class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-                    softcap: float | None, reduction: str, weight_grad_accum: str, chunk_tokens: int | None,
-                    need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool, skip_ignored: bool,
-                    check_target: torch.Tensor | None, count: torch.Tensor | None, count_int: int,
-                    rows: torch.Tensor | None = None
+                    class_weight: torch.Tensor | None, check_target: torch.Tensor | None,
+                    count: torch.Tensor | None, rows: torch.Tensor | None, o: ChunkedScalarOptions
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked strategy, reduction mean/sum: loss and gradients in one pass (three GEMMs).
 
@@ -90,232 +103,227 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
     lives in dx's storage (`compacted.counted_loss_and_grads`). rows without skip_ignored: the valid rows of
     a host count, target = target[rows]: only those rows are computed (`chunked.chunked_loss_and_grads`),
     dx keeps x's order (no lse)."""
-    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
-    opts = LossOptions(ignore_index, label_smoothing, z_loss, softcap)
-    if reduction == "mean":
-        denom = mean_denominator(target, class_weight, ignore_index)
+    opts = o.loss
+    assert not (o.skip_ignored and o.need_db), "the row-count path forms no bias gradient"
+    checks = start_checks(target, w.shape[0], opts.ignore_index, check_target, count, o.count_int)
+    if o.reduction == "mean":
+        denom = mean_denominator(target, class_weight, opts.ignore_index)
         grad_scale = (1.0 / denom).reshape(1)
     else:
         grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-    if skip_ignored:
+    if o.skip_ignored:
         from fusedkern.compacted import counted_loss_and_grads
 
         loss_tok, dx, dw, dw_out = counted_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=need_dx, need_dw=need_dw,
-            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
+            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=o.need_dx, need_dw=o.need_dw,
+            weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens, rows=rows)
         lse, db = absent(x, torch.float32), None
     else:
         loss_tok, stats, grads = chunked_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-            weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, rows=rows)
+            x, w, b, target, class_weight, opts, grad_scale, need_dx=o.need_dx, need_dw=o.need_dw,
+            need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens, rows=rows)
         dx, dw, db, dw_out = grads.as_tuple()
         lse = absent(x, torch.float32) if rows is not None else lse_of(stats)
-    loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
+    loss = loss_tok.sum() / denom if o.reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
     return (loss, lse, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
-            or_absent(dw_out if return_dw_out else None, w))
+            or_absent(dw_out if o.return_dw_out else None, w))
 
 
-ce_chunked_scalar = torch.library.custom_op("fusedkern::ce_chunked_scalar", _chunked_scalar, mutates_args=(),
-                                            tags=CHECKING_OP_TAGS)
-
-
-@ce_chunked_scalar.register_fake
-def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, weight_grad_accum,
-      chunk_tokens, need_dx, need_dw, need_db, return_dw_out, skip_ignored, check_target, count, count_int,
-      rows=None):
+def _fake_chunked_scalar(x, w, b, target, class_weight, check_target, count, rows, o: ChunkedScalarOptions):
     (T, H), V = x.shape, w.shape[0]
-    planned_rows = T if rows is None or skip_ignored else rows.shape[0]
-    fp32_accumulator = plan_for_grads(planned_rows, w, need_dw, weight_grad_accum, chunk_tokens).fp32_accumulator
+    planned_rows = T if rows is None or o.skip_ignored else rows.shape[0]
+    fp32_accumulator = plan_for_grads(planned_rows, w, o.need_dw, o.weight_grad_accum,
+                                      o.chunk_tokens).fp32_accumulator
     f32 = torch.float32
-    return (x.new_empty((), dtype=f32), x.new_empty((0,) if skip_ignored or rows is not None else (T,), dtype=f32),
-            x.new_empty((T, H)) if need_dx else absent(x),
-            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if need_db and not skip_ignored else absent(w, f32),
-            w.new_empty((V, H)) if need_dw and fp32_accumulator and return_dw_out else absent(w))
+    return (x.new_empty((), dtype=f32),
+            x.new_empty((0,) if o.skip_ignored or rows is not None else (T,), dtype=f32),
+            x.new_empty((T, H)) if o.need_dx else absent(x),
+            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if o.need_db and not o.skip_ignored else absent(w, f32),
+            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
 
 
-def _setup_chunked_scalar(ctx, inputs, output):
-    x, w, b = inputs[:3]
-    need_dx, need_dw, need_db, _, skip_ignored = inputs[12:17]
-    save_output_grads(ctx, x, w, b, need_dx, need_dw, need_db and not skip_ignored, *output[2:])
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.what = f"linear_cross_entropy (chunked, {'counted rows' if skip_ignored else 'mean/sum'})"
+ce_chunked_scalar = define_op(
+    "fusedkern::ce_chunked_scalar", ["x", "w", "b?", "target", "class_weight?", "check_target?", "count?", "rows?"],
+    ChunkedScalarOptions, 6, _chunked_scalar, _fake_chunked_scalar,
+    *grads_formed_in_forward(lambda o: f"linear_cross_entropy (chunked, "
+                                       f"{'counted rows' if o.skip_ignored else 'mean/sum'})"),
+    tags=CHECKING_OP_TAGS)
 
 
-@first_order_only
-def _backward_chunked_scalar(ctx, grad_loss, *_):
-    # one None per further input as passed (`rows` may be left out)
-    return (*rescaled_grads(ctx, grad_loss, ctx.what), *([None] * (len(ctx.needs_input_grad) - 3)))
+@dataclass(frozen=True)
+class PerTokenOptions:
+    """`ce_per_token`'s options: the loss, the strategy of `dispatch.choose` ("chunked", "fused", or "gluon", whose
+    backward recomputes as "chunked"), the backward's chunks (`weight_grad_accum`, `chunk_tokens`), the statistics
+    pass's whole-row chunks (`forward_chunk_tokens`; None: its 64 MiB tiles; the Gluon pass: at most that many
+    tokens a launch) and a host count to check (`count_int`, -1: none)."""
+
+    loss: LossOptions
+    impl: str
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    forward_chunk_tokens: int | None
+    count_int: int = -1
+
+    def gradients(self, need_dx: bool, need_dw: bool, need_db: bool) -> PerTokenGradOptions:
+        return PerTokenGradOptions(self.loss, self.impl, self.weight_grad_accum, self.chunk_tokens, need_dx, need_dw,
+                                   need_db)
 
 
-register_op(ce_chunked_scalar, _chunked_scalar, _setup_chunked_scalar, _backward_chunked_scalar)
+@dataclass(frozen=True)
+class LogprobsOptions(PerTokenOptions):
+    """`logprobs_entropy`'s options: `PerTokenOptions` (the loss with ε = z-loss = 0 and the temperature as its
+    logit scale) and whether the entropy is formed."""
+
+    with_entropy: bool = False
+
+
+@dataclass(frozen=True)
+class PerTokenGradOptions:
+    """The per-token backward operators' options: the loss, the strategy whose gradients recompute the logits, its
+    chunks, and which gradients to form."""
+
+    loss: LossOptions
+    impl: str
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
 
 
 def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-               class_weight: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-               softcap: float | None, impl: str, weight_grad_accum: str, chunk_tokens: int | None,
-               forward_chunk_tokens: int | None, check_target: torch.Tensor | None, count: torch.Tensor | None,
-               count_int: int) -> tuple[torch.Tensor, torch.Tensor]:
+               class_weight: torch.Tensor | None, check_target: torch.Tensor | None, count: torch.Tensor | None,
+               o: PerTokenOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
     recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
-    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call. impl: the strategy of
-    `dispatch.choose` ("chunked", "fused", or "gluon", whose backward recomputes as "chunked").
-    forward_chunk_tokens: whole-row chunks of the statistics pass (None: its 64 MiB tiles; the Gluon pass: at most
-    that many tokens a launch); chunk_tokens: the backward's chunks."""
-    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
-    loss_tok, stats = strategy(impl).statistics(x, w, b, target, class_weight,
-                                                LossOptions(ignore_index, label_smoothing, z_loss, softcap),
-                                                forward_chunk_tokens)
+    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call."""
+    checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
+    loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, class_weight, o.loss, o.forward_chunk_tokens)
     finish_checks(checks)
     return loss_tok, stats
 
 
-ce_per_token = torch.library.custom_op("fusedkern::ce_per_token", _per_token, mutates_args=(), tags=CHECKING_OP_TAGS)
-
-
-@ce_per_token.register_fake
-def _(x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, impl, weight_grad_accum,
-      chunk_tokens, forward_chunk_tokens, check_target, count, count_int):
+def _fake_per_token(x, w, b, target, class_weight, check_target, count, o: PerTokenOptions):
     T = x.shape[0]
     return x.new_empty((T,), dtype=torch.float32), x.new_empty((2, T), dtype=torch.float32)
 
 
-def _setup_per_token(ctx, inputs, output):
-    x, w, b, target, class_weight, ignore_index, label_smoothing, z_loss, softcap, impl, accum, chunk_tokens = inputs[:12]
+def _setup_per_token(ctx, tensors, o: PerTokenOptions, output):
+    x, w, b, target, class_weight = tensors[:5]
     ctx.save_for_backward(x, w, b, target, class_weight, output[1])
-    ctx.options = (ignore_index, label_smoothing, z_loss, softcap, impl, accum, chunk_tokens)
+    ctx.options = o
     ctx.mark_non_differentiable(output[1])
 
 
-@first_order_only
 def _backward_per_token(ctx, grad_loss_tok, _grad_stats):
     x, w, b, target, class_weight, stats = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = call_op(ce_per_token_backward, x, w, b, target, class_weight, stats,
-                         grad_loss_tok.float().contiguous(), *ctx.options, need_dx, need_dw, need_db and b is not None)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db and b is not None else None,
-            *([None] * 13))
-
-
-register_op(ce_per_token, _per_token, _setup_per_token, _backward_per_token)
+    need_db = need_db and b is not None
+    dx, dw, db = ce_per_token_backward(x, w, b, target, class_weight, stats, grad_loss_tok.float().contiguous(),
+                                       ctx.options.gradients(need_dx, need_dw, need_db))
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
 def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                         class_weight: torch.Tensor | None, stats: torch.Tensor, grad_tok: torch.Tensor,
-                        ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
-                        impl: str, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool, need_dw: bool,
-                        need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        o: PerTokenGradOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t (grad_tok [T] fp32), recomputing the logits from the saved
     statistics: (dx [T, H], dw [V, H], db [V]) in the dtypes of x, w, b; empty where not needed."""
-    dx, dw, db = strategy(impl).gradients(
-        x, w, b, target, class_weight, LossOptions(ignore_index, label_smoothing, z_loss, softcap), stats, grad_tok,
-        need_dx=need_dx, need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
-        chunk_tokens=chunk_tokens)
+    dx, dw, db = strategy(o.impl).gradients(
+        x, w, b, target, class_weight, o.loss, stats, grad_tok, need_dx=o.need_dx, need_dw=o.need_dw,
+        need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens)
     return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
             absent(w) if db is None else db.to(b.dtype))
 
 
-ce_per_token_backward = torch.library.custom_op("fusedkern::ce_per_token_backward", _per_token_backward,
-                                              mutates_args=())
-register_op_without_grad(ce_per_token_backward, _per_token_backward)
+def _fake_grads(x, w, b, o) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db) as a backward operator returns them: in x's, w's and b's shapes and dtypes, [0] where not
+    wanted."""
+    return (torch.empty_like(x) if o.need_dx else absent(x), torch.empty_like(w) if o.need_dw else absent(w),
+            torch.empty_like(b) if o.need_db and b is not None else absent(w))
 
 
-@ce_per_token_backward.register_fake
-def _(x, w, b, target, class_weight, stats, grad_tok, ignore_index, label_smoothing, z_loss, softcap, impl,
-      weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else absent(x), torch.empty_like(w) if need_dw else absent(w),
-            torch.empty_like(b) if need_db and b is not None else absent(w))
+ce_per_token = define_op("fusedkern::ce_per_token", ["x", "w", "b?", "target", "class_weight?", "check_target?",
+                                                     "count?"],
+                         PerTokenOptions, 2, _per_token, _fake_per_token, _setup_per_token, _backward_per_token,
+                         tags=CHECKING_OP_TAGS)
+ce_per_token_backward = define_op(
+    "fusedkern::ce_per_token_backward", ["x", "w", "b?", "target", "class_weight?", "stats", "grad_tok"],
+    PerTokenGradOptions, 3, _per_token_backward,
+    lambda x, w, b, target, class_weight, stats, grad_tok, o: _fake_grads(x, w, b, o))
 
 
 def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                      ignore_index: int, softcap: float | None, logit_scale: float, with_entropy: bool,
-                      weight_grad_accum: str, chunk_tokens: int | None, forward_chunk_tokens: int | None,
-                      check_target: torch.Tensor | None, count: torch.Tensor | None,
-                      count_int: int, impl: str = "chunked") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_per_token` for `linear_logprobs` at a temperature (chunked, no class weights, ε = z-loss = 0):
-    s = softcap(z)·logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy
-    H_t of softmax(s) [T] fp32 (0 where ignored; else [0]) from one more row statistic of the same pass.
-    impl: the statistics pass's strategy (`dispatch.choose`: "chunked" or "gluon"); the backward always recomputes
-    the logits with the chunked GEMMs. The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
-    checks = start_checks(target, w.shape[0], ignore_index, check_target, count, count_int)
-    entropy = torch.empty(x.shape[0] if with_entropy else 0, device=x.device, dtype=torch.float32)
-    loss_tok, stats = strategy(impl).statistics(x, w, b, target, None,
-                                                LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale),
-                                                forward_chunk_tokens, entropy=entropy if with_entropy else None)
+                      check_target: torch.Tensor | None, count: torch.Tensor | None, o: LogprobsOptions
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_per_token` for `linear_logprobs` at a temperature (no class weights, ε = z-loss = 0): s = softcap(z)·
+    logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy H_t of softmax(s) [T]
+    fp32 (0 where ignored; else [0]) from one more row statistic of the same pass. impl: the statistics pass's
+    strategy (`dispatch.choose`: "chunked" or "gluon"); the backward always recomputes the logits with the chunked
+    GEMMs. The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
+    checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
+    entropy = torch.empty(x.shape[0] if o.with_entropy else 0, device=x.device, dtype=torch.float32)
+    loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, None, o.loss, o.forward_chunk_tokens,
+                                                  entropy=entropy if o.with_entropy else None)
     finish_checks(checks)
     return loss_tok, stats, entropy
 
 
-logprobs_entropy = torch.library.custom_op("fusedkern::logprobs_entropy", _logprobs_entropy, mutates_args=(),
-                                           tags=CHECKING_OP_TAGS)
-
-
-@logprobs_entropy.register_fake
-def _(x, w, b, target, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
-      forward_chunk_tokens, check_target, count, count_int, impl="chunked"):
+def _fake_logprobs_entropy(x, w, b, target, check_target, count, o: LogprobsOptions):
     T = x.shape[0]
     f32 = torch.float32
     return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
-            x.new_empty((T if with_entropy else 0,), dtype=f32))
+            x.new_empty((T if o.with_entropy else 0,), dtype=f32))
 
 
-def _setup_logprobs_entropy(ctx, inputs, output):
-    x, w, b, target, ignore_index, softcap, logit_scale, _, accum, chunk_tokens = inputs[:10]
+def _setup_logprobs_entropy(ctx, tensors, o: LogprobsOptions, output):
+    x, w, b, target = tensors[:4]
     ctx.save_for_backward(x, w, b, target, output[1], output[2])
-    ctx.options = (ignore_index, softcap, logit_scale, accum, chunk_tokens)
+    ctx.options = o
     ctx.mark_non_differentiable(output[1])
 
 
-@first_order_only
 def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
     x, w, b, target, stats, entropy = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and b is not None
     if grad_loss_tok is None and grad_entropy is None:
-        return (None,) * len(ctx.needs_input_grad)
+        return ()
     # an output nothing flowed into has no gradient (set_materialize_grads(False)): the log-probs' weight is 0,
     # an entropy used only as a metric passes [0] and the row kernel compiles its term out
     grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
     with_entropy = grad_entropy is not None and entropy.numel() > 0
     grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
-    dx, dw, db = call_op(logprobs_entropy_backward, x, w, b, target, stats, entropy if with_entropy else grad_h,
-                         grad_tok, grad_h, *ctx.options, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-            *([None] * (len(ctx.needs_input_grad) - 3)))
-
-
-register_op(logprobs_entropy, _logprobs_entropy, _setup_logprobs_entropy, _backward_logprobs_entropy)
+    dx, dw, db = logprobs_entropy_backward(x, w, b, target, stats, entropy if with_entropy else grad_h, grad_tok,
+                                           grad_h, ctx.options.gradients(need_dx, need_dw, need_db))
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
 def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                                stats: torch.Tensor, entropy: torch.Tensor, grad_tok: torch.Tensor,
-                               grad_entropy: torch.Tensor, ignore_index: int, softcap: float | None,
-                               logit_scale: float, weight_grad_accum: str, chunk_tokens: int | None, need_dx: bool,
-                               need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               grad_entropy: torch.Tensor, o: PerTokenGradOptions
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t + grad_entropy[t]·H_t, recomputing the logits chunk by chunk: one
     in-place gradient per chunk carries both terms, so the entropy costs no GEMM. entropy and grad_entropy
     [0]: no entropy term. Shapes as `_per_token_backward`."""
     with_entropy = grad_entropy.numel() > 0
-    opts = LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale)
-    dx, dw, db = chunked_grads(x, w, b, target, None, opts, stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
-                               need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+    dx, dw, db = chunked_grads(x, w, b, target, None, o.loss, stats, grad_tok, need_dx=o.need_dx, need_dw=o.need_dw,
+                               need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens,
                                entropy=entropy if with_entropy else None,
                                grad_entropy=grad_entropy if with_entropy else None)
     return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
             absent(w) if db is None else db.to(b.dtype))
 
 
-logprobs_entropy_backward = torch.library.custom_op("fusedkern::logprobs_entropy_backward",
-                                                    _logprobs_entropy_backward, mutates_args=())
-register_op_without_grad(logprobs_entropy_backward, _logprobs_entropy_backward)
-
-
-@logprobs_entropy_backward.register_fake
-def _(x, w, b, target, stats, entropy, grad_tok, grad_entropy, ignore_index, softcap, logit_scale, weight_grad_accum,
-      chunk_tokens, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else absent(x), torch.empty_like(w) if need_dw else absent(w),
-            torch.empty_like(b) if need_db and b is not None else absent(w))
+logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "target", "check_target?", "count?"],
+                             LogprobsOptions, 3, _logprobs_entropy, _fake_logprobs_entropy, _setup_logprobs_entropy,
+                             _backward_logprobs_entropy, tags=CHECKING_OP_TAGS)
+logprobs_entropy_backward = define_op(
+    "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],
+    PerTokenGradOptions, 3, _logprobs_entropy_backward,
+    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: _fake_grads(x, w, b, o))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,11 +343,12 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     # these operators take no logit scale (a temperature reaches the kernels through `logprobs_entropy`), so the
     # Gluon pass, which would accept one, must not be handed one here either
     assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
-    loss_options = (opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.softcap)
+    check_target, count, count_int = checks
     if wants_grad and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum, chunk_tokens):
-        loss, lse, *_ = call_op(ce_chunked_scalar, x2d, w, b, y, class_weight, *loss_options, reduction,
-                                weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                not torch.compiler.is_compiling(), False, *checks, rows)
+        loss, lse, *_ = ce_chunked_scalar(
+            x2d, w, b, y, class_weight, check_target, count, rows,
+            ChunkedScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+                                 return_dw_out=not torch.compiler.is_compiling(), count_int=count_int))
         return loss, lse
     if rows is not None:
         x2d = x2d.index_select(0, rows)
@@ -347,8 +356,8 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     # the same strategy and chunks, so both give the same statistics
     impl = choose(impl, Call(x2d, w, b, class_weight, opts), weight_grad_accum=weight_grad_accum,
                   chunk_tokens=chunk_tokens, statistics_only=True).name
-    loss_tok, stats = call_op(ce_per_token, x2d, w, b, y, class_weight, *loss_options, impl, weight_grad_accum,
-                              chunk_tokens, chunk_tokens, *checks)
+    loss_tok, stats = ce_per_token(x2d, w, b, y, class_weight, check_target, count,
+                                   PerTokenOptions(opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, count_int))
     lse = lse_of(stats)
     if reduction == "none":
         return loss_tok, lse
@@ -402,10 +411,10 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
             return dense(count)
         rows = valid_rows_first(y, opts.ignore_index)
         # x goes in unsorted with `rows`: the operator sorts it into dX's own storage (no T×H copy beside dX)
-        loss, *_ = call_op(
-            ce_chunked_scalar, x2d, w, b, y.index_select(0, rows), class_weight, opts.ignore_index,
-            opts.label_smoothing, opts.z_loss, opts.softcap, reduction, weight_grad_accum, chunk_tokens, need_dx,
-            need_dw, False, not torch.compiler.is_compiling(), True, None, num_valid_tokens, -1, rows)
+        loss, *_ = ce_chunked_scalar(
+            x2d, w, b, y.index_select(0, rows), class_weight, None, num_valid_tokens, rows,
+            ChunkedScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, False,
+                                 return_dw_out=not torch.compiler.is_compiling(), skip_ignored=True))
         return loss, None
     if not 0 < num_valid_tokens < y.shape[0]:
         return dense(count_int=count_int)

@@ -9,26 +9,124 @@ Built as the math factors: per-token target log-probs of every response token (t
   (`formula.grouped_tail_spec`). Every loss here allows it: a response's upstream gradient is a closed form of its
   own pair's (Σ log p, token count) and of constants (reference log-probs, the detached KTO KL, the NLL's N_w
   from the targets), so it is exact once the chunk holding the pair has its statistics.
-- four GEMMs otherwise (impl="fused", a response longer than half a chunk, reference log-probs that require
-  grad, or under torch.compile): `linear_logprobs` (the forward's logits GEMM keeps only the log-sum-exp and
+- four GEMMs otherwise (impl="fused", a response longer than half a chunk, or reference log-probs that
+  require grad): `linear_logprobs` (the forward's logits GEMM keeps only the log-sum-exp and
   the target logit), then autograd through the tail hands its backward one upstream gradient per token, and
   the backward recomputes the logits for dX and dW.
+The three-GEMM path runs inside the custom operator `fusedkern::preference_chunked` (its options: the loss's
+hyperparameters; its tensors: the reference log-probs, KTO's labels and KL), so torch.compile traces the same GEMMs.
 `linear_simpo_loss` keeps its own three-GEMM SimPO formula (float64 log-probs, and a 3.5-GEMM prepass mode for
 chunks holding one response, which this module does not have); loss_type="simpo" gives the same result.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fusedkern import _validation as V_
 from fusedkern.sharded import full_weights
+from fusedkern._validation import finish_checks, start_checks
 from fusedkern.engine import LossOptions
-from fusedkern.formula import formula_loss, grouped_plan, grouped_tail_spec
-from fusedkern.autograd import follows_autocast, is_traced
+from fusedkern.formula import grouped_plan, grouped_tail_spec, run_formula
+from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
+    absent,
+    define_op,
+    follows_autocast,
+    grads_formed_in_forward,
+    or_absent,
+)
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
+
+
+@dataclass(frozen=True)
+class PreferenceOptions:
+    """`preference_chunked`'s options: the loss's hyperparameters (`preference.preference_loss_from_logps`; alpha
+    resolved by `check_preference_args`), the logits' options, the chunk plan's inputs, which gradients to form and
+    whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW into it)."""
+
+    loss_type: str
+    beta: float
+    reference_free: bool
+    desirable_weight: float
+    undesirable_weight: float
+    label_smoothing: float
+    gamma: float
+    alpha: float
+    ignore_index: int
+    softcap: float | None
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+
+    @property
+    def paired(self) -> bool:
+        """A chosen/rejected pair couples two rows (a chunk holds whole pairs); KTO's loss couples one sequence."""
+        return self.loss_type != "kto"
+
+    def loss_kwargs(self, ref_chosen_logps, ref_rejected_logps, ref_logps, kto_labels, kl) -> dict:
+        return dict(loss_type=self.loss_type, beta=self.beta, ref_chosen_logps=ref_chosen_logps,
+                    ref_rejected_logps=ref_rejected_logps, reference_free=self.reference_free, ref_logps=ref_logps,
+                    kto_labels=kto_labels, kl=kl, desirable_weight=self.desirable_weight,
+                    undesirable_weight=self.undesirable_weight, label_smoothing=self.label_smoothing,
+                    gamma=self.gamma, alpha=self.alpha)
+
+
+def _grouped_plan(x: torch.Tensor, w: torch.Tensor, o: PreferenceOptions):
+    n_rows, seq, _ = x.shape
+    return grouped_plan(n_rows, seq, o.paired, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+
+
+def _preference_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                        ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
+                        ref_logps: torch.Tensor | None, kto_labels: torch.Tensor | None, kl: torch.Tensor | None,
+                        o: PreferenceOptions
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The preference loss as a formula over the engine (`formula.grouped_tail_spec`): chunks of whole pairs (KTO:
+    sequences), the gradient formed in the forward pass. x [R, S, H] · w [V, H] · b [V] | None · target [R, S] and
+    the loss's per-sequence tensors (None where its loss type takes none). Returns (loss 0-d fp32, logp [R, S]
+    fp32, dx [R·S, H], dw, db, dw_out as `linear_cross_entropy.ce_chunked_scalar` returns them)."""
+    checks = start_checks(target, w.shape[0], o.ignore_index, None, None, -1)
+    n_rows, seq, hidden = x.shape
+    mask = target != o.ignore_index
+    kw = o.loss_kwargs(ref_chosen_logps, ref_rejected_logps, ref_logps, kto_labels, kl)
+    per_chunk, grad_plan = _grouped_plan(x, w, o)
+    spec = grouped_tail_spec(n_rows, seq, o.paired, per_chunk, grad_plan,
+                             lambda lp: preference_loss_from_logps(lp, mask, **kw)[0])
+    loss, logp, _, grads = run_formula(x.reshape(-1, hidden), w, b, target.reshape(-1).contiguous(),
+                                       LossOptions(ignore_index=o.ignore_index, softcap=o.softcap), spec,
+                                       need_dx=o.need_dx, need_dw=o.need_dw, need_db=o.need_db)
+    finish_checks(checks)
+    dx, dw, db, dw_out = grads.as_tuple()
+    return (loss, logp.view(n_rows, seq), or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
+            or_absent(dw_out if o.return_dw_out else None, w))
+
+
+def _fake_preference_chunked(x, w, b, target, ref_chosen_logps, ref_rejected_logps, ref_logps, kto_labels, kl,
+                             o: PreferenceOptions):
+    n_rows, seq, hidden = x.shape
+    V = w.shape[0]
+    fp32_accumulator = _grouped_plan(x, w, o)[1].fp32_accumulator
+    f32 = torch.float32
+    return (x.new_empty((), dtype=f32), x.new_empty((n_rows, seq), dtype=f32),
+            x.new_empty((n_rows * seq, hidden)) if o.need_dx else absent(x),
+            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
+            w.new_empty((V, hidden)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+
+
+preference_chunked = define_op(
+    "fusedkern::preference_chunked",
+    ["x", "w", "b?", "target", "ref_chosen_logps?", "ref_rejected_logps?", "ref_logps?", "kto_labels?", "kl?"],
+    PreferenceOptions, 6, _preference_chunked, _fake_preference_chunked,
+    *grads_formed_in_forward("linear_preference_loss (chunked)"), tags=CHECKING_OP_TAGS)
 
 
 @follows_autocast
@@ -59,11 +157,11 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     V_.check_tensor("input", input, ndim=3, dtypes=V_.FLOAT_DTYPES,
                     allow_empty=isinstance(input, torch.Tensor) and input.shape[-1:] != (0,))
     # the preference arguments fail before any GEMM runs
-    check_preference_args(input.shape[0], input.device, loss_type=loss_type, beta=beta, gamma=gamma, alpha=alpha,
-                          label_smoothing=label_smoothing, reference_free=reference_free,
-                          ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
-                          ref_logps=ref_logps, kto_labels=kto_labels, kl=kl, desirable_weight=desirable_weight,
-                          undesirable_weight=undesirable_weight)
+    resolved_alpha = check_preference_args(
+        input.shape[0], input.device, loss_type=loss_type, beta=beta, gamma=gamma, alpha=alpha,
+        label_smoothing=label_smoothing, reference_free=reference_free, ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps, ref_logps=ref_logps, kto_labels=kto_labels, kl=kl,
+        desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     V_.validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     grad = torch.is_grad_enabled()
@@ -75,23 +173,20 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
               label_smoothing=label_smoothing, gamma=gamma, alpha=alpha)
     mask = target != ignore_index
     refs_frozen = not any(t is not None and t.requires_grad for t in (ref_chosen_logps, ref_rejected_logps, ref_logps))
-    # three GEMMs (gradient formed in the forward pass) where a chunk holds a whole pair (KTO: a sequence);
-    # torch.compile traces the generic path, whose operators it knows
-    if any(need) and refs_frozen and input.numel() and not is_traced(input, linear_weight) and \
+    # three GEMMs (gradient formed in the forward pass, eager and compiled alike) where a chunk holds a whole pair
+    # (KTO: a sequence)
+    if any(need) and refs_frozen and input.numel() and \
             forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
                                    chunk_tokens):
-        paired = loss_type != "kto"
-        n_rows, seq, hidden = input.shape
-        per_chunk, grad_plan = grouped_plan(n_rows, seq, paired, linear_weight, need[1], weight_grad_accum,
-                                             chunk_tokens)
-        if per_chunk > 0:
-            opts = LossOptions(ignore_index=ignore_index, softcap=None if softcap is None else float(softcap))
-            spec = grouped_tail_spec(n_rows, seq, paired, per_chunk, grad_plan,
-                                     lambda lp: preference_loss_from_logps(lp, mask, **kw)[0],
-                                     "linear_preference_loss (chunked)")
-            loss, logps, _ = formula_loss(input.reshape(-1, hidden), linear_weight, linear_bias,
-                                          target.reshape(-1).contiguous(), opts, spec)
-            return loss, preference_loss_from_logps(logps.view(n_rows, seq), mask, **kw)[1]
+        o = PreferenceOptions(
+            loss_type, float(beta), reference_free, float(desirable_weight), float(undesirable_weight),
+            float(label_smoothing), float(gamma), resolved_alpha, ignore_index,
+            None if softcap is None else float(softcap), weight_grad_accum, chunk_tokens, *need,
+            return_dw_out=not torch.compiler.is_compiling())
+        if _grouped_plan(input, linear_weight, o)[0] > 0:
+            loss, logps, *_ = preference_chunked(input, linear_weight, linear_bias, target, ref_chosen_logps,
+                                                 ref_rejected_logps, ref_logps, kto_labels, kl, o)
+            return loss, preference_loss_from_logps(logps, mask, **kw)[1]
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                                softcap=softcap, impl=impl, chunk_tokens=chunk_tokens,
                                weight_grad_accum=weight_grad_accum)  # [R, S] float32, 0 where ignored

@@ -22,10 +22,10 @@ from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.sharded import full_weights
 from fusedkern._validation import validate_call
-from fusedkern.autograd import call_op, follows_autocast
+from fusedkern.autograd import follows_autocast
 from fusedkern.dispatch import Call, choose
 from fusedkern.engine import valid_rows_first
-from fusedkern.linear_cross_entropy import logprobs_entropy, loss_over_tokens
+from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, loss_over_tokens
 
 
 @follows_autocast
@@ -108,18 +108,20 @@ def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, we
     gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back among zeros; a device count
     is checked and the rows computed densely. The statistics pass runs in the caller's chunks when given, with or
     without a gradient to follow, so that both give the same log-probs."""
-    common = (ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens, chunk_tokens)
+    def options(count_int=-1):
+        return LogprobsOptions(LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale), impl,
+                               weight_grad_accum, chunk_tokens, chunk_tokens, count_int, with_entropy)
+
     if isinstance(num_valid_tokens, torch.Tensor):
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, num_valid_tokens, -1, impl)
+        nll, _, entropy = logprobs_entropy(x2d, w, b, y, None, num_valid_tokens, options())
         return -nll, entropy
     count_int = -1 if num_valid_tokens is None else num_valid_tokens
     if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
-        nll, _, entropy = call_op(logprobs_entropy, x2d, w, b, y, *common, None, None, count_int, impl)
+        nll, _, entropy = logprobs_entropy(x2d, w, b, y, None, None, options(count_int))
         return -nll, entropy
     rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
     x_valid = x2d.index_select(0, rows)
-    nll, _, entropy = call_op(logprobs_entropy, x_valid, w, b, y.index_select(0, rows), *common, y, None, count_int,
-                              impl)
+    nll, _, entropy = logprobs_entropy(x_valid, w, b, y.index_select(0, rows), y, None, options(count_int))
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy
 
@@ -152,9 +154,9 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
     # (the same weights, one under no_grad) get equal log-probs
     impl = choose("auto", call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True,
                   fused_fallback=False).name
-    nll, stats, entropy = call_op(logprobs_entropy, x2d, linear_weight, linear_bias, y, ignore_index, softcap,
-                                  logit_scale, return_entropy, weight_grad_accum, chunk_tokens, chunk_tokens, None,
-                                  None, -1, impl)
+    nll, stats, entropy = logprobs_entropy(
+        x2d, linear_weight, linear_bias, y, None, None,
+        LogprobsOptions(call.opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, with_entropy=return_entropy))
     lead = input.shape[:-1]
     stats = stats.detach()
     return (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),

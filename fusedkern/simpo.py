@@ -6,8 +6,9 @@ log-probabilities of the [2B, S] batch; everything after that is an O(B·S) func
 chosen token g = −β·σ(−z_i)/(B·n_w,i) − α/N_w, rejected token g = +β·σ(−z_i)/(B·n_l,i) (ε = 0).
 That generic path costs four GEMMs (logits recomputed in backward). With the chunked strategy and
 responses that fit a chunk, the chunk engine forms the same gradient in the forward pass (`simpo_spec`)
-(three GEMMs when a chunk holds a whole pair, 3.5 otherwise: `plan_for`), inside the custom operator
-`fusedkern::simpo_chunked` (traceable by torch.compile, like the cross-entropy operators).
+(three GEMMs when a chunk holds a whole pair, 3.5 otherwise: `plan_for`; with a softcap, the grouped tail of
+`formula.py` over whole pairs), inside the custom operator `fusedkern::simpo_chunked` (traceable by torch.compile,
+like the cross-entropy operators: compiled and eager run the same GEMMs).
 Semantics follow TRL's CPOTrainer with loss_type="simpo" (docs/design.md).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +26,17 @@ from torch import nn
 from fusedkern import _validation as V_
 from fusedkern.chunk_plan import GradChunkPlan
 from fusedkern.chunked import chunked_loss
-from fusedkern.engine import Chunk, LossOptions, formula_loss_and_grads, group_chunks, plan_for_grads
-from fusedkern.formula import FormulaSpec, formula_loss, grouped_plan, grouped_tail_spec
+from fusedkern.engine import Chunk, LossOptions, group_chunks, plan_for_grads
+from fusedkern.formula import FormulaSpec, grouped_plan, grouped_tail_spec, run_formula
 from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
     absent,
-    call_op,
-    first_order_only,
+    define_op,
     follows_autocast,
-    is_traced,
+    grads_formed_in_forward,
     or_absent,
-    register_op,
-    rescaled_grads,
-    save_output_grads,
 )
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
@@ -182,73 +180,87 @@ def simpo_spec(target: torch.Tensor, ignore_index: int, plan: tuple, hp: dict, l
             return -g.expand(-1, seq).reshape(-1)
 
     return FormulaSpec(formula, lambda logp, _: loss_fn(logp.view(two_b, seq), mask), chunks,
-                       grad_plan, "linear_simpo_loss (chunked)", logp_dtype=torch.float64)
+                       grad_plan, logp_dtype=torch.float64)
 
 
-def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, ignore_index: int,
-                  beta: float, gamma: float, alpha: float, label_smoothing: float, weight_grad_accum: str,
-                  chunk_tokens: int | None, need_dx: bool, need_dw: bool, need_db: bool, return_dw_out: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO over chunks of whole responses with the gradient formed in the forward pass (`simpo_spec` on the
-    engine).
+@dataclass(frozen=True)
+class SimPOOptions:
+    """`simpo_chunked`'s options: SimPO's hyperparameters, the softcap (None: `simpo_spec`'s float64 formula in
+    `plan_for`'s modes; a softcap: the grouped-tail formula over whole pairs), the chunk plan's inputs, which
+    gradients to form and whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes
+    dW into it)."""
+
+    ignore_index: int
+    beta: float
+    gamma: float
+    alpha: float
+    label_smoothing: float
+    softcap: float | None
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+
+    @property
+    def hyperparameters(self) -> dict:
+        return dict(beta=self.beta, gamma=self.gamma, alpha=self.alpha, label_smoothing=self.label_smoothing)
+
+
+def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor, o: SimPOOptions
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO over chunks of whole responses with the gradient formed in the forward pass (a formula over the
+    engine: `simpo_spec`, or with a softcap the grouped tail of `formula.grouped_tail_spec` on float32 log-probs).
 
     x [2B, S, H] · w [V, H] · b [V] | None · target [2B, S]. Returns (loss 0-d fp32, logp [2B, S] fp32,
     dx [2B·S, H], dw, db, dw_out as `linear_cross_entropy.ce_chunked_scalar` returns them)."""
-    checks = start_checks(target, w.shape[0], ignore_index, None, None, -1)
+    checks = start_checks(target, w.shape[0], o.ignore_index, None, None, -1)
     two_b, seq, hidden = x.shape
-    hp = dict(beta=beta, gamma=gamma, alpha=alpha, label_smoothing=label_smoothing)
-    opts = LossOptions(ignore_index=ignore_index)
+    hp = o.hyperparameters
+    opts = LossOptions(ignore_index=o.ignore_index, softcap=o.softcap)
     x2d, y = x.reshape(-1, hidden), target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
-    plan = plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens)
+    mask = target != o.ignore_index
+    if o.softcap is None:
+        plan = plan_for(two_b, seq, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
 
-    def rejected_logps():  # the prepass: a loss-only pass over the rejected half; its fp32 −ℓ_t
-        rejected = slice(two_b // 2 * seq, two_b * seq)
-        return -chunked_loss(x2d[rejected], w, b, y[rejected], None, opts)[0]
+        def rejected_logps():  # the prepass: a loss-only pass over the rejected half; its fp32 −ℓ_t
+            rejected = slice(two_b // 2 * seq, two_b * seq)
+            return -chunked_loss(x2d[rejected], w, b, y[rejected], None, opts)[0]
 
-    spec = simpo_spec(target, ignore_index, plan, hp,
-                      lambda logp, mask: simpo_loss_from_logps(logp, mask, **hp)[0], rejected_logps)
-    logp, _, grads = formula_loss_and_grads(x2d, w, b, y, opts, spec.formula, spec.chunks, spec.plan,
-                                            need_dx=need_dx, need_dw=need_dw, need_db=need_db and b is not None,
-                                            logp_dtype=spec.logp_dtype)
-    loss = spec.loss(logp, None).float()  # from the float64 log-probabilities, rounded once
+        spec = simpo_spec(target, o.ignore_index, plan, hp,
+                          lambda logp, mask: simpo_loss_from_logps(logp, mask, **hp)[0], rejected_logps)
+    else:
+        per_chunk, grad_plan = grouped_plan(two_b, seq, True, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+        spec = grouped_tail_spec(two_b, seq, True, per_chunk, grad_plan,
+                                 lambda lp: simpo_loss_from_logps(lp, mask, **hp)[0])
+    # the loss from the log-probabilities (float64 without a softcap), rounded once
+    loss, logp, _, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=o.need_dx, need_dw=o.need_dw,
+                                       need_db=o.need_db)
     finish_checks(checks)
     dx, dw, db, dw_out = grads.as_tuple()
     return (loss, logp.view(two_b, seq).float(), or_absent(dx, x), or_absent(dw, w),
-            or_absent(db, w, torch.float32), or_absent(dw_out if return_dw_out else None, w))
+            or_absent(db, w, torch.float32), or_absent(dw_out if o.return_dw_out else None, w))
 
 
-simpo_chunked = torch.library.custom_op("fusedkern::simpo_chunked", _simpo_chunked, mutates_args=(),
-                                        tags=CHECKING_OP_TAGS)
-
-
-@simpo_chunked.register_fake
-def _(x, w, b, target, ignore_index, beta, gamma, alpha, label_smoothing, weight_grad_accum, chunk_tokens, need_dx,
-      need_dw, need_db, return_dw_out):
+def _fake_simpo_chunked(x, w, b, target, o: SimPOOptions):
     two_b, seq, hidden = x.shape
     V = w.shape[0]
-    fp32_accumulator = plan_for(two_b, seq, w, need_dw, weight_grad_accum, chunk_tokens)[2].fp32_accumulator
+    fp32_accumulator = plan_for(two_b, seq, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)[2].fp32_accumulator
     f32 = torch.float32
-    need_db = need_db and b is not None
+    need_db = o.need_db and b is not None
     return (x.new_empty((), dtype=f32), x.new_empty((two_b, seq), dtype=f32),
-            x.new_empty((two_b * seq, hidden)) if need_dx else absent(x),
-            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if need_dw else absent(w),
+            x.new_empty((two_b * seq, hidden)) if o.need_dx else absent(x),
+            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
             w.new_empty((V,), dtype=f32) if need_db else absent(w, f32),
-            w.new_empty((V, hidden)) if need_dw and fp32_accumulator and return_dw_out else absent(w))
+            w.new_empty((V, hidden)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
 
 
-def _setup_simpo(ctx, inputs, output):
-    x, w, b = inputs[:3]
-    need_dx, need_dw, need_db = inputs[11:14]
-    save_output_grads(ctx, x, w, b, need_dx, need_dw, need_db and b is not None, *output[2:])
-    ctx.mark_non_differentiable(*output[1:])
-
-
-@first_order_only
-def _backward_simpo(ctx, grad_loss, *_):
-    return (*rescaled_grads(ctx, grad_loss, "linear_simpo_loss (chunked)"), *([None] * 12))
-
-
-register_op(simpo_chunked, _simpo_chunked, _setup_simpo, _backward_simpo)
+simpo_chunked = define_op(
+    "fusedkern::simpo_chunked", ["x", "w", "b?", "target"], SimPOOptions, 6, _simpo_chunked, _fake_simpo_chunked,
+    *grads_formed_in_forward(lambda o: "linear_simpo_loss (chunked)" if o.softcap is None
+                             else "linear_simpo_loss (chunked, softcap)"),
+    tags=CHECKING_OP_TAGS)
 
 
 def _warn_four_gemms(seq: int, plan_tokens: int, chunk_tokens: int | None) -> None:
@@ -300,24 +312,16 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
                                          chunk_tokens)
         if chunked and plan[0] == "generic":
             _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
-        if chunked and softcap is not None and not is_traced(input, linear_weight):
-            # the softcapped logits: SimPO's tail as a formula over pairs (float32 log-probs), three GEMMs
-            per_chunk, grad_plan = grouped_plan(two_b, seq, True, linear_weight, need_dw, weight_grad_accum,
-                                                chunk_tokens)
-            if per_chunk > 0:
-                spec = grouped_tail_spec(two_b, seq, True, per_chunk, grad_plan,
-                                         lambda lp: simpo_loss_from_logps(lp, mask, **hp)[0],
-                                         "linear_simpo_loss (chunked, softcap)")
-                loss, logps, _ = formula_loss(input.reshape(-1, input.shape[-1]), linear_weight, linear_bias,
-                                              target.reshape(-1).contiguous(),
-                                              LossOptions(ignore_index=ignore_index, softcap=softcap), spec)
-                return loss, simpo_loss_from_logps(logps.view(two_b, seq), mask, **hp)[1]
-        elif chunked and plan[0] != "generic":
-            # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`)
-            loss, logps, *_ = call_op(simpo_chunked, input, linear_weight, linear_bias, target, ignore_index,
-                                      *hp.values(), weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                      not torch.compiler.is_compiling())
-            _, metrics = simpo_loss_from_logps(logps, target != ignore_index, **hp)
+        # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`); with a softcap, SimPO's
+        # tail as a formula over whole pairs (float32 log-probs)
+        if chunked and (plan[0] != "generic" if softcap is None else
+                        grouped_plan(two_b, seq, True, linear_weight, need_dw, weight_grad_accum, chunk_tokens)[0] > 0):
+            loss, logps, *_ = simpo_chunked(
+                input, linear_weight, linear_bias, target,
+                SimPOOptions(ignore_index, **hp, softcap=softcap, weight_grad_accum=weight_grad_accum,
+                             chunk_tokens=chunk_tokens, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+                             return_dw_out=not torch.compiler.is_compiling()))
+            _, metrics = simpo_loss_from_logps(logps, mask, **hp)
             return loss, metrics
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,
                                softcap=softcap, impl=impl, chunk_tokens=chunk_tokens, weight_grad_accum=weight_grad_accum)

@@ -6,18 +6,23 @@ generic path). CPU tests: the kernels run in Triton's interpreter at tiny shapes
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
 import fusedkern
-from fusedkern.engine import valid_rows_first
+from fusedkern.engine import LossOptions, valid_rows_first
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import IMPLS, make_inputs
 
 lce = importlib.import_module("fusedkern.linear_cross_entropy")  # the module, not the re-exported function
+chunked_mod = importlib.import_module("fusedkern.chunked")
+engine = importlib.import_module("fusedkern.engine")
 simpo_mod = importlib.import_module("fusedkern.simpo")
+pref_mod = importlib.import_module("fusedkern.linear_preference")
+grpo_mod = importlib.import_module("fusedkern.grpo")
 
 T, H, V = 12, 16, 40
 ALL_OPTIONS = dict(label_smoothing=0.2, z_loss=1e-3, softcap=4.0)
@@ -98,6 +103,95 @@ def test_simpo_fullgraph_matches_eager(mode):
         return fusedkern.linear_simpo_loss(torch.tanh(proj(x)).reshape(two_b, seq, H), w, y.reshape(two_b, seq),
                                            linear_bias=b, beta=2.0, gamma=0.5, **SIMPO_MODES[mode])
     _assert_compiled_matches_eager(step, proj, x, w, y, b)  # the loss and every metric
+
+
+def _logits_passes(monkeypatch) -> list:
+    """Records the logits elements each GEMM into the logits buffer (or a loss-only tile) forms: their sum over
+    T·V is how many times the head's logits were formed (1 for three GEMMs: no logits recomputed in backward)."""
+    formed = []
+    real = engine.logits_into
+
+    def counting(buf, x_c, w, b):
+        z = real(buf, x_c, w, b)
+        formed.append(z.numel())
+        return z
+    monkeypatch.setattr(engine, "logits_into", counting)
+    monkeypatch.setattr(chunked_mod, "logits_into", counting)
+    return formed
+
+
+def _assert_three_gemms_compiled_and_eager(monkeypatch, step, proj, x, w, y, b, op_name: str, n_logits: int):
+    """step's compiled (fullgraph) and eager runs match, the graph holds `op_name` and none of the generic path's
+    per-token operators, and each forms the logits once: the same three GEMMs compiled and eager."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x, w.clone().requires_grad_(), y, b)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    code = explained.graphs[0].code
+    assert f"fusedkern.{op_name}" in code
+    assert "fusedkern.ce_per_token" not in code and "fusedkern.logprobs_entropy" not in code
+    formed = _logits_passes(monkeypatch)
+    _assert_compiled_matches_eager(step, proj, x, w, y, b)  # compiled first, then eager
+    assert sum(formed) == 2 * n_logits, (sum(formed), n_logits)
+    formed.clear()
+    _loss_and_grads(step, proj, x, w, y, b, 0.7)
+    assert sum(formed) == n_logits
+
+
+def test_simpo_softcap_fullgraph_three_gemms(monkeypatch):
+    x, w, y, b, _ = make_inputs(T, H, V, torch.float32, bias=True, seed=13)
+    proj = _proj()
+
+    def step(x, w, y, b):
+        return fusedkern.linear_simpo_loss(torch.tanh(proj(x)).reshape(4, 3, H), w, y.reshape(4, 3), linear_bias=b,
+                                           beta=2.0, gamma=0.5, softcap=3.0)
+    _assert_three_gemms_compiled_and_eager(monkeypatch, step, proj, x, w, y, b, "simpo_chunked", T * V)
+
+
+def _preference_extra(loss_type: str, n_rows: int) -> dict:
+    g = torch.Generator().manual_seed(14)
+    if loss_type == "kto":
+        return dict(ref_logps=-10 * torch.rand(n_rows, generator=g), kto_labels=torch.arange(n_rows) % 2 == 0,
+                    kl=torch.tensor([0.3]))
+    if loss_type in ("sigmoid", "ipo", "hinge", "robust"):
+        return dict(ref_chosen_logps=-10 * torch.rand(n_rows // 2, generator=g),
+                    ref_rejected_logps=-10 * torch.rand(n_rows // 2, generator=g))
+    return {}
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "orpo", "kto"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+def test_preference_fullgraph_three_gemms(monkeypatch, loss_type, softcap):
+    """DPO's family, ORPO and KTO compile to their operator: the gradient formed in the forward pass, as eager,
+    the loss and every metric eager's."""
+    x, w, y, b, _ = make_inputs(T, H, V, torch.float32, bias=True, seed=15)
+    rows, seq = (6, 2) if loss_type == "kto" else (4, 3)
+    extra = {k: v.to(DEVICE) for k, v in _preference_extra(loss_type, rows).items()}
+    proj = _proj()
+
+    def step(x, w, y, b):
+        return fusedkern.linear_preference_loss(torch.tanh(proj(x)).reshape(rows, seq, H), w, y.reshape(rows, seq),
+                                                linear_bias=b, loss_type=loss_type, beta=0.5, softcap=softcap,
+                                                chunk_tokens=2 * seq, **extra)
+    _assert_three_gemms_compiled_and_eager(monkeypatch, step, proj, x, w, y, b, "preference_chunked", T * V)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_fullgraph_three_gemms(monkeypatch, loss_type):
+    """GRPO at a temperature with a softcap, the entropy, old and reference log-probs, a tensor
+    num_items_in_batch (dapo): compiled to its operator, eager's loss, metrics and gradients."""
+    x, w, y, b, _ = make_inputs(T, H, V, torch.float32, bias=True, seed=16)
+    g = torch.Generator().manual_seed(17)
+    adv = torch.randn(3, generator=g).to(DEVICE)
+    old, ref = (-4 * torch.rand(3, 4, generator=g)).to(DEVICE), (-4 * torch.rand(3, 4, generator=g)).to(DEVICE)
+    n_items = torch.tensor(7.0, device=DEVICE)
+    proj = _proj()
+
+    def step(x, w, y, b):
+        return fusedkern.linear_grpo_loss(
+            torch.tanh(proj(x)).reshape(3, 4, H), w, y.reshape(3, 4), linear_bias=b, advantages=adv, old_logps=old,
+            ref_logps=ref, beta=0.04, loss_type=loss_type, temperature=0.8, softcap=3.0, compute_entropy=True,
+            num_items_in_batch=n_items if loss_type == "dapo" else None, chunk_tokens=4)
+    _assert_three_gemms_compiled_and_eager(monkeypatch, step, proj, x, w, y, b, "grpo_chunked", T * V)
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["int", "tensor"])
@@ -213,36 +307,61 @@ def test_eager_rescales_in_place_and_compiled_graph_does_not(monkeypatch):
 
 
 def _opcheck_cases():
+    """{case: (operator, its flat arguments)}: each operator called as the library calls it, `op(*tensors,
+    options)`, flattened into the registered operator's arguments (`autograd.Op.flat_args`)."""
     x, w, y, b, cw = make_inputs(T, H, V, torch.float32, bias=True, weight=True, seed=11)
     xh, wh = x.half(), w.half()
-    loss_opts = (-100, 0.1, 1e-3, 4.0)
+    loss = LossOptions(-100, 0.1, 1e-3, 4.0)
     rows_first = valid_rows_first(y, -100)
     n = (y != -100).sum()
-    stats = lce.ce_per_token(x, w, b, y, cw, *loss_opts, "chunked", "fp32", None, None, None, None, -1)[1]
+
+    def scalar(reduction, chunk_tokens, need_db, return_dw_out, skip_ignored=False, count_int=-1):
+        return lce.ChunkedScalarOptions(loss, reduction, "fp32", chunk_tokens, True, True, need_db, return_dw_out,
+                                        skip_ignored, count_int)
+
+    def per_token(impl):
+        return lce.PerTokenOptions(loss, impl, "fp32", None, None)
+
+    stats = lce.ce_per_token(x, w, b, y, cw, None, None, per_token("chunked"))[1]
     simpo_x = x.reshape(4, 3, H)
-    return {
-        "chunked_scalar": (lce.ce_chunked_scalar, (x, w, b, y, cw, *loss_opts, "mean", "fp32", None, True, True,
-                                                   True, True, False, None, None, -1)),
+    simpo = simpo_mod.SimPOOptions(-100, 2.0, 0.5, 1.0, 0.0, None, "fp32", None, True, True, True, True)
+    extra = _preference_extra("sigmoid", 4)
+    dpo = pref_mod.PreferenceOptions("sigmoid", 0.5, False, 1.0, 1.0, 0.0, 0.5, 0.0, -100, 3.0, "fp32", 6, True, True,
+                                     True, True)
+    kto_extra = _preference_extra("kto", 6)
+    kto = dataclasses.replace(dpo, loss_type="kto", softcap=None, chunk_tokens=2)
+    g = torch.Generator().manual_seed(18)
+    grpo = grpo_mod.GRPOOptions("dapo", 0.04, 0.2, 0.28, None, None, -100, 3.0, 1.25, True, "fp32", 4, True, True,
+                                True, True)
+    grpo_tensors = (torch.randn(3, generator=g), -4 * torch.rand(3, 4, generator=g),
+                    -4 * torch.rand(3, 4, generator=g), torch.tensor(7.0))
+    cases = {
+        "chunked_scalar": (lce.ce_chunked_scalar, (x, w, b, y, cw, None, None, None, scalar("mean", None, True, True))),
         # fp16 in 4-token chunks: an fp32 dW accumulator, the logits buffer inside dW's storage (dw_out, whose
         # scratch content is no output to compare: the compiled path does not ask for it)
-        "chunked_scalar_accumulator": (lce.ce_chunked_scalar, (xh, wh, None, y, None, *loss_opts, "sum", "fp32", 4,
-                                                               True, True, False, False, False, None, None, int(n))),
-        "chunked_scalar_counted": (lce.ce_chunked_scalar, (x[rows_first], w, None, y[rows_first], None, *loss_opts,
-                                                           "mean", "fp32", 4, True, True, False, True, True, None,
-                                                           n, -1)),
-        "per_token_chunked": (lce.ce_per_token, (x, w, b, y, cw, *loss_opts, "chunked", "fp32", None, None, None, n,
-                                                 -1)),
-        "per_token_fused": (lce.ce_per_token, (x, w, b, y, cw, *loss_opts, "fused", "fp32", None, None, None, None,
-                                               -1)),
+        "chunked_scalar_accumulator": (lce.ce_chunked_scalar, (xh, wh, None, y, None, None, None, None,
+                                                               scalar("sum", 4, False, False, count_int=int(n)))),
+        "chunked_scalar_counted": (lce.ce_chunked_scalar, (x[rows_first], w, None, y[rows_first], None, None, n, None,
+                                                           scalar("mean", 4, False, True, skip_ignored=True))),
+        "per_token_chunked": (lce.ce_per_token, (x, w, b, y, cw, None, n, per_token("chunked"))),
+        "per_token_fused": (lce.ce_per_token, (x, w, b, y, cw, None, None, per_token("fused"))),
         "per_token_backward": (lce.ce_per_token_backward, (x, w, b, y, cw, stats, torch.randn(T, device=x.device),
-                                                           *loss_opts, "chunked", "fp32", None, True, True, True)),
-        "simpo_chunked": (simpo_mod.simpo_chunked, (simpo_x, w, b, y.reshape(4, 3), -100, 2.0, 0.5, 1.0, 0.0,
-                                                    "fp32", None, True, True, True, True)),
+                                                           per_token("chunked").gradients(True, True, True))),
+        "simpo_chunked": (simpo_mod.simpo_chunked, (simpo_x, w, b, y.reshape(4, 3), simpo)),
+        "simpo_chunked_softcap": (simpo_mod.simpo_chunked, (simpo_x, w, b, y.reshape(4, 3),
+                                                            dataclasses.replace(simpo, softcap=3.0))),
+        "preference_dpo": (pref_mod.preference_chunked, (simpo_x, w, b, y.reshape(4, 3), extra["ref_chosen_logps"],
+                                                         extra["ref_rejected_logps"], None, None, None, dpo)),
+        "preference_kto": (pref_mod.preference_chunked, (x.reshape(6, 2, H), w, b, y.reshape(6, 2), None, None,
+                                                         *kto_extra.values(), kto)),
+        "grpo": (grpo_mod.grpo_chunked, (x.reshape(3, 4, H), w, b, y.reshape(3, 4), *grpo_tensors, grpo)),
     }
+    return {case: (op, op.flat_args(*args)) for case, (op, args) in cases.items()}
 
 
 # the cases the end-to-end tests above compile already skip opcheck's slowest part (AOT dispatch)
-FAKE_ONLY = {"chunked_scalar_accumulator", "chunked_scalar_counted", "per_token_chunked"}
+FAKE_ONLY = {"chunked_scalar_accumulator", "chunked_scalar_counted", "per_token_chunked", "simpo_chunked_softcap",
+             "preference_kto"}
 
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()))
@@ -254,7 +373,8 @@ def test_opcheck(case):
     if case == "chunked_scalar_accumulator":
         assert lce.plan_for_grads(T, args[1], True, "fp32", 4).fp32_accumulator
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(op, args, test_utils=utils if case in FAKE_ONLY else (*utils, "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(op.custom_op, args,
+                          test_utils=utils if case in FAKE_ONLY else (*utils, "test_aot_dispatch_dynamic"))
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fusedkern
 from fusedkern import reference
 from fusedkern.chunked import LossOptions, chunked_loss
-from fusedkern.linear_cross_entropy import logprobs_entropy, logprobs_entropy_backward
+from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, logprobs_entropy_backward
 from tests._accuracy import assert_close_to_ref, rel_err, torch_logprobs_entropy
 from tests.conftest import DEVICE
 
@@ -185,13 +185,17 @@ def test_entropy_fullgraph_compile_matches_eager_and_opcheck():
     for a, e in zip(comp, eager):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    def options(with_entropy):
+        return LogprobsOptions(LossOptions(-100, softcap=3.0, logit_scale=0.8), "chunked", "fp32", None, None,
+                               with_entropy=with_entropy)
     for with_entropy in (True, False):
-        args = (*_leaves((x, w, b)), y, -100, 3.0, 0.8, with_entropy, "fp32", None, None, None, None, -1)
-        torch.library.opcheck(logprobs_entropy, args, test_utils=utils)
-    _, stats, ent = logprobs_entropy(x, w, b, y, -100, 3.0, 0.8, True, "fp32", None, None, None, None, -1)
+        args = logprobs_entropy.flat_args(*_leaves((x, w, b)), y, None, None, options(with_entropy))
+        torch.library.opcheck(logprobs_entropy.custom_op, args, test_utils=utils)
+    _, stats, ent = logprobs_entropy(x, w, b, y, None, None, options(True))
     up = torch.randn(2, T, device=DEVICE)
-    torch.library.opcheck(logprobs_entropy_backward, (x, w, b, y, stats, ent, up[0], up[1], -100, 3.0, 0.8, "fp32",
-                                                      None, True, True, True), test_utils=utils)
+    args = logprobs_entropy_backward.flat_args(x, w, b, y, stats, ent, up[0], up[1],
+                                               options(True).gradients(True, True, True))
+    torch.library.opcheck(logprobs_entropy_backward.custom_op, args, test_utils=utils)
 
 
 def test_bad_inputs_raise():
@@ -272,3 +276,4 @@ def test_policy_and_reference_paths_give_equal_logprobs(dtype, temperature, entr
     margin = (policy[0].sum(-1) - ref[0].sum(-1)).detach()  # DPO's log-ratio difference at step 0
     dpo = -F.logsigmoid(0.1 * (margin[0] - margin[1]))
     assert abs(dpo.item() - math.log(2)) <= 1e-6
+

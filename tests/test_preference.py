@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import fusedkern
 from fusedkern import reference
 from fusedkern.preference import LOSS_TYPES, PAIR_LOSS_TYPES, preference_loss_from_logps
-from fusedkern.formula import FormulaLoss
 from fusedkern.formula import grouped_plan
+from fusedkern.linear_preference import preference_chunked
 from fusedkern.simpo import simpo_loss_from_logps
 from tests._accuracy import assert_close_to_ref
 from tests.conftest import DEVICE
@@ -123,7 +123,7 @@ def test_three_gemm_path_matches_fp64(name):
     """The default strategy forms the gradient in the forward pass over chunks of whole pairs (KTO: whole
     sequences): one pair (two sequences) per chunk here, so the gradient of every chunk is taken while the
     other rows are not yet known; KTO's odd row count leaves a partial last chunk. With a softcap."""
-    with mock.patch.object(FormulaLoss, "apply", wraps=FormulaLoss.apply) as spy:
+    with mock.patch.object(preference_chunked, "impl", wraps=preference_chunked.impl) as spy:
         check_against_fp64(CASES[name], torch.float32, impl="auto", softcap=2.5, chunk_tokens=2 * S, seed=9)
     assert spy.call_count == 1
 
@@ -136,7 +136,7 @@ def test_three_gemm_path_half_precision_matches_fp64(name, dtype, chunk_pairs):
     w_like = torch.empty(V, H, dtype=dtype)
     assert grouped_plan(2 * B, S, True, w_like, True, "fp32", 2 * chunk_pairs * S)[1].buffer_in_dw_storage \
         == (chunk_pairs == 1)
-    with mock.patch.object(FormulaLoss, "apply", wraps=FormulaLoss.apply) as spy:
+    with mock.patch.object(preference_chunked, "impl", wraps=preference_chunked.impl) as spy:
         check_against_fp64(CASES[name], dtype, impl="auto", chunk_tokens=2 * chunk_pairs * S, seed=11)
     assert spy.call_count == 1
 
@@ -145,7 +145,7 @@ def test_generic_path_when_a_chunk_cannot_hold_a_pair():
     """chunk_tokens < 2·S: no chunk holds a pair, so the four-GEMM path runs (same loss and gradients)."""
     x, w, y, b, extra = inputs(CASES["sigmoid"], torch.float32)
     assert grouped_plan(2 * B, S, True, w, True, "fp32", 2 * S - 1)[0] == 0
-    with mock.patch.object(FormulaLoss, "apply", wraps=FormulaLoss.apply) as spy:
+    with mock.patch.object(preference_chunked, "impl", wraps=preference_chunked.impl) as spy:
         check_against_fp64(CASES["sigmoid"], torch.float32, impl="chunked", chunk_tokens=2 * S - 1,
                            x=x, w=w, y=y, b=b, extra=extra)
     assert spy.call_count == 0
