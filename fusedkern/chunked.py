@@ -45,16 +45,16 @@ def lse_of(stats: torch.Tensor) -> torch.Tensor:
 
 def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, loss_tok, stats, compute_stats: bool,
                 grad, per_token_grad: bool, grads: Grads | None = None, entropy=None, grad_entropy=None,
-                buffer=None) -> None:
+                buffer=None, logit_sum=None) -> None:
     """The engine's loop with the cross-entropy row pass over chunks of C tokens."""
     row_pass = CrossEntropyRows(target, row_kernel_args(class_weight, opts), loss_tok, stats,
                                 compute_stats=compute_stats, grad=grad, per_token_grad=per_token_grad,
-                                entropy=entropy, grad_entropy=grad_entropy)
+                                entropy=entropy, grad_entropy=grad_entropy, logit_sum=logit_sum)
     engine.run(x, w, b, token_chunks(x.shape[0], C), row_pass, grads=grads, buffer=buffer)
 
 
 def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats,
-               entropy=None) -> None:
+               entropy=None, logit_sum=None) -> None:
     """Loss-only pass over [C, Vs] logits tiles: per chunk of C tokens, every vocabulary slice's GEMM
     and partial statistics, then one merge into lse and loss (`ce_rows.merge_row_stats`)."""
     T, V = x.shape[0], w.shape[0]
@@ -70,19 +70,22 @@ def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int
                                 None if b is None else b[v0:v1])
             row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
                            class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing,
-                           logit_scale=opts.logit_scale)
+                           logit_scale=opts.logit_scale, sum_logits=logit_sum is not None)
         merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
-                        entropy=None if entropy is None else entropy[c0:c1], **kernel_args)
+                        entropy=None if entropy is None else entropy[c0:c1],
+                        logit_sum=None if logit_sum is None else logit_sum[c0:c1], **kernel_args)
 
 
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
-                 tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None):
+                 tile: tuple[int, int] | None = None, entropy: torch.Tensor | None = None,
+                 logit_sum: torch.Tensor | None = None):
     """Per-token loss and row statistics, no gradient: one GEMM's work within 64 MiB.
 
     x [T, H] · w [V, H] · b [V] | None · target [T] → (loss_tok [T] fp32, stats [2, T] fp32; see `lse_of`).
     chunk_tokens: whole-row chunks of that many tokens. Otherwise [C, Vs] tiles, `chunk_plan.loss_tile`
     (or `tile` = (C, Vs), for tests). entropy: a [T] fp32 buffer to receive each token's entropy of
-    softmax(s) (0 where ignored), or None (the statistic is compiled out).
+    softmax(s) (0 where ignored), or None (the statistic is compiled out). logit_sum: a [T] fp32 buffer to receive
+    each row's Σ_v s_v (the mean logit's numerator; no class weights, ε = 0), or None.
     """
     T, V = x.shape[0], w.shape[0]
     loss_tok = torch.empty(T, device=x.device, dtype=torch.float32)
@@ -93,9 +96,10 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
         C, Vs = tile or loss_tile(T, V, x.element_size())
     if Vs >= V:
         _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
-                    grad=None, per_token_grad=False, entropy=entropy)
+                    grad=None, per_token_grad=False, entropy=entropy, logit_sum=logit_sum)
     else:
-        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats, entropy=entropy)
+        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats, entropy=entropy,
+                   logit_sum=logit_sum)
     return loss_tok, stats
 
 

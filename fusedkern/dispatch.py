@@ -7,10 +7,11 @@ entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from th
   the upstream gradient is known in the forward (scalar reductions, formulas of the log-probs) it forms the
   gradients there: three GEMMs. Takes every option.
 - `GLUON` (`kernels/gluon_logits_stats.py`): the statistics in the logits GEMM's epilogue (no logits buffer; sm_90,
-  bf16, no bias, class weights, label smoothing, z-loss or softcap; a temperature and the entropy are fine). It has
-  no backward of its own: a gradient recomputes the logits with the chunked strategy's GEMMs.
+  bf16, no bias, class weights, label smoothing, z-loss or softcap; a temperature and the entropy are fine; no logits'
+  sum: a call that asks for TRL's mean_logits takes the chunked pass). It has no backward of its own: a gradient
+  recomputes the logits with the chunked strategy's GEMMs.
 - `FUSED` (`kernels/fused_ce.py`): Triton GEMM with an online log-sum-exp, logits recomputed in backward; O(T + V)
-  extra memory. No logit scale and no entropy.
+  extra memory. No logit scale, no entropy and no logits' sum.
 
 `impl="auto"` takes the chunked GEMMs unless their buffers do not fit the free GPU memory (then fused), and runs a
 statistics-only forward on Gluon wherever it applies, so that a forward with gradient and one without compute the
@@ -44,10 +45,12 @@ class Call:
     class_weight: torch.Tensor | None
     opts: LossOptions
     with_entropy: bool = False
+    with_logit_sum: bool = False  # each row's Σ_v s_v (the mean logit of TRL's logits/* metrics)
 
 
 class Strategy:
-    """A strategy's per-token statistics and gradients. `statistics` → (loss_tok [T] fp32, stats [2, T] fp32);
+    """A strategy's per-token statistics and gradients. `statistics` → (loss_tok [T] fp32, stats [2, T] fp32; the
+    entropy and the logits' sum into the [T] buffers given, where the strategy supports them);
     `gradients` → (dx, dw, db) of Σ_t grad_tok[t]·ℓ_t (+ grad_entropy[t]·H_t) from the saved stats, None where not
     wanted. `forms_grads_in_forward`: the three-GEMM paths (gradient formed in the forward pass) run on it.
     `scales_logits`: its kernels take a logit scale (a temperature); without it the caller scales the operands."""
@@ -60,7 +63,8 @@ class Strategy:
         """Why this strategy cannot take the call, or None when it can."""
         return None
 
-    def statistics(self, x, w, b, target, class_weight, opts: LossOptions, chunk_tokens, entropy=None):
+    def statistics(self, x, w, b, target, class_weight, opts: LossOptions, chunk_tokens, entropy=None,
+                   logit_sum=None):
         raise NotImplementedError
 
     def gradients(self, x, w, b, target, class_weight, opts: LossOptions, stats, grad_tok, *, need_dx, need_dw,
@@ -74,8 +78,8 @@ class Chunked(Strategy):
     name = CHUNKED
     forms_grads_in_forward = True
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
-        return chunked_loss(x, w, b, target, class_weight, opts, chunk_tokens, entropy=entropy)
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+        return chunked_loss(x, w, b, target, class_weight, opts, chunk_tokens, entropy=entropy, logit_sum=logit_sum)
 
 
 class Fused(Strategy):
@@ -85,10 +89,13 @@ class Fused(Strategy):
     def unsupported(self, call: Call) -> str | None:
         if call.with_entropy:
             return "the fused strategy has no entropy statistic"
+        if call.with_logit_sum:
+            return "the fused strategy has no logits' sum (mean_logits)"
         return None
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
-        assert opts.logit_scale == 1.0 and entropy is None, "the fused kernels take no logit scale and no entropy"
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+        assert opts.logit_scale == 1.0 and entropy is None and logit_sum is None, \
+            "the fused kernels take no logit scale, no entropy and no logits' sum"
         return _fused_kernels().fused_ce_forward(
             x, w, b, target, class_weight, ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
             z_loss=opts.z_loss, softcap=opts.softcap, return_stats=True)
@@ -109,6 +116,8 @@ class Gluon(Strategy):
         if call.b is not None or call.class_weight is not None or opts.label_smoothing or opts.z_loss \
                 or opts.softcap is not None:
             return "the Gluon pass takes no bias, class weights, label smoothing, z-loss or softcap"
+        if call.with_logit_sum:  # such calls take the chunked pass, whose row kernels carry the sum
+            return "the Gluon pass has no logits' sum (mean_logits)"
         if not call.x2d.is_cuda:
             return f"the Gluon pass runs on a CUDA GPU, not on {call.x2d.device.type} tensors"
         if is_traced(call.x2d, call.w):  # fake tensors have no address to check TMA's alignment on
@@ -118,7 +127,8 @@ class Gluon(Strategy):
             return "this Triton has no Gluon API the kernel was written for"
         return kernels.unsupported_reason(call.x2d, call.w)
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None):
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+        assert logit_sum is None, "the Gluon pass has no logits' sum"
         return _gluon_kernels().loss_only(x, w, target, opts.ignore_index, chunk_tokens, logit_scale=opts.logit_scale,
                                           entropy=entropy)
 

@@ -283,7 +283,8 @@ class CrossEntropyRows:
     compute_stats: form loss_tok / stats; else read the saved stats (a backward). grad: None (statistics only),
     a [1] upstream gradient shared by every token, or with per_token_grad a [T] one. entropy / grad_entropy: [T]
     buffers of the entropy statistic and its upstream gradient, or None. row_counts: [n_chunks] int32 valid rows
-    of each chunk (the row-count path: rows past it are skipped)."""
+    of each chunk (the row-count path: rows past it are skipped). logit_sum: a [T] buffer of each row's Σ_v s_v
+    (`ce_rows`' logit_sum: a statistics pass without class weights or label smoothing), or None."""
 
     target: torch.Tensor
     kernel_args: dict
@@ -295,6 +296,7 @@ class CrossEntropyRows:
     entropy: torch.Tensor | None = None
     grad_entropy: torch.Tensor | None = None
     row_counts: torch.Tensor | None = None
+    logit_sum: torch.Tensor | None = None
 
     def __call__(self, z, x_c, chunk: Chunk) -> None:
         r = chunk.rows
@@ -305,6 +307,7 @@ class CrossEntropyRows:
         ce_rows(z, self.target[r], loss=part(self.loss_tok), stats=self.stats[:, r],
                 grad=self.grad[r] if self.per_token_grad else self.grad, compute_stats=self.compute_stats,
                 per_token_grad=self.per_token_grad, entropy=part(self.entropy), grad_entropy=part(self.grad_entropy),
+                logit_sum=part(self.logit_sum),
                 **({} if self.row_counts is None else {"row_count": self.row_counts[chunk.index:chunk.index + 1]}),
                 **self.kernel_args)
 

@@ -174,9 +174,11 @@ class PerTokenOptions:
 @dataclass(frozen=True)
 class LogprobsOptions(PerTokenOptions):
     """`logprobs_entropy`'s options: `PerTokenOptions` (the loss with ε = z-loss = 0 and the temperature as its
-    logit scale) and whether the entropy is formed."""
+    logit scale), whether the entropy is formed, and whether each row's logits' sum Σ_v s_v is (the mean logit's
+    numerator; the chunked pass only)."""
 
     with_entropy: bool = False
+    with_logit_sum: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,35 +259,40 @@ ce_per_token_backward = define_op(
 
 def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                       check_target: torch.Tensor | None, count: torch.Tensor | None, o: LogprobsOptions
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_per_token` for `linear_logprobs` at a temperature (no class weights, ε = z-loss = 0): s = softcap(z)·
     logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy H_t of softmax(s) [T]
-    fp32 (0 where ignored; else [0]) from one more row statistic of the same pass. impl: the statistics pass's
+    fp32 (0 where ignored; else [0]) from one more row statistic of the same pass; with `with_logit_sum` each row's
+    Σ_v s_v [T] fp32 (else [0]), not differentiable, from the pass's label-smoothing sum. impl: the statistics pass's
     strategy (`dispatch.choose`: "chunked" or "gluon"); the backward always recomputes the logits with the chunked
     GEMMs. The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
     checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
-    entropy = torch.empty(x.shape[0] if o.with_entropy else 0, device=x.device, dtype=torch.float32)
+    T = x.shape[0]
+    entropy = torch.empty(T if o.with_entropy else 0, device=x.device, dtype=torch.float32)
+    logit_sum = torch.empty(T if o.with_logit_sum else 0, device=x.device, dtype=torch.float32)
     loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, None, o.loss, o.forward_chunk_tokens,
-                                                  entropy=entropy if o.with_entropy else None)
+                                                  entropy=entropy if o.with_entropy else None,
+                                                  logit_sum=logit_sum if o.with_logit_sum else None)
     finish_checks(checks)
-    return loss_tok, stats, entropy
+    return loss_tok, stats, entropy, logit_sum
 
 
 def _fake_logprobs_entropy(x, w, b, target, check_target, count, o: LogprobsOptions):
     T = x.shape[0]
     f32 = torch.float32
     return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
-            x.new_empty((T if o.with_entropy else 0,), dtype=f32))
+            x.new_empty((T if o.with_entropy else 0,), dtype=f32),
+            x.new_empty((T if o.with_logit_sum else 0,), dtype=f32))
 
 
 def _setup_logprobs_entropy(ctx, tensors, o: LogprobsOptions, output):
     x, w, b, target = tensors[:4]
     ctx.save_for_backward(x, w, b, target, output[1], output[2])
     ctx.options = o
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[3])
 
 
-def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy):
+def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy, _grad_logit_sum):
     x, w, b, target, stats, entropy = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and b is not None
@@ -318,7 +325,7 @@ def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor
 
 
 logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "target", "check_target?", "count?"],
-                             LogprobsOptions, 3, _logprobs_entropy, _fake_logprobs_entropy, _setup_logprobs_entropy,
+                             LogprobsOptions, 4, _logprobs_entropy, _fake_logprobs_entropy, _setup_logprobs_entropy,
                              _backward_logprobs_entropy, tags=CHECKING_OP_TAGS)
 logprobs_entropy_backward = define_op(
     "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],

@@ -113,15 +113,15 @@ def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, we
                                weight_grad_accum, chunk_tokens, chunk_tokens, count_int, with_entropy)
 
     if isinstance(num_valid_tokens, torch.Tensor):
-        nll, _, entropy = logprobs_entropy(x2d, w, b, y, None, num_valid_tokens, options())
+        nll, _, entropy, _ = logprobs_entropy(x2d, w, b, y, None, num_valid_tokens, options())
         return -nll, entropy
     count_int = -1 if num_valid_tokens is None else num_valid_tokens
     if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
-        nll, _, entropy = logprobs_entropy(x2d, w, b, y, None, None, options(count_int))
+        nll, _, entropy, _ = logprobs_entropy(x2d, w, b, y, None, None, options(count_int))
         return -nll, entropy
     rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
     x_valid = x2d.index_select(0, rows)
-    nll, _, entropy = logprobs_entropy(x_valid, w, b, y.index_select(0, rows), y, None, options(count_int))
+    nll, _, entropy, _ = logprobs_entropy(x_valid, w, b, y.index_select(0, rows), y, None, options(count_int))
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy
 
@@ -130,18 +130,27 @@ def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, we
 def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor, target: torch.Tensor, *,
                                linear_bias: torch.Tensor | None = None, ignore_index: int = -100,
                                softcap: float | None = None, temperature: float = 1.0, return_entropy: bool = False,
-                               weight_grad_accum: str = "fp32", chunk_tokens: int | None = None):
+                               weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
+                               return_mean_logits: bool = False):
     """`linear_logprobs` (chunked strategy) that also returns each row's statistics from the same pass:
     (logps, entropy or None, row_max, row_lse), each float32 shaped like target. row_max = max_v s_v and row_lse
     = log Σ_v exp(s_v) of the tempered logits s = softcap(z)/τ, without gradient (meaningless where ignored).
 
     The target is its row's most likely token when logps ≥ row_max − row_lse up to the rounding of the two
     (`is_top1`: a few fp32 ulps of |row_lse|, measured ≤ 1 ulp); a trainer's top-1 accuracy comes from these
-    without a [tokens, vocab] tensor."""
+    without a [tokens, vocab] tensor.
+
+    return_mean_logits: a fifth output, mean_logits = (1/V)·Σ_v s_v of every row (TRL's `mean_logits`: the mean of
+    the softcapped, tempered logits), float32 without gradient, from a row sum the same pass carries beside the
+    log-sum-exp (no extra GEMM; the log-probs and statistics are the same bits as without it). The Gluon pass has
+    no such sum, so such a call takes the chunked pass: where a policy and its reference model must see the same
+    log-probs, ask for it on both or on neither, or only where neither can take the Gluon pass (a softcap)."""
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap,
                   impl="chunked", weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     validate_logprobs_options(temperature, return_entropy, "chunked")
+    if not isinstance(return_mean_logits, bool):
+        raise TypeError(f"return_mean_logits must be a bool, got {type(return_mean_logits).__name__}")
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -149,18 +158,21 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
     softcap = None if softcap is None else float(softcap)
     logit_scale = 1.0 / float(temperature)
     call = Call(x2d, linear_weight, linear_bias, None, LossOptions(ignore_index, softcap=softcap,
-                                                                   logit_scale=logit_scale), return_entropy)
+                                                                   logit_scale=logit_scale), return_entropy,
+                with_logit_sum=return_mean_logits)
     # the statistics pass is the same with and without a gradient to follow: a policy and its reference model
     # (the same weights, one under no_grad) get equal log-probs
     impl = choose("auto", call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True,
                   fused_fallback=False).name
-    nll, stats, entropy = logprobs_entropy(
+    nll, stats, entropy, logit_sum = logprobs_entropy(
         x2d, linear_weight, linear_bias, y, None, None,
-        LogprobsOptions(call.opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, with_entropy=return_entropy))
+        LogprobsOptions(call.opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, with_entropy=return_entropy,
+                        with_logit_sum=return_mean_logits))
     lead = input.shape[:-1]
     stats = stats.detach()
-    return (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),
-            (stats[0] + stats[1]).reshape(lead))
+    out = (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),
+           (stats[0] + stats[1]).reshape(lead))
+    return (*out, (logit_sum / linear_weight.shape[0]).reshape(lead)) if return_mean_logits else out
 
 
 def is_top1(logps: torch.Tensor, row_max: torch.Tensor, row_lse: torch.Tensor) -> torch.Tensor:

@@ -684,6 +684,20 @@ def linear_logprobs_entropy_fp64(
     return torch.where(mask, logp, zero), torch.where(mask, entropy, zero)
 
 
+def mean_logits_fp64(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(1/V)·Σ_v softcap(x Wᵀ + b)_v / τ in float64, every row (TRL's `mean_logits`: the mean of the logits the
+    softmax sees). input [..., H], linear_weight [V, H] -> [...] float64."""
+    _check_softcap(softcap)
+    return (_apply_softcap(_fp64_logits(input, linear_weight, linear_bias), softcap) / float(temperature)).mean(-1)
+
+
 def grpo_loss_from_logps(
     logps: torch.Tensor,
     mask: torch.Tensor,

@@ -199,7 +199,7 @@ print(f"Llama-3 head at 8192 tokens: materialized {llama_8k.materialized_gib:.1f
 # log-probs from TRL's fused head, and the loss function of the trainers that compute logits themselves. The
 # table is read from the live objects while patched (`fusedkern.study.trl_path.trainer_coverage`): which TRL
 # module or class now holds fusedkern's function. What each trainer covers in detail, and what raises
-# (`use_weighting=True` in DPO, a softcapped model's `logits/*` metrics, an encoder-decoder in CPO/ORPO, …),
+# (`use_weighting=True` in DPO, an encoder-decoder in CPO/ORPO, …),
 # is in docs/integrations.md ("TRL"), each case tested in tests/test_integrations_trl.py.
 
 # %%

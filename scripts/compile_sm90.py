@@ -4,7 +4,8 @@ The CPU test suite runs the kernels through Triton's interpreter, which never lo
 GPU backend rejects, or a config that spills past the register file, would pass CI and fail on the
 first GPU call. This lowers through Triton's NVIDIA backend down to a cubin (ptxas ships with Triton):
 - `ce_rows`' two kernels for the smallest and largest autotune block, every option flag off and on,
-  and with the row count, temperature and entropy the compacted and GRPO paths use; `scale`'s kernel;
+  and with the row count, temperature and entropy the compacted and GRPO paths use (and the logits' sum of TRL's
+  mean_logits); `scale`'s kernel;
 - the fused strategy's forward and backward (`fused_ce`, bf16, the first autotune config: the one the
   H200 picks) in each launch mode, flags off and on;
 - the row-count GEMMs (`rowcount_gemm`, bf16, the config the H200 picks) on both load paths, dX's
@@ -54,8 +55,9 @@ STATS_SIGNATURE = {
 FINISH_SIGNATURE = {
     "logits_ptr": "*bf16", "loss_ptr": "*fp32", "row_max_ptr": "*fp32", "log_sumexp_ptr": "*fp32",
     "partial_max_ptr": "*fp32", "partial_sumexp_ptr": "*fp32", "partial_wsum_ptr": "*fp32", "partial_ent_ptr": "*fp32",
-    "entropy_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "target_ptr": "*i64", "target_logit_ptr": "*fp32",
-    "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32", "row_count_ptr": "*i32",
+    "entropy_ptr": "*fp32", "grad_entropy_ptr": "*fp32", "logit_sum_ptr": "*fp32", "target_ptr": "*i64",
+    "target_logit_ptr": "*fp32", "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp32", "grad_ptr": "*fp32",
+    "row_count_ptr": "*i32",
     "V": "i32", "stride_row": "i64", "span": "i32", "col_base": "i32", "vocab_total": "i32", "ignore_index": "i32",
     "label_smoothing": "fp32", "z_loss": "fp32", "softcap": "fp32", "logit_scale": "fp32",
 }
@@ -264,12 +266,13 @@ def main() -> int:
         for on in (False, True):
             cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
                           dict(off, SPLIT=split, HAS_WEIGHT=on, HAS_SOFTCAP=on, COMPUTE_STATS=compute_stats,
-                               WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token)))
-        # the same three launches with a row count, a temperature and the entropy (and its gradient)
+                               WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token, SUM_LOGITS=False)))
+        # the same three launches with a row count, a temperature and the entropy (and its gradient), and the
+        # logits' sum where statistics are computed (TRL's mean_logits)
         cases.append(("finish", ce_rows._row_finish_kernel, FINISH_SIGNATURE,
                       dict(SPLIT=split, HAS_WEIGHT=False, HAS_SOFTCAP=True, COMPUTE_STATS=compute_stats,
                            WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token, HAS_ROW_COUNT=True, HAS_ENTROPY=True,
-                           HAS_SCALE=True)))
+                           HAS_SCALE=True, SUM_LOGITS=compute_stats)))
     runs = [(name, kernel, signature, flags, config) for name, kernel, signature, flags in cases for config in ends]
     runs.append(("scale", scale._scale_kernel, SCALE_SIGNATURE, {"SKIP_ONE": True},
                  triton.Config({"BLOCK": scale.BLOCK}, num_warps=8)))

@@ -627,3 +627,21 @@ def test_gpu_entropy_plane_and_scale_leave_the_loss_partials_alone(poison_alloca
         ref = torch.zeros(4, T, g.partial_slots(V), device="cuda")
         emulated_partials(x, w, y, ref, torch.zeros(T, device="cuda"), logit_scale=scale)
         assert (parts[3, :, :n] - ref[3, :, :n]).abs().max().item() <= 1e-3 * ref[3, :, :n].abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_mean_logits_take_the_chunked_pass(monkeypatch, gluon_launches):
+    """`linear_logprobs_with_stats(return_mean_logits=True)`: the Gluon epilogue has no logits' sum, so the call runs
+    the chunked pass (no launch) and its mean logit is fp64's within 2× torch's bf16 error; the same call without
+    the mean takes the Gluon pass, and the two passes' log-probs agree closely."""
+    x, w, y = make_inputs(2048, 1024, 32003, ignore_frac=0.3)
+    with torch.no_grad():
+        with_mean = linear_logprobs_with_stats(x, w, y, temperature=0.7, return_mean_logits=True)
+        assert gluon_launches == []
+        plain = linear_logprobs_with_stats(x, w, y, temperature=0.7)
+    assert gluon_launches == [2048]
+    ref = reference.mean_logits_fp64(x, w, temperature=0.7)
+    tch = (torch.nn.functional.linear(x, w).float() / 0.7).mean(-1)
+    _assert_fp32_within_2x_torch({"mean_logits": (with_mean[4], ref, tch)})
+    assert rel_err(with_mean[0], plain[0]) < 1e-2

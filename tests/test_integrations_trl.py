@@ -75,6 +75,21 @@ def tiny(tmp_path_factory):
                 out=str(tmp_path_factory.mktemp("trl_out")))
 
 
+@pytest.fixture(scope="module")
+def tiny_softcapped(tiny, tmp_path_factory):
+    """`tiny` with a Gemma-2 model in place of the Llama (same vocabulary and tokenizer): a final logit softcap
+    small enough (0.3) that the mean of the softcapped logits is far from the softcap of the mean."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, final_logit_softcapping=0.3)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_gemma2")
+    Gemma2ForCausalLM(config).save_pretrained(path)
+    return {**tiny, "path": str(path)}
+
+
 def reward_len(completions, **kwargs):
     """A reward with spread within each group (GRPO's advantages are zero without it)."""
     return [float(len(c)) / 8.0 + (0.5 if "w1" in c else 0.0) for c in completions]
@@ -263,6 +278,19 @@ def test_grpo_matches_trl(tiny, monkeypatch, options):
 def test_kto_matches_trl(tiny, monkeypatch):
     plain, fused, _ = run_pair("kto", tiny, monkeypatch, max_steps=1, per_device_train_batch_size=4)
     assert_same_run(plain, fused, ("logps/chosen",))
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_dpo_and_kto_on_a_softcapped_model_match_trl(tiny_softcapped, monkeypatch, kind):
+    """Gemma-2's final logit softcap: the trainers' logits/* metrics read TRL's mean_logits, the mean over the
+    vocabulary of the softcapped logits, which fusedkern's head takes from the log-probs' own pass (a row sum beside
+    the log-sum-exp): every metric and parameter as TRL's own head gives them."""
+    config = dict(max_steps=2) if kind == "dpo" else dict(max_steps=1, per_device_train_batch_size=4)
+    plain, fused, calls = run_pair(kind, tiny_softcapped, monkeypatch, **config)
+    assert_same_run(plain, fused, ("logits/chosen", "logits/rejected", "logps/chosen", "rewards/chosen"))
+    assert all(abs(log["logits/chosen"]) > 1e-3 for log in fused[0])  # a mean the test can tell apart
+    # policy and reference per step (KTO: both again for the KL estimate on mismatched pairs)
+    assert len(calls) == (2 if kind == "dpo" else 4) * len(fused[0])
 
 
 def test_rloo_matches_trl(tiny, monkeypatch):
@@ -595,8 +623,7 @@ def test_refusals(tiny):
             fk_trl.add_fused_lm_head(copy.deepcopy(model), **bad)
     softcapped = copy.deepcopy(model)
     softcapped.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="mean_logits"):
-        fk_trl.add_fused_lm_head(softcapped, outputs=("log_probs", "mean_logits"))
+    fk_trl.add_fused_lm_head(copy.deepcopy(softcapped), outputs=("log_probs", "mean_logits"))  # DPO's, KTO's
     softcapped.config.logit_scale = 0.5
     with pytest.raises(ValueError, match="logit scale"):
         fk_trl.add_fused_lm_head(softcapped)
@@ -622,7 +649,7 @@ def test_head_softcap_scale_temperature_and_empty_rows(tiny):
     ids = torch.randint(3, V, (3, 9), generator=g)
     labels = ids.clone()
     labels[:, :3] = -100
-    for extra, outputs in ((dict(final_logit_softcapping=0.05), ("log_probs", "entropy", "is_top1")),
+    for extra, outputs in ((dict(final_logit_softcapping=0.05), ("log_probs", "entropy", "mean_logits", "is_top1")),
                            (dict(logits_scaling=0.25), ("log_probs", "entropy", "mean_logits", "is_top1"))):
         theirs, ours = copy.deepcopy(base), copy.deepcopy(base)
         for m in (theirs, ours):
@@ -634,6 +661,11 @@ def test_head_softcap_scale_temperature_and_empty_rows(tiny):
         b = ours(input_ids=ids, labels=labels, fused_lm_head=True)
         for field in outputs + ("loss",):
             torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=2e-6, msg=field)
+        if "final_logit_softcapping" in extra:  # the mean of the softcapped logits, far from the raw logits' mean
+            with torch.no_grad():
+                hidden = ours.model(input_ids=ids).last_hidden_state[:, :-1]
+                raw_mean = (hidden @ ours.lm_head.weight.T / 0.6).mean(-1)
+            assert (b.mean_logits - raw_mean)[labels[:, 1:] != -100].abs().max() > 1e-3
         (a.loss + a.entropy.sum()).backward()
         (b.loss + b.entropy.sum()).backward()
         for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):

@@ -191,7 +191,7 @@ def test_entropy_fullgraph_compile_matches_eager_and_opcheck():
     for with_entropy in (True, False):
         args = logprobs_entropy.flat_args(*_leaves((x, w, b)), y, None, None, options(with_entropy))
         torch.library.opcheck(logprobs_entropy.custom_op, args, test_utils=utils)
-    _, stats, ent = logprobs_entropy(x, w, b, y, None, None, options(True))
+    _, stats, ent, _ = logprobs_entropy(x, w, b, y, None, None, options(True))
     up = torch.randn(2, T, device=DEVICE)
     args = logprobs_entropy_backward.flat_args(x, w, b, y, stats, ent, up[0], up[1],
                                                options(True).gradients(True, True, True))
@@ -277,3 +277,94 @@ def test_policy_and_reference_paths_give_equal_logprobs(dtype, temperature, entr
     dpo = -F.logsigmoid(0.1 * (margin[0] - margin[1]))
     assert abs(dpo.item() - math.log(2)) <= 1e-6
 
+
+MEAN_CASES = {"plain": dict(), "softcap": dict(softcap=3.0), "softcap_temperature": dict(softcap=2.0, temperature=0.7)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(MEAN_CASES))
+def test_mean_logits_match_fp64_and_leave_the_logprobs_alone(case, dtype):
+    """return_mean_logits: (1/V)·Σ_v softcap(z)_v/τ of every row (ignored ones too), TRL's mean_logits, from the row sum
+    the statistics pass carries: within 2× torch's error of fp64 (the logits GEMM in the input dtype, the rest fp32,
+    as the kernels), in whole-row chunks and in the loss-only tiles, with and without a gradient to follow; the
+    log-probs, entropy and row statistics are bitwise those of the call without it."""
+    from fusedkern.logprobs import linear_logprobs_with_stats
+
+    kw = MEAN_CASES[case]
+    x, w, y, b = make_inputs(dtype, bias=True, seed=11)
+    ref = reference.mean_logits_fp64(x.double(), w.double(), linear_bias=b.double(), **kw)
+    s = F.linear(x, w, b).float()
+    if "softcap" in kw:
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+    tch = (s / kw.get("temperature", 1.0)).mean(-1)
+    for chunk_tokens in (None, 5):
+        for grad in (False, True):
+            xs = x.clone().requires_grad_(grad)
+            with_mean = linear_logprobs_with_stats(xs, w, y, linear_bias=b, return_entropy=True,
+                                                   chunk_tokens=chunk_tokens, return_mean_logits=True, **kw)
+            without = linear_logprobs_with_stats(x, w, y, linear_bias=b, return_entropy=True,
+                                                 chunk_tokens=chunk_tokens, **kw)
+            assert len(with_mean) == 5 and len(without) == 4
+            for ours, theirs in zip(with_mean[:4], without):
+                assert torch.equal(ours.detach(), theirs)
+            mean = with_mean[4]
+            assert mean.dtype == torch.float32 and mean.shape == y.shape and not mean.requires_grad
+            assert_close_to_ref("mean_logits", mean, ref, tch, atol=ATOL[dtype])
+
+
+def test_mean_logits_merge_across_vocabulary_tiles():
+    """The loss-only pass over [C, Vs] tiles merges each tile's partial sum like the other statistics: the same sums
+    as fp64 for tiles of 32 and 48 columns (V = 83: ragged last tiles) and whole rows; loss and row statistics bitwise
+    those of the pass without the sum."""
+    x, w, y, b = make_inputs(torch.float32, bias=True, seed=12)
+    opts = LossOptions(softcap=2.5, logit_scale=1 / 0.8)
+    ref = V * reference.mean_logits_fp64(x.double(), w.double(), linear_bias=b.double(), softcap=2.5, temperature=0.8)
+    for tile in ((5, 32), (16, 48), None):
+        sums = torch.full((T,), float("nan"), device=DEVICE)
+        loss, stats = chunked_loss(x, w, b, y, None, opts, None if tile else 4, tile=tile, logit_sum=sums)
+        loss_plain, stats_plain = chunked_loss(x, w, b, y, None, opts, None if tile else 4, tile=tile)
+        assert torch.equal(loss, loss_plain) and torch.equal(stats, stats_plain)
+        torch.testing.assert_close(sums.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mean_logits_route_away_from_gluon_and_fused():
+    """The Gluon epilogue and the fused kernels carry no logits' sum: a call that asks for it is one they do not take
+    (impl='auto' then runs the chunked pass; an explicit impl raises naming why)."""
+    from fusedkern.dispatch import Call, check_supported, strategy
+
+    x, w, y, _ = make_inputs(torch.float32)
+    call = Call(x, w, None, None, LossOptions(), with_logit_sum=True)
+    for name in ("gluon", "fused"):
+        assert "logits' sum" in strategy(name).unsupported(call)
+        with pytest.raises(ValueError, match="logits' sum"):
+            check_supported(name, call)
+    assert strategy("chunked").unsupported(call) is None
+    with pytest.raises(TypeError, match="return_mean_logits"):
+        fusedkern.logprobs.linear_logprobs_with_stats(x, w, y, return_mean_logits=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_gpu_mean_logits_bf16_realistic(softcap):
+    """bf16 at V = 32003 (split rows on the GPU, a ragged second tile in the loss-only pass) and Gemma-2's softcap: the
+    mean logit within 2× torch's error of fp64, in the loss-only tiles and in whole-row chunks; the log-probs bitwise
+    those of the call without it where both take the chunked pass."""
+    from fusedkern.logprobs import linear_logprobs_with_stats
+
+    torch.manual_seed(0)
+    Tg, Hg, Vg = 2048, 1024, 32003
+    x = torch.randn(Tg, Hg, device="cuda").bfloat16()
+    w = (torch.randn(Vg, Hg, device="cuda") / math.sqrt(Hg) * 4).bfloat16()
+    y = torch.randint(0, Vg, (Tg,), device="cuda")
+    ref = reference.mean_logits_fp64(x.double(), w.double(), softcap=softcap, temperature=0.9)
+    s = F.linear(x, w).float()
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    tch = (s / 0.9).mean(-1)
+    for grad, chunk_tokens in ((False, None), (True, None), (True, 512)):  # loss-only tiles, then whole-row chunks
+        xs = x.clone().requires_grad_(grad)
+        kw = dict(softcap=softcap, temperature=0.9, chunk_tokens=chunk_tokens)
+        out = linear_logprobs_with_stats(xs, w, y, return_mean_logits=True, **kw)
+        plain = linear_logprobs_with_stats(x, w, y, **kw)
+        assert torch.equal(out[0].detach(), plain[0]) or softcap is None  # without a softcap `plain` may take Gluon
+        assert_close_to_ref("mean_logits", out[4], ref, tch, atol=1e-3)

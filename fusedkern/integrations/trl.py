@@ -493,10 +493,11 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
     by fusedkern over the positions whose label is not −100; without `fused_lm_head` the original forward runs.
 
     Raises ValueError for what it cannot reproduce: `log_sum_sq_probs` (DPOConfig(use_weighting=True), WPO),
-    `mean_logits` under a final logit softcap, a logit scale together with a softcap. At each call, TypeError for
-    an `lm_head` that is neither a plain nn.Linear nor PEFT's LoRA Linear or ModulesToSaveWrapper over one (those
-    are resolved by `fusedkern.integrations.heads`; other PEFT tuners, DoRA, a quantized base are refused) and for
-    DeepSpeed ZeRO-3 parameters."""
+    a logit scale together with a softcap. `mean_logits` under a final logit softcap is a row sum of the log-probs'
+    own pass (`linear_logprobs_with_stats(return_mean_logits=True)`); without one, x · mean(W). At each call,
+    TypeError for an `lm_head` that is neither a plain nn.Linear nor PEFT's LoRA Linear or ModulesToSaveWrapper over
+    one (those are resolved by `fusedkern.integrations.heads`; other PEFT tuners, DoRA, a quantized base are refused)
+    and for DeepSpeed ZeRO-3 parameters."""
     transformers = importlib.import_module("transformers")
     from packaging.version import Version
     outputs = tuple(outputs)
@@ -516,14 +517,15 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                          "in fusedkern")
     if not logit_scale > 0:
         raise ValueError(f"the model's logit scale must be > 0 for fusedkern, got {logit_scale}")
-    if softcap is not None and "mean_logits" in outputs:
-        raise ValueError("outputs 'mean_logits' (the trainer's logits/* metrics) under a final logit softcap "
-                         f"({softcap}) has no fused form in fusedkern: the mean of softcapped logits needs them all")
     # no softcap: s = scale·z/τ is a temperature of τ/scale; with a softcap, scale is 1
     effective_temperature = float(temperature) / logit_scale
     want_entropy = "entropy" in outputs
     want_stats = "is_top1" in outputs
     want_mean = "mean_logits" in outputs
+    # under a softcap the mean logit is a function of every logit: a row sum the statistics pass carries beside the
+    # log-sum-exp (no GEMM of its own); without one it is linear in x, one GEMV (`mean_logits_of`), which leaves the
+    # statistics pass free to take the Gluon kernel as the reference model's does
+    row_mean = want_mean and softcap is not None
     original_forward = model.forward
     forget_pattern(model)  # a trainer that anticipates its loss's upstream records it after this (trl_sft.py)
     backbone_attr = "base_model"
@@ -580,15 +582,21 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                 pattern = anticipated_pattern(self)  # SFTTrainer's nll/dft: the gradient formed in the forward
                 head_logprobs = linear_logprobs_with_stats if pattern is None else functools.partial(
                     linear_logprobs_anticipated, anticipate=pattern)
-                logps, entropy, row_max, row_lse = head_logprobs(
+                if row_mean:  # the softcapped mean logit from the same pass (DPO's and KTO's logits/* metrics)
+                    head_logprobs = functools.partial(linear_logprobs_with_stats, return_mean_logits=True)
+                logps, entropy, row_max, row_lse, *row_means = head_logprobs(
                     x, weight, y, linear_bias=bias, softcap=softcap, temperature=effective_temperature,
                     return_entropy=want_entropy, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
             else:  # an all-masked micro-batch still gives a differentiable zero connected to the model
                 logps = x.float().sum(-1)
                 entropy, row_max, row_lse = (logps if want_entropy else None), logps.detach(), logps.detach()
+                row_means = [logps.detach()]
             # (CPO's and ORPO's every-position means, when asked for, already hold these rows' means)
-            mean_logits = mean_logits_of(x, weight, bias, effective_temperature) \
-                if want_mean and every_mean is None else None
+            if row_mean:
+                mean_logits = row_means[0]
+            else:
+                mean_logits = mean_logits_of(x, weight, bias, effective_temperature) \
+                    if want_mean and every_mean is None else None
 
         def scatter(t):
             return None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t)

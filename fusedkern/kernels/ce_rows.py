@@ -22,6 +22,11 @@ Entropy (HAS_ENTROPY, compiled out otherwise): one more row statistic, A = Σ ex
 like the sum-exp, gives H = lse − Σ p s = log Σ − A/Σ; its gradient ∂H/∂s_v = −p_v·(log p_v + H) joins
 the in-place gradient with the token's own upstream weight (`linear_logprobs(return_entropy=True)`).
 
+The logits' sum (SUM_LOGITS, `logit_sum`): Σ_v s_v of a row, the mean logit's numerator (TRL's `mean_logits`,
+which a softcap makes a function of every logit). It is label smoothing's Σ w·s with no class weight, so the
+statistics kernel accumulates it under the same flag and it merges like the other partials; the finish kernel
+stores it instead of adding it to the loss (ε = 0 there), which stays bit for bit what it is without it.
+
 Size (> 400 lines): the statistics and finish kernels and their launchers share the split and merge rules,
 which one file keeps in one place.
 """
@@ -75,7 +80,8 @@ def _stats_block(row_ptr, cols, col1, class_weight_ptr, softcap, logit_scale, m_
                  MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_ENTROPY: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     """One BLOCK_V step of the per-lane online (max m, rest = Σ exp(s − m) − 1, Σ w·s, and with HAS_ENTROPY
-    A = Σ exp(s − m)·(s − m)). MASKED: the slice's tail.
+    A = Σ exp(s − m)·(s − m)). MASKED: the slice's tail. HAS_SMOOTHING compiles in Σ w·s: label smoothing's, or
+    without class weights the logits' sum Σ s (`ce_rows`' logit_sum).
     Full blocks skip every mask and the label-smoothing sum is compiled in only when ε > 0: an earlier
     form of this loop ran well below the GPU's memory bandwidth (docs/design.md), so the instructions per
     element are what it costs."""
@@ -130,7 +136,8 @@ def _row_stats_kernel(
     # pointers
     partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
     partial_sumexp_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max) − 1 over the slice (0 if empty)
-    partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (label smoothing; else 0)
+    partial_wsum_ptr,  # (C, SPLIT) fp32 out: Σ w_v·s_v over the slice (HAS_SMOOTHING: label smoothing, or Σ s_v
+    #                     for the logits' sum; else 0)
     partial_ent_ptr,  # (C, SPLIT) fp32 out: Σ exp(s − max)·(s − max) over the slice (HAS_ENTROPY)
     logits_ptr,  # (C, V) input dtype, read only
     class_weight_ptr,  # (V,) fp32 (HAS_WEIGHT)
@@ -190,7 +197,7 @@ def _row_stats_kernel(
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),
                  key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SOFTCAP", "COMPUTE_STATS", "WRITE_GRAD", "HAS_ROW_COUNT",
-                      "HAS_ENTROPY", "HAS_SCALE"],
+                      "HAS_ENTROPY", "HAS_SCALE", "SUM_LOGITS"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
 @triton.jit
@@ -203,6 +210,7 @@ def _row_finish_kernel(
     partial_max_ptr, partial_sumexp_ptr, partial_wsum_ptr, partial_ent_ptr,  # (C, SPLIT) fp32 in (COMPUTE_STATS)
     entropy_ptr,  # (C,) fp32 entropy H_t of softmax(s), 0 where ignored: out / in like row_max (HAS_ENTROPY)
     grad_entropy_ptr,  # (C,) fp32 upstream ∂L/∂H_t (HAS_ENTROPY and WRITE_GRAD; with PER_TOKEN_GRAD)
+    logit_sum_ptr,  # (C,) fp32 out: Σ_v s_v, merged from partial_wsum (SUM_LOGITS, with COMPUTE_STATS)
     target_ptr,  # (C,) int32/int64 class indices or ignore_index
     target_logit_ptr,  # (C,) fp32 s_y, copied out by the stats kernel (COMPUTE_STATS; see `ce_rows`)
     class_weight_ptr,  # (vocab_total,) fp32 class weights w_v of the whole vocabulary (HAS_WEIGHT)
@@ -222,7 +230,7 @@ def _row_finish_kernel(
     # meta-parameters
     SPLIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, COMPUTE_STATS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr, HAS_ROW_COUNT: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    HAS_SCALE: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SUM_LOGITS: tl.constexpr, USE_LIBDEVICE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row, split, row_ptr = _program_row(logits_ptr, stride_row)
     if HAS_ROW_COUNT:
@@ -267,7 +275,10 @@ def _row_finish_kernel(
             s_y = tl.load(target_logit_ptr + row)
             ws = tl.sum(tl.load(partial_wsum_ptr + parts), axis=0)
             loss = (1.0 - label_smoothing) * w_y * ((m - s_y) + log_d)
-            loss += (label_smoothing / vocab_total) * (w_sum * lse - ws)
+            if SUM_LOGITS:  # the partials hold the logits' sum Σ s (ε = 0, no class weight): stored, not a loss term
+                tl.store(logit_sum_ptr + row, ws)
+            else:
+                loss += (label_smoothing / vocab_total) * (w_sum * lse - ws)
             loss += z_loss * lse * lse
             tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
             tl.store(row_max_ptr + row, m)
@@ -359,6 +370,7 @@ def ce_rows(
     entropy: torch.Tensor | None = None,
     grad_entropy: torch.Tensor | None = None,
     logit_scale: float = 1.0,
+    logit_sum: torch.Tensor | None = None,
 ) -> None:
     """Per-row statistics and (optionally) the in-place logits gradient of a logits chunk.
 
@@ -376,6 +388,8 @@ def ce_rows(
     compute_stats, else read (the forward's). grad_entropy: with a per-token grad, [C] fp32 ∂L/∂H_t;
     the written gradient is then g_t·∂ℓ_t/∂z + grad_entropy_t·∂H_t/∂z. Whole vocabulary only.
     logit_scale: s = softcap(z)·logit_scale in fp32 (1/τ of a sampling temperature; 1.0 compiles it out).
+    logit_sum: None, or [C] fp32 written with Σ_v s_v of each row (compute_stats; no class weights, ε = 0;
+    the loss and statistics are the same with and without it).
     """
     C, V = logits.shape
     assert logits.stride(1) == 1 and C > 0
@@ -383,6 +397,8 @@ def ce_rows(
     assert not compute_stats or (col_base == 0 and vocab_total == V), "a shard's statistics are partial"
     assert entropy is None or (col_base == 0 and vocab_total == V), "the entropy needs the whole vocabulary"
     assert grad_entropy is None or (entropy is not None and per_token_grad and grad is not None)
+    assert logit_sum is None or (compute_stats and class_weight is None and label_smoothing == 0), \
+        "the logits' sum is label smoothing's sum with ε = 0 and no class weights, from a statistics pass"
     split = _split_for(C, V)
     dummy = stats  # any fp32 tensor: never read when its flag is off
     span = _span(V, split)
@@ -394,7 +410,7 @@ def ce_rows(
         target_logit = torch.empty(C, device=logits.device, dtype=torch.float32)
         _launch_stats(logits, parts, split, span, col_base=0, target=target, target_logit=target_logit,
                       class_weight=class_weight, softcap=softcap, label_smoothing=label_smoothing,
-                      row_count=row_count, logit_scale=logit_scale)
+                      row_count=row_count, logit_scale=logit_scale, sum_logits=logit_sum is not None)
     else:  # no loss: s_y is not needed
         parts = (dummy, dummy, dummy, dummy)
         target_logit = None
@@ -404,7 +420,7 @@ def ce_rows(
                    ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                    compute_stats=compute_stats, per_token_grad=per_token_grad, row_count=row_count,
                    col_base=col_base, vocab_total=vocab_total, entropy=entropy, grad_entropy=grad_entropy,
-                   logit_scale=logit_scale)
+                   logit_scale=logit_scale, logit_sum=logit_sum)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,11 +449,12 @@ def tile_partials(n_tokens: int, vocab: int, slice_cols: int, device: torch.devi
 
 def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor, target_logit: torch.Tensor, *,
                    tile_index: int, split: int, col_base: int, class_weight: torch.Tensor | None,
-                   softcap: float | None, label_smoothing: float, logit_scale: float = 1.0) -> None:
+                   softcap: float | None, label_smoothing: float, logit_scale: float = 1.0,
+                   sum_logits: bool = False) -> None:
     """Partial statistics of a logits tile [C, Vs] = vocabulary columns col_base … col_base + Vs − 1.
 
     Writes parts[:, :, k·split : (k+1)·split] for k = tile_index, and target_logit[t] for the rows
-    whose target lies in the tile."""
+    whose target lies in the tile. sum_logits: parts[2] gets the tile's Σ s (`merge_row_stats`' logit_sum)."""
     C, Vs = tile.shape
     assert tile.stride(1) == 1 and C > 0 and parts.shape[1] == C
     slot = tile_index * split
@@ -445,21 +462,24 @@ def row_stats_tile(tile: torch.Tensor, target: torch.Tensor, parts: torch.Tensor
     view = parts[:, :, slot:slot + split]  # strided: row stride P, passed to the kernel as partial_stride
     _launch_stats(tile, view, split, _span(Vs, split), col_base=col_base, target=target, target_logit=target_logit,
                   class_weight=cw, softcap=softcap, label_smoothing=label_smoothing, partial_stride=parts.shape[2],
-                  logit_scale=logit_scale)
+                  logit_scale=logit_scale, sum_logits=sum_logits)
 
 
 def merge_row_stats(parts: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor, vocab: int, *,
                     loss: torch.Tensor, stats: torch.Tensor, class_weight: torch.Tensor | None,
                     class_weight_sum: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-                    softcap: float | None, entropy: torch.Tensor | None = None, logit_scale: float = 1.0) -> None:
+                    softcap: float | None, entropy: torch.Tensor | None = None, logit_scale: float = 1.0,
+                    logit_sum: torch.Tensor | None = None) -> None:
     """lse, loss and stats [2, C] of every row (and its entropy [C] when given: then `parts` has the
-    entropy's statistic) from the partials of all its tiles (`row_stats_tile`)."""
+    entropy's statistic) from the partials of all its tiles (`row_stats_tile`). logit_sum: [C] fp32 written with
+    each row's Σ s, from tiles whose statistics were taken with sum_logits (ε = 0, no class weights)."""
     C, P = parts.shape[1], parts.shape[2]
     assert (entropy is not None) == (parts.shape[0] == 4)
+    assert logit_sum is None or (class_weight is None and label_smoothing == 0)
     _launch_finish(None, target, target_logit, parts, (C, 1), P, _span(vocab, P), loss=loss, stats=stats,
                    class_weight=class_weight, class_weight_sum=class_weight_sum, grad=None, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, compute_stats=True,
-                   per_token_grad=False, vocab=vocab, entropy=entropy, logit_scale=logit_scale)
+                   per_token_grad=False, vocab=vocab, entropy=entropy, logit_scale=logit_scale, logit_sum=logit_sum)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,7 +492,9 @@ def _span(V: int, split: int) -> int:
 
 
 def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit, class_weight, softcap,
-                  label_smoothing, partial_stride=None, row_count=None, logit_scale=1.0) -> None:
+                  label_smoothing, partial_stride=None, row_count=None, logit_scale=1.0, sum_logits=False) -> None:
+    """sum_logits: the Σ w·s partials (label smoothing's) hold Σ s, the logits' sum (no class weights)."""
+    assert not (sum_logits and class_weight is not None)
     C, V = logits.shape
     dummy = parts[0]
     find_target = target is not None
@@ -484,7 +506,7 @@ def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit,
         dummy if row_count is None else row_count,
         V, logits.stride(0), span, split if partial_stride is None else partial_stride, col_base,
         float(softcap or 1.0), float(logit_scale),
-        SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=label_smoothing > 0,
+        SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SMOOTHING=label_smoothing > 0 or sum_logits,
         HAS_SOFTCAP=softcap is not None, FIND_TARGET=find_target, HAS_ROW_COUNT=row_count is not None,
         HAS_ENTROPY=has_entropy, HAS_SCALE=logit_scale != 1.0, USE_LIBDEVICE=not interpreting())
 
@@ -492,21 +514,23 @@ def _launch_stats(logits, parts, split, span, *, col_base, target, target_logit,
 def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, loss, stats, class_weight,
                    class_weight_sum, grad, ignore_index, label_smoothing, z_loss, softcap, compute_stats,
                    per_token_grad, vocab=None, row_count=None, col_base=0, vocab_total=None, entropy=None,
-                   grad_entropy=None, logit_scale=1.0) -> None:
+                   grad_entropy=None, logit_scale=1.0, logit_sum=None) -> None:
     """logits: the [C, V] chunk, or None when merging tile partials (then `vocab` gives V).
     target_logit: s_y per row from the statistics kernel, needed when the loss is computed (never read
     from the logits: see `ce_rows`); None otherwise. entropy / grad_entropy: see `ce_rows`; with
-    compute_stats, parts[3] holds the entropy's partials."""
+    compute_stats, parts[3] holds the entropy's partials. logit_sum: [C] fp32 out, the merged parts[2] (Σ s)."""
     dummy = stats  # any fp32 tensor: never read when its flag is off
     write_grad = grad is not None
     has_entropy = entropy is not None
     assert target_logit is not None or not compute_stats
     assert not (has_entropy and compute_stats) or len(parts) == 4
     assert not (has_entropy and write_grad) or grad_entropy is not None
+    assert logit_sum is None or compute_stats
     _row_finish_kernel[grid](
         dummy if logits is None else logits, loss if loss is not None else dummy, stats[0], stats[1], parts[0], parts[1],
         parts[2], parts[3] if has_entropy and compute_stats else dummy, entropy if has_entropy else dummy,
-        grad_entropy if grad_entropy is not None else dummy, target, dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
+        grad_entropy if grad_entropy is not None else dummy, dummy if logit_sum is None else logit_sum, target,
+        dummy if target_logit is None else target_logit, dummy if class_weight is None else class_weight,
         class_weight_sum if class_weight_sum is not None else dummy, grad if write_grad else dummy,
         dummy if row_count is None else row_count,
         vocab if logits is None else logits.shape[1], 0 if logits is None else logits.stride(0), span,
@@ -515,4 +539,4 @@ def _launch_finish(logits, target, target_logit, parts, grid, split, span, *, lo
         SPLIT=split, HAS_WEIGHT=class_weight is not None, HAS_SOFTCAP=softcap is not None,
         COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad, PER_TOKEN_GRAD=per_token_grad,
         HAS_ROW_COUNT=row_count is not None, HAS_ENTROPY=has_entropy, HAS_SCALE=logit_scale != 1.0,
-        USE_LIBDEVICE=not interpreting())
+        SUM_LOGITS=logit_sum is not None, USE_LIBDEVICE=not interpreting())
