@@ -32,6 +32,14 @@ held before), applied by `apply_patches` and undone by `undo_patches`; `unpatch(
 checks TRL's version and the attributes it needs (`HOOKS`) first, logs one INFO line naming the trainers it covers,
 and a TRL trainer it does not cover (OnlineDPOTrainer, RewardTrainer, …) warns when built while patched.
 docs/integrations.md ("TRL") lists what each trainer covers and raises.
+
+Liger-Kernel beside it: `use_liger_kernel=True` makes transformers' `Trainer.train()` apply Liger's kernels to the
+policy when training starts. Its layer kernels (RoPE, RMSNorm, SwiGLU) replace parts of the body and leave the
+model's forward, and so fusedkern's head, alone. Its fused linear cross-entropy would replace the model's forward
+and drop the head: TRL 1.16's SFT, DPO, KTO, GRPO and RLOO trainers switch it off themselves, and a covered trainer
+built while patched gets it switched off too (`liger_kernel_config={"fused_linear_cross_entropy": False}` unless
+given; `ValueError` if asked for), so Liger brings the body and fusedkern the head. `check_trainer` raises where
+Liger's loss would still replace the forward, or already has.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import sys
 import types
@@ -364,7 +373,8 @@ def _trl_trainer_name(cls) -> str | None:
 
 def _warn_uncovered_init(original_init, covered: tuple[str, ...]):
     """transformers' `Trainer.__init__`, warning first when the trainer is a TRL trainer that the patch does not
-    cover (its loss code is not fusedkern's and may compute the full logits)."""
+    cover (its loss code is not fusedkern's and may compute the full logits); a covered trainer's Liger options are
+    kept to Liger's layer kernels after it (`liger_layers_only`)."""
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
@@ -374,8 +384,58 @@ def _warn_uncovered_init(original_init, covered: tuple[str, ...]):
                           "while patched, it still trains with its own loss code, which may run without fusedkern; "
                           "check_trainer(trainer) raises where its model lacks fusedkern's head", stacklevel=3)
         original_init(self, *args, **kwargs)
+        if name is not None and name in covered:
+            liger_layers_only(self)
 
     return init
+
+
+def liger_layers_only(trainer) -> None:
+    """With `args.use_liger_kernel`, keep Liger to its layer kernels: `fused_linear_cross_entropy=False` in
+    `args.liger_kernel_config` unless it is given (as TRL 1.16's SFT, DPO, KTO, GRPO and RLOO trainers do
+    themselves; CPO, ORPO, GKD and DistillationTrainer leave Liger's default, which replaces the model's forward when
+    training starts and would drop fusedkern's head). ValueError if it is given as True."""
+    args = getattr(trainer, "args", None)
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    config = dict(getattr(args, "liger_kernel_config", None) or {})
+    if config.get("fused_linear_cross_entropy"):
+        raise ValueError(f"{type(trainer).__name__}: liger_kernel_config={{'fused_linear_cross_entropy': True}} "
+                         "replaces the model's forward with Liger's loss when training starts, which would drop "
+                         "fusedkern's head; with fusedkern.integrations.trl patched, leave it out (Liger's layer "
+                         "kernels still apply) or set it to False")
+    if "fused_linear_cross_entropy" not in config:
+        args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
+        logger.info("%s: use_liger_kernel=True applies Liger's layer kernels only (fused_linear_cross_entropy=False):"
+                    " fusedkern's head computes the log-probs", type(trainer).__name__)
+
+
+def liger_loss_would_replace_forward(trainer) -> bool:
+    """Whether `Trainer.train()` would apply Liger's fused linear cross-entropy to the trainer's model (replacing its
+    forward, and with it fusedkern's head): `args.use_liger_kernel` with `fused_linear_cross_entropy` True in
+    `args.liger_kernel_config`, or absent there and True by default in Liger's function for the model's type. False
+    without Liger installed (`train()` raises its own ImportError then)."""
+    args = getattr(trainer, "args", None)
+    if not getattr(args, "use_liger_kernel", False):
+        return False
+    config = dict(getattr(args, "liger_kernel_config", None) or {})
+    if "fused_linear_cross_entropy" in config:
+        return bool(config["fused_linear_cross_entropy"])
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return False
+    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(getattr(getattr(model, "config", None), "model_type", None))
+    parameter = None if apply is None else inspect.signature(apply).parameters.get("fused_linear_cross_entropy")
+    return parameter is not None and parameter.default is True
+
+
+def _forward_is_ligers(model) -> bool:
+    """Whether the model's forward is one of Liger's (its fused linear cross-entropy, applied to the instance)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    func = getattr(model.forward, "__func__", model.forward)
+    return (getattr(func, "__module__", None) or "").startswith("liger_kernel")
 
 
 def unpatch() -> None:
@@ -445,10 +505,17 @@ def _own_loss_attribute(trainer) -> str | None:
 def check_trainer(trainer) -> None:
     """Raise RuntimeError unless the trainer will compute its loss with fusedkern when it trains: its model (and
     reference model, if any) carries fusedkern's head, and where it computes the logits itself (CPO, ORPO, GKD,
-    DistillationTrainer) its loss function is fusedkern's — bound at construction when built while patched. A
+    DistillationTrainer) its loss function is fusedkern's — bound at construction when built while patched; and
+    `use_liger_kernel=True` would not apply Liger's fused linear cross-entropy (`liger_loss_would_replace_forward`). A
     DistillationTrainer built before `patch()` has fusedkern's divergence only while the patch is on (TRL looks the
     function up at each step); CPO, ORPO and GKD trainers built before `patch()` lack the head."""
     name = type(trainer).__name__
+    if liger_loss_would_replace_forward(trainer):
+        raise RuntimeError(f"{name} would apply Liger's fused linear cross-entropy when training starts "
+                           "(use_liger_kernel=True; liger_kernel_config's fused_linear_cross_entropy is on or "
+                           "Liger's default): it replaces the model's forward and drops fusedkern's head; set "
+                           "liger_kernel_config={'fused_linear_cross_entropy': False} (Liger's layer kernels only), "
+                           "or build the trainer while patched, which does so")
     attr = _own_loss_attribute(trainer)
     if attr is not None and not _is_fused_loss(getattr(trainer, attr)):
         distill = sys.modules.get("trl.trainer.distillation_trainer")
@@ -464,6 +531,11 @@ def check_trainer(trainer) -> None:
     for role in ("model", "ref_model"):
         model = getattr(trainer, role, None)
         if model is not None and not has_fused_head(model):
+            if _forward_is_ligers(model):
+                raise RuntimeError(f"trainer.{role}'s forward is Liger's (apply_liger_kernel_to_*(model=..., "
+                                   "fused_linear_cross_entropy=True) after the trainer was built), which replaced "
+                                   "fusedkern's fused LM head: apply Liger with fused_linear_cross_entropy=False "
+                                   "(its layer kernels only)")
             raise RuntimeError(f"trainer.{role} does not carry fusedkern's fused LM head: call "
                                f"fusedkern.integrations.trl.patch() before building the trainer{note}")
         if model is not None:  # a head the fused head cannot read (a PEFT tuner other than LoRA, ...): TypeError now
