@@ -36,6 +36,7 @@ train_table = "train_table.csv"
 warmup_steps = 3  # the run's --warmup-steps (scripts/h200_train_table.sh's WARMUP; not a CSV column)
 shapes = {"vocab": 128256, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}  # the llama3-8b-2l preset
 impl_order = ["fusedkern", "liger", "cce", "hf"]
+trl_table = "train_trl_table.csv"  # TRL's trainers on small models (scripts/gpu_train_table.sh, issue 43)
 
 # %%
 from pathlib import Path
@@ -229,3 +230,145 @@ if have:
 #   unfused logits and their gradients) is the same in GiB but a smaller share of the peak.
 # - **Random weights and synthetic data, 11 steps**: the losses compare the implementations with
 #   each other, not how well any of them trains.
+
+# %% [markdown]
+# ## In TRL: SFT, DPO and a GRPO loss step on models whose head is a large share
+#
+# `scripts/gpu_train_table.sh` (issue 43) trains inside TRL 1.16's own trainers: SFTTrainer on full sequences,
+# DPOTrainer with half of each sequence prompt and a frozen reference copy, and GRPOTrainer's own loss on fixed
+# completions and advantages (no generation). The models are a **Qwen3-0.6B-shaped** one (28 layers, hidden 1024,
+# vocabulary 151936, tied embeddings) and a **Llama-3.2-1B-shaped** one (16 layers, hidden 2048, vocabulary 128256,
+# tied), at random init from local checkpoints, with the Llama-3-8B head and 2 layers of the table above beside
+# them (DPO). Sequences of 2048 tokens, 32768 tokens an optimizer step for the two small models, the largest
+# micro-batch that fits (halved from an estimate while a run runs out of memory; gradient accumulation makes up
+# the rest), bf16 autocast on fp32 weights, AdamW; one process per run, in a shuffled order. Four rows each:
+#
+# | row | what computes what |
+# |---|---|
+# | `trl` | TRL's own fused LM head (its default), PyTorch's layers |
+# | `trl_liger` | TRL's head, Liger's layer kernels (`use_liger_kernel=True`: RoPE, RMSNorm, SwiGLU) |
+# | `fusedkern` | fusedkern's head (`fusedkern.integrations.trl.patch()`), PyTorch's layers |
+# | `fusedkern_liger` | fusedkern's head and Liger's layer kernels |
+#
+# The issue's targets: fusedkern ≥ 1.15× TRL's head on SFT and ≥ 1.08× on DPO and GRPO; fusedkern + Liger the
+# fastest row everywhere.
+
+# %%
+ROW_ORDER = ["trl", "trl_liger", "fusedkern", "fusedkern_liger"]
+ROW_LABEL = {"trl": "TRL's head", "trl_liger": "TRL's head + Liger's layers", "fusedkern": "fusedkern",
+             "fusedkern_liger": "fusedkern + Liger's layers"}
+ROW_COLOR = {"trl": plotting.style_for("trl 1.16.0 fused LM head")["color"],
+             "trl_liger": plotting.style_for("liger-kernel 0.8.5")["color"],
+             "fusedkern": plotting.style_for("fusedkern_chunked")["color"],
+             "fusedkern_liger": plotting.style_for("fusedkern_chunked_counted")["color"]}
+TARGET = {"sft": 1.15, "dpo": 1.08, "grpo": 1.08}
+trl_candidates = [data_dir / "measured" / g / trl_table for g in dict.fromkeys([train_gpu, gpu])]
+trl_path = next((p for p in trl_candidates if p.exists()), None)
+runs = pd.read_csv(trl_path) if trl_path is not None else None
+have_trl = runs is not None and len(runs) > 0
+if not have_trl:
+    display(Markdown(
+        f"**Not yet measured.** There is no `{trl_table}` in "
+        + " or ".join(f"`data/measured/{p.parent.name}`" for p in trl_candidates)
+        + ": `scripts/gpu_train_table.sh OUTDIR` writes it on a GPU (its header gives the device calls and the "
+          "wheels they carry). The table, the figure and the targets' verdicts appear here once it is committed."))
+else:
+    trl_where = f"data/measured/{trl_path.parent.name}/{trl_table}"
+    runs["tok_s"] = runs.tokens_per_s.astype(float)
+    base = runs[runs.row == "trl"].set_index(["model", "step"]).tok_s
+    runs["vs_trl"] = [r.tok_s / base.get((r.model, r.step), float("nan")) for r in runs.itertuples()]
+    runs["peak_gib"] = runs.peak_mib.astype(float) / 1024
+    groups = list(dict.fromkeys(zip(runs.model, runs.step)))  # (model, step) in the file's order of first rows
+    model_order = list(dict.fromkeys(m for m, _ in groups))
+    groups.sort(key=lambda g: (model_order.index(g[0]), ["sft", "dpo", "grpo"].index(g[1])))
+    runs["row_rank"] = [ROW_ORDER.index(r) if r in ROW_ORDER else len(ROW_ORDER) for r in runs.row]
+    runs = runs.sort_values(["row_rank"]).reset_index(drop=True)
+    first = runs.iloc[0]
+    for column in ("seq_len", "protocol", "device", "torch", "triton", "transformers", "trl", "liger_kernel",
+                   "commit", "autocast", "attention", "optimizer"):
+        values = sorted(set(map(str, runs[column])))
+        print(f"{column}: {', '.join(values)}" + ("" if len(values) == 1 else "   <- differs between rows"))
+    trl_caption = (f"scripts/gpu_train_table.sh on one {first.device}; {trl_where}, protocol {first.protocol} (one "
+                   f"process per run), {int(first.steps_timed)} timed steps after {int(first.warmup_steps)} warm-up; "
+                   f"seq {int(first.seq_len)}, {first.autocast}, {first.optimizer}; torch {first.torch}, triton "
+                   f"{first.triton}, transformers {first.transformers}, trl {first.trl}, liger-kernel "
+                   f"{first.liger_kernel}; commit {first.commit}.")
+
+# %% [markdown]
+# Tokens/s counts every token of the optimizer step (prompts included) at the median step time; × TRL is against
+# the `trl` row of the same model and step; peak GiB is `torch.cuda.max_memory_allocated` over the timed steps;
+# the micro-batch (sequences, DPO: pairs) is the largest that fitted, × the gradient accumulation steps. The
+# losses are the logged step losses of the first and the last step (same seed, init and data in every row).
+
+# %%
+if have_trl:
+    shown = runs.assign(model_step=[f"{m} {s}" for m, s in zip(runs.model, runs.step)])
+    order = {f"{m} {s}": i for i, (m, s) in enumerate(groups)}
+    shown = shown.sort_values(["model_step", "row_rank"], key=lambda c: c.map(order) if c.name == "model_step"
+                              else c)
+    display(pd.DataFrame({
+        "tokens/s": shown.tok_s.round(0).astype(int).values,
+        "× TRL": shown.vs_trl.round(3).values,
+        "peak GiB": shown.peak_gib.round(1).values,
+        "micro-batch × accum": [f"{int(r.micro_batch)} × {int(r.grad_accum)}" for r in shown.itertuples()],
+        "first loss": shown.first_loss.round(4).values,
+        "final loss": shown.final_loss.round(4).values,
+    }, index=pd.MultiIndex.from_arrays([shown.model_step.values, [ROW_LABEL.get(r, r) for r in shown.row]],
+                                       names=["model, step", "row"])))
+
+# %%
+if have_trl:
+    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(13, 0.9 + 0.75 * len(groups)), layout="constrained")
+    rows_present = [r for r in ROW_ORDER if r in set(runs.row)]
+    height = 0.8 / len(rows_present)
+    for i, (model, step) in enumerate(groups):
+        part = runs[(runs.model == model) & (runs.step == step)].set_index("row")
+        for j, row in enumerate(rows_present):
+            if row not in part.index:
+                continue
+            y = i + (j - (len(rows_present) - 1) / 2) * height
+            r = part.loc[row]
+            label = ROW_LABEL[row] if i == 0 else None
+            # bars from 1 (TRL's head) to the ratio: the difference is what the bar's length shows
+            ax_r.barh(y, r.vs_trl - 1, left=1, height=height * 0.92, color=ROW_COLOR[row], label=label)
+            ax_r.text(max(r.vs_trl, 1) + 0.004, y, f"{r.vs_trl:.2f}× ({r.tok_s / 1e3:.1f}k/s)", va="center",
+                      fontsize=7)
+            ax_m.barh(y, r.peak_gib, height=height * 0.92, color=ROW_COLOR[row])
+            ax_m.text(r.peak_gib + 0.3, y, f"{r.peak_gib:.1f} (mb {int(r.micro_batch)})", va="center", fontsize=7)
+        ax_r.plot([TARGET[step]] * 2, [i - 0.45, i + 0.45], color="0.25", linestyle=":", linewidth=1.4,
+                  label="the issue's target for fusedkern" if i == 0 else None)
+    for ax in (ax_r, ax_m):
+        ax.set_yticks(range(len(groups)), [f"{m}\n{s}" for m, s in groups], fontsize=8.5)
+        ax.set_ylim(len(groups) - 0.5, -0.5)
+        ax.grid(axis="y", visible=False)
+    ax_r.axvline(1.0, color="black", linestyle="--", linewidth=1.0)
+    ax_r.set_xlim(min(0.95, runs.vs_trl.min() - 0.03), max(runs.vs_trl.max(), TARGET["sft"]) + 0.15)
+    ax_r.set_xlabel("tokens/s ÷ TRL's head's (same model and step; median step)")
+    ax_r.set_title("Throughput against TRL's own head")
+    ax_m.set_xlim(0, runs.peak_gib.max() * 1.25)
+    ax_m.set_xlabel("peak GiB allocated (timed steps); mb: the micro-batch that fitted")
+    ax_m.set_title("Peak memory")
+    fig.legend(*ax_r.get_legend_handles_labels(), loc="outside upper center", ncol=5, fontsize=8,
+               title="TRL 1.16's trainers, seq 2048, bf16 autocast: the head's implementation and Liger's layers",
+               title_fontproperties={"size": 11})
+    plotting.add_caption(fig, trl_caption)
+    display(plotting.save_figure(fig, figures_dir / "10_training_step_trl"))
+
+# %%
+if have_trl:
+    lines = []
+    for model, step in groups:
+        part = runs[(runs.model == model) & (runs.step == step)].set_index("row")
+        verdicts = []
+        if "fusedkern" in part.index and "trl" in part.index:
+            ratio = part.loc["fusedkern", "vs_trl"]
+            verdicts.append(f"fusedkern {ratio:.3f}× TRL's head (target ≥ {TARGET[step]}: "
+                            + ("**met**" if ratio >= TARGET[step] else "**missed**") + ")")
+        fastest = part.tok_s.idxmax()
+        verdicts.append(f"fastest: {ROW_LABEL.get(fastest, fastest)} (target fusedkern + Liger's layers: "
+                        + ("**met**" if fastest == "fusedkern_liger" else "**missed**") + ")")
+        spread = part.first_loss.max() - part.first_loss.min()
+        verdicts.append(f"first losses agree to {spread:.1e}")
+        lines.append(f"- **{model}, {step}.** " + "; ".join(verdicts) + ".")
+    display(Markdown("\n".join(lines)))
+

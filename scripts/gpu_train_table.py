@@ -1,0 +1,391 @@
+"""The training table of issue 43 (item 4): TRL 1.16's SFT, DPO and GRPO steps on models whose LM head is a large
+share of the step, with four rows each -- TRL's own fused head, TRL with Liger's layer kernels, fusedkern's head,
+fusedkern's head with Liger's layer kernels.
+
+    python scripts/gpu_train_table.py --checkpoints DIR --write-checkpoints [--model ...]   # random init, no Hub
+    python scripts/gpu_train_table.py --checkpoints DIR --model qwen3-0.6b --step sft --row fusedkern \\
+        --csv train_trl_table.csv                                   # one (model, step, row): one CSV row
+    python scripts/gpu_train_table.py --tiny --csv FILE             # CPU: tiny shapes, 2 steps, every run
+
+scripts/gpu_train_table.sh drives it on the GPU: one process per (model, step, row), so each peak memory is its own,
+in a shuffled order, halving the micro-batch when a run runs out of memory (exit status 75).
+
+The models (`MODELS`), loaded from local checkpoints written at random init (bf16 on disk, fp32 in training):
+  qwen3-0.6b     Qwen3-0.6B's shapes: 28 layers, hidden 1024, vocab 151936, tied embeddings
+  llama-3.2-1b   Llama-3.2-1B's: 16 layers, hidden 2048, vocab 128256, tied
+  llama3-8b-2l   Llama-3-8B's head and 2 of its layers (untied), as scripts/gpu_train_dpo.sh: DPO only by default
+The steps, each at --seq tokens a sequence (2048), a fixed number of sequences an optimizer step (the global batch:
+the same data for every row, so the losses compare) in micro-batches of the largest size that fits (the driver's
+search) with gradient accumulation over the rest, bf16 autocast on fp32 weights, AdamW (fused), no gradient
+checkpointing, SDPA attention:
+  sft   SFTTrainer on full sequences of random tokens (every target scored)        workload sft_full
+  dpo   DPOTrainer, a frozen reference copy, half of each sequence prompt        workload dpo_prompt_50
+  grpo  GRPOTrainer's own loss (dapo, beta 0) on fixed completions and advantages, no generation: the trainer's
+        `_generate_and_score_completions` returns a prepared batch (half prompt; completion lengths drawn between
+        half and all of the completion span; advantages normalized in each group of 2)   workload grpo_prompt_50
+The rows: trl (TRL's head), trl_liger (use_liger_kernel=True: Liger's RoPE, RMSNorm and SwiGLU; TRL keeps its
+head), fusedkern (fusedkern.integrations.trl.patch() before the trainer is built), fusedkern_liger (both).
+
+Each run appends one CSV row: tokens/s at the median step time (step_ms_p20/p50/p80 over the timed steps after
+--warmup), peak MiB (torch.cuda.max_memory_allocated over the timed steps), first and final logged loss, the batch
+layout, protocol and workload, versions and commit. Hub kernels stay off (USE_HUB_KERNELS=NO, use_kernels=False):
+Transformers 5.25 would otherwise kernelize the layers where the `kernels` package is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import os
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import fusedkern  # noqa: E402,F401  (before TRL: picks the GPU or Triton's interpreter before any kernel is defined)
+from fusedkern._runtime import interpreting  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the examples' provenance helpers, tokenizer and step timer
+from presets import append_csv, commit, version  # noqa: E402
+from train_dpo import StepTimer, build_tokenizer  # noqa: E402
+
+OOM_EXIT = 75  # a run that ran out of GPU memory: the driver retries it with half the micro-batch
+STEPS = ("sft", "dpo", "grpo")
+ROWS = ("trl", "trl_liger", "fusedkern", "fusedkern_liger")
+WORKLOADS = {"sft": "sft_full", "dpo": "dpo_prompt_50", "grpo": "grpo_prompt_50"}
+NUM_GENERATIONS = 2  # GRPO's group size: advantages are normalized within groups of this many completions
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    arch: str  # "qwen3" or "llama"
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    rope_theta: float
+    #: step -> (global batch, first micro-batch): sequences an optimizer step (DPO: pairs; 32768 tokens a step at
+    #: seq 2048 for the two small models) and the micro-batch the driver's search starts from, halved while a run
+    #: runs out of memory. The first micro-batches are estimates of what fits 80 GB (about 16384 tokens of
+    #: activations beside the fp32 weights, gradients and AdamW moments), not measured: --micro-batch starts higher
+    batches: dict
+    steps: tuple = STEPS  # the steps run by default
+
+
+MODELS = {
+    "qwen3-0.6b": Shape("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, True, 1e6,
+                        {"sft": (16, 8), "dpo": (8, 4), "grpo": (16, 8)}),
+    "llama-3.2-1b": Shape("llama", 128256, 2048, 8192, 16, 32, 8, 64, True, 5e5,
+                          {"sft": (16, 8), "dpo": (8, 4), "grpo": (16, 8)}),
+    # scripts/gpu_train_dpo.sh's setup: 1 pair a micro-batch, 2 micro-batches a step
+    "llama3-8b-2l": Shape("llama", 128256, 4096, 14336, 2, 32, 8, 128, False, 5e5,
+                          {"sft": (2, 2), "dpo": (2, 1), "grpo": (2, 2)}, steps=("dpo",)),
+}
+#: --tiny: the same architectures and head ties at a size the interpreter runs in seconds (distinct vocabularies)
+TINY = {
+    "qwen3-0.6b": Shape("qwen3", 96, 32, 64, 2, 2, 1, 16, True, 1e6, {"sft": (2, 1), "dpo": (2, 1), "grpo": (2, 1)}),
+    "llama-3.2-1b": Shape("llama", 112, 32, 64, 2, 2, 1, 16, True, 5e5,
+                          {"sft": (2, 1), "dpo": (2, 1), "grpo": (2, 1)}),
+    "llama3-8b-2l": Shape("llama", 128, 32, 64, 2, 2, 1, 16, False, 5e5,
+                          {"sft": (2, 1), "dpo": (2, 1), "grpo": (2, 1)}, steps=("dpo",)),
+}
+
+CSV_COLUMNS = ("model", "step", "row", "workload", "protocol", "layers", "hidden", "vocab", "tied", "seq_len",
+               "global_batch", "micro_batch", "micro_batch_first", "grad_accum", "tokens_per_step", "steps_timed",
+               "warmup_steps", "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "first_loss",
+               "final_loss", "head", "liger_layers", "device", "torch", "triton", "transformers", "trl",
+               "liger_kernel", "commit", "autocast", "attention", "optimizer")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoints", default=None, help="folder of the models' checkpoints (--tiny: a temporary one)")
+    p.add_argument("--write-checkpoints", action="store_true", help="write the missing checkpoints and exit")
+    p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=None, help="default: all")
+    p.add_argument("--step", nargs="+", choices=STEPS, default=None, help="default: each model's steps")
+    p.add_argument("--row", nargs="+", choices=ROWS, default=list(ROWS))
+    p.add_argument("--csv", default=None, help="append one row per run to this CSV file")
+    p.add_argument("--seq", type=int, default=None, help="tokens a sequence (2048; --tiny 8)")
+    p.add_argument("--steps", type=int, default=None, help="timed optimizer steps (6; --tiny 1)")
+    p.add_argument("--warmup", type=int, default=None, help="optimizer steps before the timed ones (2; --tiny 1)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences (DPO: pairs) a micro-batch; default "
+                   "the model's first micro-batch for the step (MODELS)")
+    p.add_argument("--micro-batch-first", type=int, default=None, help="the micro-batch the driver's search began "
+                   "at (recorded in the CSV; default --micro-batch)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences (DPO: pairs) an optimizer step")
+    p.add_argument("--protocol", default=None, help="the CSV's protocol column (default sequential; --tiny "
+                   "in_process)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, every selected run in this process")
+    p.add_argument("--list-runs", action="store_true", help="print the selected runs, one a line: model, step, row, "
+                   "global batch, first micro-batch (what scripts/gpu_train_table.sh loops over), and exit")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.checkpoints is None and not args.tiny:
+        p.error("--checkpoints DIR is needed (or --tiny)")
+    args.shapes = TINY if args.tiny else MODELS
+    args.seq = args.seq or (8 if args.tiny else 2048)
+    args.steps = args.steps if args.steps is not None else (1 if args.tiny else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
+    args.protocol = args.protocol or ("in_process" if args.tiny else "sequential")
+    args.model = args.model or list(MODELS)
+    args.cuda = torch.cuda.is_available() and not interpreting()
+    if not args.cuda:
+        torch.set_num_threads(1)  # tiny ops: thread-pool wake-ups would cost more than the work
+    return args
+
+
+def runs_of(args) -> list[tuple[str, str, str]]:
+    """(model, step, row) for every selected model, its steps (or --step) and --row, in that order."""
+    return [(model, step, row) for model in args.model
+            for step in (args.step or args.shapes[model].steps) for row in args.row]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+def config_of(shape: Shape, seq: int):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                  num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
+                  max_position_embeddings=max(2 * seq, 128), rope_theta=shape.rope_theta, rms_norm_eps=1e-6,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Qwen3Config(**common) if shape.arch == "qwen3" else LlamaConfig(**common)
+
+
+def write_checkpoint(path: Path, shape: Shape, seq: int, seed: int, cuda: bool) -> None:
+    """A random-init model of `shape` (Transformers' own init, seeded) saved in bf16 with its tokenizer; skipped
+    where `path` already holds one."""
+    from transformers import AutoModelForCausalLM
+
+    if (path / "config.json").exists():
+        return
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = AutoModelForCausalLM.from_config(config_of(shape, seq), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    build_tokenizer(shape.vocab).save_pretrained(path)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    print(f"checkpoint {path.name}: {n / 1e6:.1f} M parameters in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def load_model(path: Path, cuda: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False,
+                                                attn_implementation="sdpa" if cuda else "eager")
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+
+def random_words(g: np.random.Generator, vocab: int, n: int) -> str:
+    return " ".join(f"t{i}" for i in g.integers(0, vocab - 3, n))
+
+
+def sft_data(shape: Shape, seq: int, n: int, seed: int):
+    """n pre-tokenized sequences of exactly `seq` random token ids (no padding; every target scored)."""
+    from datasets import Dataset
+
+    g = np.random.default_rng(seed)
+    return Dataset.from_dict({"input_ids": g.integers(3, shape.vocab, (n, seq)).tolist()})
+
+
+def dpo_data(shape: Shape, seq: int, n: int, seed: int):
+    """n preference pairs of random words: a prompt of seq/2 tokens, completions of seq/2 - 1 (+ EOS)."""
+    from datasets import Dataset
+
+    g = np.random.default_rng(seed)
+    prompt, completion = seq // 2, seq - seq // 2 - 1
+    rows = [(random_words(g, shape.vocab, prompt), " " + random_words(g, shape.vocab, completion),
+             " " + random_words(g, shape.vocab, completion)) for _ in range(n)]
+    return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+
+
+def grpo_batch(shape: Shape, seq: int, n: int, seed: int, generation: int) -> dict:
+    """One generation batch of n fixed completions: what GRPOTrainer's `_generate_and_score_completions` returns
+    (prompt and completion ids and masks, advantages, the batch's completion-token count), drawn from (seed,
+    generation) so that every row trains on the same batches."""
+    g = torch.Generator().manual_seed(seed * 1000 + generation)
+    prompt, completion = seq // 2, seq - seq // 2
+    lengths = torch.randint(completion // 2, completion + 1, (n,), generator=g)
+    completion_mask = (torch.arange(completion)[None, :] < lengths[:, None]).long()
+    rewards = torch.randn(n // NUM_GENERATIONS, NUM_GENERATIONS, generator=g)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    return {"prompt_ids": torch.randint(3, shape.vocab, (n, prompt), generator=g),
+            "prompt_mask": torch.ones(n, prompt, dtype=torch.long),
+            "completion_ids": torch.randint(3, shape.vocab, (n, completion), generator=g),
+            "completion_mask": completion_mask, "advantages": advantages,
+            "num_items_in_batch": completion_mask.sum().float()}
+
+
+# ---------------------------------------------------------------------------------------------------------- runs
+
+def build_trainer(step: str, row: str, shape: Shape, path: Path, args, global_batch: int, micro: int, out: str):
+    import trl
+
+    from fusedkern.integrations import trl as fk_trl
+
+    cuda = args.cuda
+    grad_accum = global_batch // micro
+    total = args.warmup + args.steps
+    common = dict(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
+                  max_steps=total, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
+                  disable_tqdm=True, use_cpu=not cuda, bf16=cuda, learning_rate=1e-5 if cuda else 0.1,
+                  optim="adamw_torch_fused" if cuda else "sgd", lr_scheduler_type="constant",
+                  gradient_checkpointing=False, use_liger_kernel=row.endswith("liger"))
+    tokenizer = build_tokenizer(shape.vocab)
+    model = load_model(path, cuda)
+    kw = dict(model=model, processing_class=tokenizer)
+    if step == "sft":
+        cls, config = trl.SFTTrainer, trl.SFTConfig(max_length=args.seq, **common)
+        kw["train_dataset"] = sft_data(shape, args.seq, total * global_batch, args.seed)
+    elif step == "dpo":
+        cls, config = trl.DPOTrainer, trl.DPOConfig(max_length=args.seq + 8, loss_type=["sigmoid"], beta=0.1,
+                                                    **common)
+        kw["ref_model"] = load_model(path, cuda)
+        kw["train_dataset"] = dpo_data(shape, args.seq, total * global_batch, args.seed)
+    else:
+        cls = trl.GRPOTrainer
+        config = trl.GRPOConfig(num_generations=NUM_GENERATIONS, max_completion_length=args.seq - args.seq // 2,
+                                loss_type="dapo", beta=0.0, **common)
+        kw["train_dataset"] = _prompts(total * global_batch)
+        kw["reward_funcs"] = _no_reward
+    with fk_trl.patched() if row.startswith("fusedkern") else contextlib.nullcontext():
+        trainer = cls(args=config, **kw)
+    if step == "grpo":  # no generation: each generation batch is a prepared one (GRPOTrainer's loss runs as is)
+        generations = iter(range(10**9))
+
+        def fixed(self, inputs):
+            batch = grpo_batch(shape, args.seq, global_batch, args.seed, next(generations))
+            return {k: v.to(self.accelerator.device) for k, v in batch.items()}
+
+        trainer._generate_and_score_completions = types.MethodType(fixed, trainer)
+    if row.startswith("fusedkern"):
+        fk_trl.check_trainer(trainer)
+    return trainer
+
+
+def _prompts(n: int):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["t1 t2"] * n})
+
+
+def _no_reward(completions, **kwargs):
+    raise AssertionError("the table's GRPO step generates nothing, so nothing is rewarded")
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and ("CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text))
+
+
+def run_one(model_name: str, step: str, row: str, args) -> dict:
+    """Train one (model, step, row); its CSV row."""
+    from fusedkern.integrations import trl as fk_trl
+    from fusedkern.study import liger_layers
+
+    shape = args.shapes[model_name]
+    global_batch, first_micro = shape.batches[step]
+    global_batch = args.global_batch or global_batch
+    micro = args.micro_batch or first_micro
+    if global_batch % micro:
+        raise SystemExit(f"the micro-batch {micro} does not divide the global batch {global_batch}")
+    path = Path(args.checkpoints) / model_name
+    liger = row.endswith("liger")
+    # Liger's kernels on CPU tensors need the interpreter's shims; its process-wide replacements are undone after
+    # the run (--tiny runs every row in one process)
+    on_cpu = liger_layers.interpreted() if liger and not args.cuda else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as out, liger_layers.liger_patches_undone((shape.arch,)), on_cpu:
+        trainer = build_trainer(step, row, shape, path, args, global_batch, micro, out)
+        timer = StepTimer(args.cuda)
+        trainer.add_callback(timer)
+        print(f"{model_name} {step} {row}: global batch {global_batch}, micro-batch {micro}, seq {args.seq}",
+              flush=True)
+        trainer.train()
+        layers = liger_layers.liger_layers(trainer.model)
+        if liger and not (layers["rms_norm"] and layers["swiglu"] and layers["rope"]):
+            raise RuntimeError(f"{row}: Liger's layer kernels are not all in the model: {layers}")
+        head = "fusedkern" if fk_trl.has_fused_head(trainer.model) else "trl"
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+    if len(logs) != len(timer.records):
+        raise RuntimeError(f"{len(logs)} logged steps for {len(timer.records)} timed ones")
+    rows_per_item = 2 if step == "dpo" else 1  # DPO: a chosen and a rejected row per pair
+    tokens = rows_per_item * global_batch * args.seq
+    timed = timer.records[args.warmup:] or timer.records
+    p20, p50, p80 = (float(q) for q in np.quantile([r["step_time_s"] * 1e3 for r in timed], [0.2, 0.5, 0.8]))
+    peaks = [r["peak_mib"] for r in timed if r["peak_mib"] is not None]
+    result = {
+        "model": model_name, "step": step, "row": row, "workload": WORKLOADS[step], "protocol": args.protocol,
+        "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "tied": shape.tied,
+        "seq_len": args.seq, "global_batch": global_batch, "micro_batch": micro,
+        "micro_batch_first": args.micro_batch_first or micro, "grad_accum": global_batch // micro,
+        "tokens_per_step": tokens, "steps_timed": len(timed), "warmup_steps": args.warmup,
+        "step_ms_p20": f"{p20:.2f}", "step_ms_p50": f"{p50:.2f}", "step_ms_p80": f"{p80:.2f}",
+        "tokens_per_s": f"{tokens / (p50 / 1e3):.1f}", "peak_mib": f"{max(peaks):.1f}" if peaks else "",
+        "first_loss": f"{logs[0]['loss']:.6f}", "final_loss": f"{logs[-1]['loss']:.6f}", "head": head,
+        "liger_layers": "yes" if liger else "no",
+        "device": torch.cuda.get_device_name() if args.cuda else "cpu", "torch": torch.__version__,
+        "triton": version("triton"), "transformers": version("transformers"), "trl": version("trl"),
+        "liger_kernel": version("liger-kernel"), "commit": commit(),
+        "autocast": "bf16, fp32 weights" if args.cuda else "none, fp32",
+        "attention": "sdpa" if args.cuda else "eager", "optimizer": "adamw_torch_fused" if args.cuda else "sgd",
+    }
+    print(f"{model_name} {step} {row}: {float(result['tokens_per_s']):.0f} tokens/s, p50 {p50:.1f} ms, peak "
+          f"{result['peak_mib'] or '-'} MiB, loss {result['first_loss']} -> {result['final_loss']} ({head} head)",
+          flush=True)
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.list_runs:
+        for model_name, step, row in runs_of(args):
+            global_batch, first_micro = args.shapes[model_name].batches[step]
+            print(model_name, step, row, args.global_batch or global_batch, args.micro_batch or first_micro)
+        return []
+    with contextlib.ExitStack() as stack:
+        if args.checkpoints is None:
+            args.checkpoints = stack.enter_context(tempfile.TemporaryDirectory())
+        for model_name in args.model:
+            write_checkpoint(Path(args.checkpoints) / model_name, args.shapes[model_name], args.seq, args.seed,
+                             args.cuda)
+        if args.write_checkpoints:
+            return []
+        runs = runs_of(args)
+        results = []
+        for model_name, step, row in runs:
+            try:
+                result = run_one(model_name, step, row, args)
+            except BaseException as error:
+                if not _is_out_of_memory(error):
+                    raise
+                print(f"out of memory: {model_name} {step} {row}: {str(error).splitlines()[0][:200]}", flush=True)
+                raise SystemExit(OOM_EXIT) from None
+            results.append(result)
+            if args.csv is not None:
+                append_csv(args.csv, result, CSV_COLUMNS)
+            gc.collect()
+            if args.cuda:
+                torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The training table of issue 43 (item 4): scripts/gpu_train_table.py's runs -- TRL 1.16's SFT, DPO (half prompt) and
+# GRPO loss step (fixed completions and advantages) on a Qwen3-0.6B-shaped and a Llama-3.2-1B-shaped model at random
+# init (seq 2048, 32768 tokens an optimizer step, bf16 autocast on fp32 weights, AdamW), and DPO on the
+# Llama-3-8B head with 2 layers (scripts/gpu_train_dpo.sh's setup), each with TRL's head, TRL + Liger's layer
+# kernels, fusedkern, fusedkern + Liger's layer kernels -- one process per (model, step, row), so each peak memory is
+# its own, in a shuffled order, each under a timeout. A run that runs out of GPU memory (exit 75) runs again with
+# half the micro-batch (same global batch, twice the gradient accumulation): the largest power of two at or below
+# the model's first micro-batch (scripts/gpu_train_table.py, MODELS) that fits.
+#
+#   scripts/gpu_train_table.sh OUTDIR
+#
+# Carry: .whl/trl (scripts/fetch_wheels.sh --trl: trl 1.16.0, transformers 5.25.0, accelerate 1.16.0, datasets
+# 5.2.0, huggingface_hub 2.4.0 and the pure-Python wheels the image lacks) and .whl/liger085 (liger-kernel 0.8.5,
+# scripts/fetch_wheels.sh); optionally .triton_cache (a Triton cache an earlier call brought back). The image's
+# torch 2.11 and Triton 3.6 stay. One model a device call fits its 10 minutes (about 12 runs of 20-40 s, the first
+# ones compiling); the commands, from a machine with a package index:
+#
+#   scripts/fetch_wheels.sh --trl                     # once: .whl/trl, .whl/liger085 (ignored by git)
+#   run(command="MODELS=qwen3-0.6b scripts/gpu_train_table.sh $OUT", carry=[".whl/trl", ".whl/liger085"])
+#   run(command="MODELS=llama-3.2-1b scripts/gpu_train_table.sh $OUT", carry=[".whl/trl", ".whl/liger085",
+#       ".triton_cache"])                             # after copying call 1's triton_cache.tar.xz to .triton_cache/
+#   run(command="MODELS=llama3-8b-2l scripts/gpu_train_table.sh $OUT", carry=[...as call 2])
+#
+# then append each call's train_trl_table.csv (one header) to data/measured/h100/train_trl_table.csv, which
+# notebooks/10_training_step.py draws. Writes OUTDIR/train_trl_table.csv (one row per run: tokens/s p50, peak MiB,
+# first and final loss, micro-batch, protocol "sequential", workload, versions, commit), OUTDIR/train_trl_table.log
+# (environment, order, each attempt's exit status and last lines, the summary), OUTDIR/train_trl_logs.tgz (every
+# run's whole output) and OUTDIR/triton_cache.tar.xz. Knobs (environment): MODELS (all three), STEPS (each model's:
+# sft dpo grpo; llama3-8b-2l dpo), ROWS ("trl trl_liger fusedkern fusedkern_liger"), TIMED (6 timed steps), WARMUP
+# (2), SEQ (2048), FIRST_MICRO (the micro-batch every search starts from; default each model's), CAP_S (180 s an
+# attempt), BUDGET_S (540: no run starts after it; the rest is listed as skipped), SAVE_CACHE (1), TINY (set: the
+# tiny shapes of --tiny, each run still its own process; how a CPU checks this driver: PATH=.venv/bin:$PATH
+# TINY=1 MODELS=llama3-8b-2l SAVE_CACHE=0 scripts/gpu_train_table.sh /tmp/out).
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup "${1:?usage: scripts/gpu_train_table.sh OUTDIR}"
+install_wheels "${TMPDIR:-/tmp}"/site_train_table .whl/trl .whl/liger085
+triton_cache_restore "${TMPDIR:-/tmp}"/triton_train_table
+log="$outdir/train_trl_table.log"
+csv="$outdir/train_trl_table.csv"
+res="${TMPDIR:-/tmp}"/train_trl_logs
+ckpt="${TMPDIR:-/tmp}"/train_table_checkpoints${TINY:+_tiny}  # kept on a warm machine: the next call skips them
+rm -rf "$res" && mkdir -p "$res"
+budget=${BUDGET_S:-540}
+{
+    echo "gpu_train_table.sh commit=$(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ)"
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
+    python3 -c "import torch, triton, transformers, trl, datasets, liger_kernel, importlib.metadata as m; print('torch',
+torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__,
+'liger-kernel', m.version('liger-kernel'))" || { echo "TRL / datasets / Liger missing: carry .whl/trl .whl/liger085"; exit 1; }
+} 2>&1 | tee "$log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+
+common=(--checkpoints "$ckpt")
+[ -n "${TINY:-}" ] && common+=(--tiny)
+[ -n "${SEQ:-}" ] && common+=(--seq "$SEQ")
+[ -n "${TIMED:-}" ] && common+=(--steps "$TIMED")
+[ -n "${WARMUP:-}" ] && common+=(--warmup "$WARMUP")
+read -r -a models <<< "${MODELS:-qwen3-0.6b llama-3.2-1b llama3-8b-2l}"
+select=(--model "${models[@]}" --row ${ROWS:-trl trl_liger fusedkern fusedkern_liger})
+[ -n "${STEPS:-}" ] && select+=(--step $STEPS)
+[ -n "${FIRST_MICRO:-}" ] && select+=(--micro-batch "$FIRST_MICRO")
+t0=$SECONDS
+python3 scripts/gpu_train_table.py "${common[@]}" --model "${models[@]}" --write-checkpoints 2>&1 | tee -a "$log"
+echo "checkpoints in $((SECONDS - t0)) s" | tee -a "$log"
+mapfile -t runs < <(python3 scripts/gpu_train_table.py "${common[@]}" "${select[@]}" --list-runs | python3 -c "
+import random, sys; lines = sys.stdin.read().splitlines(); random.shuffle(lines); print(*lines, sep='\n')")
+echo "order (model step row global first-micro):" | tee -a "$log"
+printf '  %s\n' "${runs[@]}" | tee -a "$log"
+
+skipped=()
+for spec in "${runs[@]}"; do
+    read -r model step row global micro <<< "$spec"
+    first=$micro
+    while :; do
+        left=$((budget - (SECONDS - start)))
+        if [ "$left" -lt 30 ]; then skipped+=("$model/$step/$row"); break; fi
+        cap=$(( ${CAP_S:-180} < left ? ${CAP_S:-180} : left ))
+        name="${model}_${step}_${row}_mb${micro}"
+        t0=$SECONDS
+        timeout -k 10 "$cap" python3 scripts/gpu_train_table.py "${common[@]}" --model "$model" --step "$step" \
+            --row "$row" --micro-batch "$micro" --micro-batch-first "$first" --global-batch "$global" \
+            --csv "$csv" > "$res/$name.log" 2>&1
+        status=$?
+        grep -vE "^\{'|it/s\]|examples/s\]|Warning|warnings.warn|Backend impl" "$res/$name.log" | tail -n 4 | sed 's/^/    /' | tee -a "$log"
+        echo "== $model $step $row micro-batch $micro: exit $status after $((SECONDS - t0)) s (cap $cap s, total" \
+             "$((SECONDS - start)) s)" | tee -a "$log"
+        if [ "$status" -eq 75 ] && [ "$micro" -gt 1 ]; then micro=$((micro / 2)); continue; fi
+        [ "$status" -eq 0 ] || failures+=("$model/$step/$row:$status")
+        break
+    done
+done
+tar czf "$outdir/train_trl_logs.tgz" -C "$res" .
+[ "${SAVE_CACHE:-1}" = 1 ] && triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$log"
+
+# the summary: each (model, step) with every row against TRL's head, the issue's targets, the losses' agreement
+python3 - "$csv" <<'EOF' 2>&1 | tee -a "$log"
+import csv, math, sys
+try:
+    rows = list(csv.DictReader(open(sys.argv[1])))
+except FileNotFoundError:
+    sys.exit("no train_trl_table.csv: every run failed")
+target = {"sft": 1.15, "dpo": 1.08, "grpo": 1.08}
+groups = {}
+for r in rows:
+    groups.setdefault((r["model"], r["step"]), {})[r["row"]] = r
+for (model, step), by_row in groups.items():
+    base = float(by_row["trl"]["tokens_per_s"]) if "trl" in by_row else math.nan
+    print(f"{model} {step}:")
+    for name, r in sorted(by_row.items(), key=lambda kv: -float(kv[1]["tokens_per_s"])):
+        print(f"  {name:>16}: {float(r['tokens_per_s']):9.0f} tokens/s ({float(r['tokens_per_s']) / base:.3f}x TRL), "
+              f"peak {float(r['peak_mib'] or 'nan'):8.0f} MiB, micro-batch {r['micro_batch']} (from "
+              f"{r['micro_batch_first']}), loss {r['first_loss']} -> {r['final_loss']}")
+    if "fusedkern" in by_row and "trl" in by_row:
+        ratio = float(by_row["fusedkern"]["tokens_per_s"]) / base
+        print(f"  target fusedkern >= {target[step]}x TRL's head: {ratio:.3f}x, " + ("met" if ratio >= target[step]
+                                                                                    else "MISSED"))
+    fastest = max(by_row, key=lambda k: float(by_row[k]["tokens_per_s"]))
+    print(f"  target fusedkern_liger fastest: {fastest} is, " + ("met" if fastest == "fusedkern_liger" else "MISSED"))
+    firsts = [float(r["first_loss"]) for r in by_row.values()]
+    print(f"  first losses agree to {max(firsts) - min(firsts):.2e}" + (
+        f"; DPO's first loss - log 2: {max(abs(f - math.log(2)) for f in firsts):.2e}" if step == "dpo" else ""))
+EOF
+echo "skipped (budget): ${skipped[*]:-none}" | tee -a "$log"
+echo "gpu_train_table.sh done in $((SECONDS - start)) s; failures: ${failures[*]:-none}" | tee -a "$log"
+ls -l "$outdir"

@@ -1,0 +1,168 @@
+"""scripts/gpu_train_table.py and its driver, on CPU (issue 43 item 4): the tiny mode runs TRL's SFT, DPO and GRPO
+steps with the four rows and writes the CSV the GPU run will write; a run out of memory exits 75 for the driver's
+search; notebook 10 draws the table from such a CSV (invented values, labelled fake, under tmp_path)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_train_table.py"
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (pip install 'fusedkern[trl]')"),
+    pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
+                       reason="needs Liger-Kernel (pip install -e '.[liger]')"),
+]
+
+
+def load_script(monkeypatch):
+    """The script as a module (its import puts examples/ on sys.path and sets USE_HUB_KERNELS when unset: both
+    undone after the test)."""
+    monkeypatch.setenv("USE_HUB_KERNELS", "NO")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("gpu_train_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tiny(tmp_path, *options, timeout=600):
+    out = tmp_path / "table.csv"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--csv", str(out), *options], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    with open(out, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def check_rows(rows, columns):
+    assert rows and list(rows[0]) == list(columns)
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["step"]), []).append(r)
+        assert r["head"] == ("fusedkern" if r["row"].startswith("fusedkern") else "trl"), r
+        assert r["liger_layers"] == ("yes" if r["row"].endswith("liger") else "no"), r
+        assert r["protocol"] == "in_process" and r["device"] == "cpu"
+        assert float(r["tokens_per_s"]) > 0 and math.isfinite(float(r["final_loss"]))
+        per_item = 2 if r["step"] == "dpo" else 1
+        assert int(r["tokens_per_step"]) == per_item * int(r["global_batch"]) * int(r["seq_len"])
+        assert int(r["micro_batch"]) * int(r["grad_accum"]) == int(r["global_batch"])
+    for (model, step), group in groups.items():
+        assert sorted(r["row"] for r in group) == sorted(("trl", "trl_liger", "fusedkern", "fusedkern_liger"))
+        firsts = [float(r["first_loss"]) for r in group]
+        finals = [float(r["final_loss"]) for r in group]
+        # same seed, init and data: every row starts at the same loss and takes the same step (fp32 on CPU)
+        assert max(firsts) - min(firsts) < 1e-5, (model, step, firsts)
+        assert max(finals) - min(finals) < 1e-4, (model, step, finals)
+        if step == "dpo":
+            assert abs(firsts[0] - math.log(2)) < 1e-5  # policy = reference at the first step
+    return groups
+
+
+def test_tiny_dpo_rows_of_the_8b_head(tmp_path, monkeypatch):
+    """The Llama-3-8B-head model's DPO rows, each a TRL trainer with its own head or fusedkern's, with or without
+    Liger's layer kernels (on CPU through the interpreter): the CSV's columns, the head each row ran, equal first
+    (log 2) and final losses."""
+    script = load_script(monkeypatch)
+    rows = run_tiny(tmp_path, "--model", "llama3-8b-2l")
+    assert set(check_rows(rows, script.CSV_COLUMNS)) == {("llama3-8b-2l", "dpo")}
+
+
+@pytest.mark.slow  # about 80 s on two shared cores: 28 runs, the Liger rows through the interpreter
+def test_tiny_table_every_run(tmp_path, monkeypatch):
+    """--tiny: every model, step and row of the GPU table in one process (Liger's process-wide patches undone
+    between runs): SFT, DPO and the GRPO loss step on fixed completions, one CSV row each."""
+    script = load_script(monkeypatch)
+    rows = run_tiny(tmp_path)
+    groups = check_rows(rows, script.CSV_COLUMNS)
+    assert set(groups) == {(m, s) for m in ("qwen3-0.6b", "llama-3.2-1b") for s in ("sft", "dpo", "grpo")} | {
+        ("llama3-8b-2l", "dpo")}
+
+
+def test_list_runs_and_out_of_memory_exit(tmp_path, monkeypatch, capsys):
+    """--list-runs gives the driver its loop (model, step, row, global batch, first micro-batch); a run that runs out
+    of memory exits 75 (the driver halves the micro-batch); another error propagates."""
+    script = load_script(monkeypatch)
+    threads = torch.get_num_threads()
+    try:
+        script.main(["--list-runs", "--checkpoints", str(tmp_path)])
+        runs = [line.split() for line in capsys.readouterr().out.splitlines()]
+        assert len(runs) == 2 * 3 * 4 + 4 and all(len(r) == 5 for r in runs)
+        assert {r[1] for r in runs if r[0] == "llama3-8b-2l"} == {"dpo"}
+        assert all(int(r[3]) % int(r[4]) == 0 for r in runs)
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        monkeypatch.setattr(script, "run_one", out_of_memory)
+        options = ["--tiny", "--checkpoints", str(tmp_path), "--model", "llama3-8b-2l", "--row", "trl"]
+        with pytest.raises(SystemExit) as exited:
+            script.main(options)
+        assert exited.value.code == script.OOM_EXIT == 75
+        monkeypatch.setattr(script, "run_one", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+        with pytest.raises(ValueError, match="a bug"):
+            script.main(options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fake_trl_table(path: Path) -> None:
+    """An invented train_trl_table.csv (FAKE numbers, for the notebook's code path only)."""
+    script_columns = ["model", "step", "row", "workload", "protocol", "layers", "hidden", "vocab", "tied", "seq_len",
+                      "global_batch", "micro_batch", "micro_batch_first", "grad_accum", "tokens_per_step",
+                      "steps_timed", "warmup_steps", "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s",
+                      "peak_mib", "first_loss", "final_loss", "head", "liger_layers", "device", "torch", "triton",
+                      "transformers", "trl", "liger_kernel", "commit", "autocast", "attention", "optimizer"]
+    speed = {"trl": 1.0, "trl_liger": 1.05, "fusedkern": 1.1, "fusedkern_liger": 1.16}
+    rows = []
+    for model, steps in (("qwen3-0.6b", ("sft", "dpo", "grpo")), ("llama-3.2-1b", ("sft", "dpo", "grpo")),
+                         ("llama3-8b-2l", ("dpo",))):
+        for step in steps:
+            for row, s in speed.items():
+                tokens = 32768 if model != "llama3-8b-2l" else 8192
+                ms = 500.0 / s
+                rows.append(dict(zip(script_columns, [
+                    model, step, row, "fake", "sequential", 28, 1024, 151936, True, 2048, 16, 8, 8, 2, tokens, 6, 2,
+                    ms * 0.98, ms, ms * 1.02, tokens / (ms / 1e3), 40000.0 / s, 0.693147 if step == "dpo" else 12.0,
+                    0.69 if step == "dpo" else 11.9, "fusedkern" if row.startswith("fusedkern") else "trl",
+                    "yes" if row.endswith("liger") else "no", "FAKE GPU (test data)", "0.0", "0.0", "0.0", "0.0",
+                    "0.0", "fake", "bf16, fp32 weights", "sdpa", "adamw_torch_fused"])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=script_columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_notebook_10_draws_the_trl_table(tmp_path):
+    """With a train_trl_table.csv in data/measured/h100/, notebook 10 shows the table, the figure
+    (10_training_step_trl) and each target's verdict; the committed data have none yet, and the render there says
+    it is not measured (tests/study/test_run_all.py renders every notebook without it)."""
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "reference", data / "reference")
+    fake_trl_table(data / "measured" / "h100" / "train_trl_table.csv")
+    out, figs = tmp_path / "rendered", tmp_path / "figures"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, str(ROOT / "run_all.py"), "--notebooks", "10", "--measure", "no",
+                           "--data-dir", str(data), "--output-dir", str(out), "--figures-dir", str(figs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert (figs / "10_training_step_trl.png").exists() and (figs / "10_training_step_trl.svg").exists()
+    text = (out / "10_training_step.ipynb").read_text()
+    assert "Not yet measured.** There is no `train_trl_table.csv`" not in text
+    assert "fusedkern 1.100× TRL's head (target ≥ 1.15: **missed**)" in text
+    assert "fusedkern 1.100× TRL's head (target ≥ 1.08: **met**)" in text
+    assert "target fusedkern + Liger's layers: **met**" in text
