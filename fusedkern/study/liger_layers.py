@@ -7,7 +7,8 @@ process: what tests/test_integrations_liger.py and the training table's tiny mod
   launcher passes an fp32 scalar), and the kernels call `.to(tl.float32)` on `eps` and on SwiGLU's multiplier
   (AttributeError). And it implements none of libdevice's functions, where RMSNorm takes its `rsqrt` from (the call
   returns None). Inside the block, float arguments are fp32 scalars, as on the GPU, and RMSNorm's `rsqrt` is
-  `1 / sqrt`. Liger's RoPE kernel runs without either. The GPU runs Liger's kernels as they are.
+  `1 / sqrt`. Liger's RoPE kernel runs without either. The GPU runs Liger's kernels as they are. fp32 only: on bf16
+  tensors Liger's SwiGLU and RoPE kernels give NaN in the interpreter (not on a GPU), so CPU runs stay in fp32.
 - `liger_patches_undone()`: `apply_liger_kernel_to_*` replaces attributes of Transformers' modeling modules (the
   RoPE function, the RMSNorm and MLP classes; with `cross_entropy=True`, torch's `F.cross_entropy`) for the whole
   process, beside the modules of the model instance it is given. On exit of the block they are what they were, so a
