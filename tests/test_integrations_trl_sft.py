@@ -18,6 +18,15 @@ pytestmark = base.pytestmark  # TRL installed, the interpreter on, one CPU threa
 tiny = base.tiny  # the tiny Llama, its tokenizer and data (a module-scoped fixture)
 
 
+@pytest.fixture(autouse=True)
+def anticipate_sft(monkeypatch):
+    """The anticipated head is opt-in (`patch(anticipate_sft=True)`); these tests build their trainers with the
+    shared `build`, which patches with the defaults: the default is turned on for them."""
+    import fusedkern.integrations.trl as fk_trl
+
+    monkeypatch.setattr(fk_trl, "ANTICIPATE_SFT_DEFAULT", True)
+
+
 @pytest.fixture
 def splits(monkeypatch):
     """Every backward's split of the upstream: (pattern's scale s, residual rows) per call."""
@@ -111,3 +120,14 @@ def test_only_trls_own_sft_loss_gets_a_record(tiny):
 
     fk_trl.add_fused_lm_head(model)
     assert trl_sft.anticipated_pattern(model) is None
+
+
+def test_the_per_token_head_is_the_default(tiny, monkeypatch):
+    """Without anticipate_sft, SFTTrainer's loss runs on the per-token head (four GEMMs), the faster one where both
+    were timed; the run is TRL's all the same."""
+    import fusedkern.integrations.trl as fk_trl
+
+    monkeypatch.setattr(fk_trl, "ANTICIPATE_SFT_DEFAULT", False)
+    plain, fused, calls = run_sft(tiny, monkeypatch, max_steps=1)
+    assert_same_run(plain, fused, ("entropy", "mean_token_accuracy"))
+    assert calls["anticipated"] == 0 and calls["per_token"] >= 1

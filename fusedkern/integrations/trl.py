@@ -232,16 +232,26 @@ def _in_tested_range(version: str) -> bool:
         return False
 
 
-def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -> None:
+#: `patch(anticipate_sft=None)`'s value: SFTTrainer's nll/dft stays on the per-token head unless asked for, since the
+#: anticipated head ran slower than the per-token one where it was timed (a small hidden size; docs/results.md)
+ANTICIPATE_SFT_DEFAULT = False
+
+
+def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
+          anticipate_sft: bool | None = None) -> None:
     """Make TRL's trainers built from now on compute their losses with fusedkern (see the module docstring).
     Idempotent: a second call with the same options changes nothing; one with other options replaces them.
     `unpatch()` undoes it; trainers built meanwhile keep fusedkern's loss.
 
     TRL is checked first (`check_trl_version`): RuntimeError where an attribute the patch needs is missing, a
     warning outside the tested minor release. One INFO line on this module's logger names the covered trainers.
-    weight_grad_accum, chunk_tokens: fusedkern's options (docs/usage.md)."""
+    weight_grad_accum, chunk_tokens: fusedkern's options (docs/usage.md). anticipate_sft: SFTTrainer's nll and dft
+    losses form their gradient in the forward pass (three vocabulary GEMMs instead of four, `fusedkern.anticipated`;
+    exact for any upstream); None takes `ANTICIPATE_SFT_DEFAULT`."""
     global _applied
-    options = dict(weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
+    if anticipate_sft is None:
+        anticipate_sft = ANTICIPATE_SFT_DEFAULT
+    options = dict(weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, anticipate_sft=bool(anticipate_sft))
     if _applied is not None and _applied.options == options:
         return
     _trl_utils()
@@ -255,8 +265,9 @@ def patch(*, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None) -
                 importlib.import_module("trl").__version__, ", ".join(applied.covered))
 
 
-def _plan(options: dict) -> _Applied:
+def _plan(all_options: dict) -> _Applied:
     """The patches of `patch(**options)` on the TRL modules loaded now (the trainer modules imported first)."""
+    options = {k: v for k, v in all_options.items() if k != "anticipate_sft"}  # the head's own options
     utils = _trl_utils()
     trainer_modules = [m for m in map(_import_or_none, TRAINER_MODULES) if m is not None]
     original = utils.add_fused_lm_head
@@ -319,12 +330,12 @@ def _plan(options: dict) -> _Applied:
         covered.append(cls.__name__)
     # SFTTrainer: its loss's upstream is anticipated by the policy's head (trl_sft.py), recorded after its __init__
     sft_cls = getattr(_import_or_none("trl.trainer.sft_trainer"), "SFTTrainer", None)
-    if sft_cls is not None and "__init__" in vars(sft_cls):
+    if all_options.get("anticipate_sft") and sft_cls is not None and "__init__" in vars(sft_cls):
         patches.append(Patch.on(sft_cls, "__init__", _init_then(sft_cls, mark_sft_trainer)))
     # any other TRL trainer built while patched warns (transformers' Trainer.__init__: every TRL trainer calls it)
     base = importlib.import_module("transformers").Trainer
     patches.append(Patch.on(base, "__init__", _warn_uncovered_init(base.__init__, tuple(covered))))
-    return _Applied(options, tuple(patches), head, original, tuple(covered))
+    return _Applied(all_options, tuple(patches), head, original, tuple(covered))
 
 
 def _trl_modules() -> list[types.ModuleType]:
