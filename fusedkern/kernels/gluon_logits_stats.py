@@ -2,22 +2,18 @@
 fp32 accumulation) whose epilogue reduces each 128 × 256 tile to per-row partial statistics in `ce_rows`' format
 (tile max, Σ exp(s − max) − 1, the target's logit), so the loss-only pass never writes the [T, V] logits.
 
-Design: the cooperative kernel of `probes/gluon_logits_stats.py` (issue 31 item 5). Persistent grid in grouped tile
+Design: the cooperative kernel of `probes/gluon_logits_stats.py`. Persistent grid in grouped tile
 order; a one-warp TMA producer fills a 4-stage shared-memory ring (mbarriers ready / empty); two consumer warpgroups
 split each 128 × 256 tile by rows (64 × 256 accumulators, async wgmma from shared memory) and reduce it in registers.
 Trade-off: cuBLAS's tile shape and L2 feed, but the epilogue is not hidden behind the other warpgroup's main loop
-(only the producer keeps prefetching through it); Gluon 3.6 has no TMA multicast across a 2-CTA cluster.
-Measured (H100, × cuBLAS's logits GEMM in the same shuffled rounds): the probe's kernel, statistics only, 0.997× at
-4096 tokens and 1.035× at 8192; this module's loss-only pass (kernel + merge, one more reduction than the probe's: the
-max's own 1 left out of Σ exp, ties counted exactly, the precision `ce_rows` keeps for confident predictions)
-1.054–1.089× at 4096–32768 tokens against the tile pass's 1.169–1.209×
-(`data/measured/h100/ce_llama3_loss_only_gluon.csv`).
+(only the producer keeps prefetching through it); Gluon 3.6 has no TMA multicast across a 2-CTA cluster. Its speed
+against cuBLAS and against the tile pass: docs/design.md ("The logits GEMM in Gluon") and docs/results.md.
 
 `loss_only` (the `gluon` strategy of `fusedkern/dispatch.py`: every statistics-only pass under impl="auto" that it
 supports, cross-entropy and log-probs at a temperature with the entropy, with or without a backward to follow) merges
 the partials
 with `ce_rows.merge_row_stats`, the tile pass's own merge, so its loss and statistics mean exactly what the tile
-pass's do. The temperature and entropy variants passed their GPU tests on an H100 (docs/design.md). This module
+pass's do. This module
 imports Gluon at import time: import it only where `is_supported` can hold (the dispatch imports it lazily, on
 CUDA tensors).
 """
@@ -43,15 +39,15 @@ from fusedkern.chunk_plan import LOSS_CHUNK_BUDGET_BYTES
 from fusedkern.kernels.ce_rows import merge_row_stats
 
 LOG2E = gl.constexpr(1.4426950408889634)
-# the probe's "128x256x64s4coop": the tile two consumer warpgroups share, K step, ring depth (4 × 48 KiB of H100's
+# the probe's "128x256x64s4coop": the tile two consumer warpgroups share, K step, ring depth (4 × 48 KiB of sm_90's
 # 227 KiB of shared memory per block)
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 256, 64, 4
-#: tile rows per group of the grouped order; 16 measured, 8 pending (docs/design.md: the 8192-token gap)
+#: tile rows per group of the grouped order (docs/design.md: the choice between 16 and 8)
 GROUP_M = 16
 # registers: 3 warpgroups (the producer's warp padded to 4) start at 168 (3 × 168 × 128 = 64.5K); setmaxnreg then
 # gives the producer 40 and each consumer 232 (accumulator 128 + the epilogue's temporaries): 0 spills on sm_90a
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS, NUM_WARPS = 168, 232, 40, 4
-#: the Triton this kernel was written, compiled and measured with (Gluon's API moves between releases)
+#: the Triton this kernel was written and compiled for (Gluon's API moves between releases)
 TRITON_TESTED = "3.6."
 #: partial slots per row: max, rest, and the label-smoothing sum `merge_row_stats` reads (0 here), fp32; the
 #: entropy's statistic adds one
