@@ -171,7 +171,7 @@ ax.set_title("Distillation's extra memory beyond inputs, dX and dW: a model, bf1
 ax.legend(fontsize=7, loc="upper left")
 plotting.add_caption(fig, "Computed by fusedkern.study.distill_memory from formulas and fusedkern.chunk_plan's rules; "
                           "not measured. Materialized: T·V·(3e + 24) bytes at β = 0.5 (e = 2). fusedkern: the student's "
-                          "and the teacher's [C, V] buffers (the student's in dW's storage when the plan allows) and "
+                          "and the teacher's [C, V] buffers (both in dW's storage when several chunks accumulate dW in fp32) and "
                           "the fp32 [V, H] accumulator when there are several chunks.")
 display(plotting.save_figure(fig, figures_dir / "11_distillation_memory"))
 
