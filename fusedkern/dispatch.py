@@ -21,6 +21,7 @@ that cannot take the call raises ValueError saying why.
 
 from __future__ import annotations
 
+import abc
 import functools
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ class Call:
     with_logit_sum: bool = False  # each row's Σ_v s_v (the mean logit of TRL's logits/* metrics)
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """A strategy's per-token statistics and gradients. `statistics` → (loss_tok [T] fp32, stats [2, T] fp32; the
     entropy and the logits' sum into the [T] buffers given, where the strategy supports them);
     `gradients` → (dx, dw, db) of Σ_t grad_tok[t]·ℓ_t (+ grad_entropy[t]·H_t) from the saved stats, None where not
@@ -63,9 +64,10 @@ class Strategy:
         """Why this strategy cannot take the call, or None when it can."""
         return None
 
+    @abc.abstractmethod
     def statistics(self, x, w, b, target, class_weight, opts: LossOptions, chunk_tokens, entropy=None,
                    logit_sum=None):
-        raise NotImplementedError
+        """(loss_tok [T] fp32, stats [2, T] fp32) of every row; entropy / logit_sum: [T] buffers to fill, or None."""
 
     def gradients(self, x, w, b, target, class_weight, opts: LossOptions, stats, grad_tok, *, need_dx, need_dw,
                   need_db, weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):

@@ -13,7 +13,7 @@ provider and point: ms p20/p50/p80, the ratio of p50 to the floor's p50 of the s
 memory above the inputs, and `protocol` / `workload` columns.
 
     python probes/probe_sft_head.py --csv sft_head.csv                  # CUDA
-    python probes/probe_sft_head.py --tiny --csv /tmp/sft_head.csv      # CPU smoke run (Triton's interpreter)
+    python probes/probe_sft_head.py --tiny --csv sft_head_tiny.csv     # CPU smoke run (Triton's interpreter)
 """
 from __future__ import annotations
 

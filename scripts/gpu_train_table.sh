@@ -31,7 +31,7 @@
 # (2), SEQ (2048), FIRST_MICRO (the micro-batch every search starts from; default each model's), CAP_S (180 s an
 # attempt), BUDGET_S (540: no run starts after it; the rest is listed as skipped), SAVE_CACHE (1), TINY (set: the
 # tiny shapes of --tiny, each run still its own process; how a CPU checks this driver: PATH=.venv/bin:$PATH
-# TINY=1 MODELS=llama3-8b-2l SAVE_CACHE=0 scripts/gpu_train_table.sh /tmp/out).
+# TINY=1 MODELS=llama3-8b-2l SAVE_CACHE=0 scripts/gpu_train_table.sh OUT_DIR).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup "${1:?usage: scripts/gpu_train_table.sh OUTDIR}"

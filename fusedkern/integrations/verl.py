@@ -78,7 +78,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         raise ValueError(f"Invalid reduction: {reduction}")
     if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
         if original is None:
-            raise NotImplementedError("fusedkern has no vocabulary-parallel log-probs with entropy")
+            raise ValueError("dist_process_group spans several ranks: fusedkern has no vocabulary-parallel log-probs "
+                             "with entropy; call verl's own linear_cross_entropy (pass original=) for tensor "
+                             "parallelism")
         _warn_vocab_parallel()
         return original(hidden, weight, labels, temperature, reduction, dist_process_group)
     x = hidden.reshape(-1, hidden.shape[-1])
