@@ -69,8 +69,7 @@ class Chunk:
         return all(a.stop == b.start for a, b in zip(self.blocks, self.blocks[1:]))
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        """t's rows of this chunk (dim 0, or the last dim of a [k, T] statistics array when `t` is 2-D with
-        rows last is not what is wanted: only dim 0 is taken): a view when contiguous, else a gathered copy."""
+        """t's rows of this chunk along dim 0: a view when the blocks are adjacent, else a gathered copy."""
         if self.contiguous:
             return t[self.rows]
         return torch.cat([t[s] for s in self.blocks])
