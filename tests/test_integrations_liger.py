@@ -263,6 +263,29 @@ def test_use_liger_kernel_with_fusedkern_runs_fusedkerns_head(tiny, liger_cpu, m
 
 
 @cpu
+def test_dpo_reference_runs_the_policys_liger_layers(tiny, liger_cpu):
+    """`Trainer.train()` applies Liger's layer kernels to the policy only; a DPO trainer built while patched applies
+    them to its reference model too when training starts, so at step 0 (lr 0: the same weights) both models give
+    the same bits and the first loss is log 2 with zero rewards. PyTorch's RMSNorm and SwiGLU differ from Liger's in
+    the last bits even in fp32 (3.6e-7 here), so the hidden-state comparison fails if the reference keeps PyTorch's
+    layers; at this tiny shape the logged loss and rewards alone would not tell."""
+    from fusedkern.study.liger_layers import liger_layers
+
+    trainer = build("dpo", tiny, True, use_liger_kernel=True, max_steps=1, learning_rate=0.0)
+    ref = trainer.ref_model
+    assert not liger_layers(ref)["rms_norm"]  # built before training starts: PyTorch's layers still
+    steps, _ = train(trainer, True)
+    assert_liger_layers(trainer.model, "llama")
+    assert_liger_layers(ref, "llama")
+    assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == 0.0
+    assert steps[0]["loss"] == pytest.approx(math.log(2), rel=1e-7)
+    ids = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        policy_hidden, ref_hidden = (m.base_model(ids).last_hidden_state for m in (trainer.model, ref))
+    assert torch.equal(policy_hidden, ref_hidden)
+
+
+@cpu
 def test_layer_kernels_applied_by_hand_then_patched(tiny, liger_cpu, monkeypatch):
     """`apply_liger_kernel_to_llama(model=..., fused_linear_cross_entropy=False, cross_entropy=False)` before the
     trainer is built, then fusedkern's patch: an SFT run with fusedkern's head over Liger's layers equals TRL's own

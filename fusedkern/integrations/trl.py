@@ -39,7 +39,9 @@ model's forward, and so fusedkern's head, alone. Its fused linear cross-entropy 
 and drop the head: TRL 1.16's SFT, DPO, KTO, GRPO and RLOO trainers switch it off themselves, and a covered trainer
 built while patched gets it switched off too (`liger_kernel_config={"fused_linear_cross_entropy": False}` unless
 given; `ValueError` if asked for), so Liger brings the body and fusedkern the head. `check_trainer` raises where
-Liger's loss would still replace the forward, or already has.
+Liger's loss would still replace the forward, or already has. `train()` applies Liger to the policy only: a covered
+trainer built while patched applies the same layer kernels to its reference model when training starts
+(`apply_liger_layers_to_reference`), so that both run the same kernels (DPO's first loss is log 2).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import logging
 import sys
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -397,6 +400,8 @@ def _warn_uncovered_init(original_init, covered: tuple[str, ...]):
         original_init(self, *args, **kwargs)
         if name is not None and name in covered:
             liger_layers_only(self)
+            if getattr(self.args, "use_liger_kernel", False):  # the subclass sets ref_model after this __init__
+                self.add_callback(_liger_reference_callback()(self))
 
     return init
 
@@ -419,6 +424,50 @@ def liger_layers_only(trainer) -> None:
         args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
         logger.info("%s: use_liger_kernel=True applies Liger's layer kernels only (fused_linear_cross_entropy=False):"
                     " fusedkern's head computes the log-probs", type(trainer).__name__)
+
+
+def apply_liger_layers_to_reference(trainer) -> bool:
+    """Apply to `trainer.ref_model` the Liger kernels that `Trainer.train()` applies to the policy under
+    `args.use_liger_kernel` (Liger's `_apply_liger_kernel_to_instance(model=...)` with `args.liger_kernel_config`, as
+    transformers calls it; `fused_linear_cross_entropy=False`, so the reference keeps its fused head): `train()`
+    patches `self.model` only, and a reference model running PyTorch's RMSNorm and SwiGLU gives other bits than the
+    policy at the same weights (DPO's first loss off log 2). False, applying nothing, without `use_liger_kernel`, a
+    reference model, or a `PreTrainedModel` under its wrappers (transformers skips such a policy too)."""
+    args = getattr(trainer, "args", None)
+    ref_model = getattr(trainer, "ref_model", None)
+    if not getattr(args, "use_liger_kernel", False) or ref_model is None:
+        return False
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from transformers import PreTrainedModel
+
+    accelerator = getattr(trainer, "accelerator", None)
+    model = ref_model if accelerator is None else accelerator.unwrap_model(ref_model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(model, PreTrainedModel):
+        return False
+    _apply_liger_kernel_to_instance(model=model, **{**(args.liger_kernel_config or {}),
+                                                    "fused_linear_cross_entropy": False})
+    return True
+
+
+@functools.cache
+def _liger_reference_callback():
+    """The callback class (transformers' `TrainerCallback`, imported when first needed) that a covered trainer with
+    `use_liger_kernel=True` gets when built while patched: at `on_train_begin`, after `train()` applied Liger to the
+    policy, `apply_liger_layers_to_reference` gives the reference model, if any, the same kernels."""
+    from transformers import TrainerCallback
+
+    class LigerLayersOnReference(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = weakref.ref(trainer)  # the trainer holds its callbacks: no cycle through this one
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer = self.trainer()
+            if trainer is not None and apply_liger_layers_to_reference(trainer):
+                logger.info("%s: Liger's layer kernels applied to the reference model too, as to the policy",
+                            type(trainer).__name__)
+
+    return LigerLayersOnReference
 
 
 def liger_loss_would_replace_forward(trainer) -> bool:
