@@ -28,8 +28,8 @@ head), fusedkern (fusedkern.integrations.trl.patch() before the trainer is built
 
 Each run appends one CSV row: tokens/s at the median step time (step_ms_p20/p50/p80 over the timed steps after
 --warmup), peak MiB (torch.cuda.max_memory_allocated over the timed steps), first and final logged loss, the batch
-layout, protocol and workload, versions and commit. Hub kernels stay off (USE_HUB_KERNELS=NO, use_kernels=False):
-Transformers 5.25 would otherwise kernelize the layers where the `kernels` package is installed.
+layout, protocol and workload, versions, commit and --phase. Hub kernels stay off (USE_HUB_KERNELS=NO,
+use_kernels=False): Transformers 5.25 would otherwise kernelize the layers where the `kernels` package is installed.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ CSV_COLUMNS = ("model", "step", "row", "workload", "protocol", "layers", "hidden
                "global_batch", "micro_batch", "micro_batch_first", "grad_accum", "tokens_per_step", "steps_timed",
                "warmup_steps", "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "first_loss",
                "final_loss", "head", "liger_layers", "device", "torch", "triton", "transformers", "trl",
-               "liger_kernel", "commit", "autocast", "attention", "optimizer")
+               "liger_kernel", "commit", "autocast", "attention", "optimizer", "phase")
 
 
 def parse_args(argv):
@@ -128,6 +128,9 @@ def parse_args(argv):
     p.add_argument("--global-batch", type=int, default=None, help="sequences (DPO: pairs) an optimizer step")
     p.add_argument("--protocol", default=None, help="the CSV's protocol column (default sequential; --tiny "
                    "in_process)")
+    p.add_argument("--phase", default="after", help="the CSV's phase column: which tree the rows measure beside "
+                   "the others of the committed table (\"before\": b4ffb48, before the head-floor kernels of issue 47; "
+                   "default \"after\")")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU, every selected run in this process")
     p.add_argument("--list-runs", action="store_true", help="print the selected runs, one a line: model, step, row, "
                    "global batch, first micro-batch (what scripts/gpu_train_table.sh loops over), and exit")
@@ -296,8 +299,9 @@ def _is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and ("CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text))
 
 
-def run_one(model_name: str, step: str, row: str, args) -> dict:
-    """Train one (model, step, row); its CSV row."""
+def run_one(model_name: str, step: str, row: str, args, callbacks=()) -> dict:
+    """Train one (model, step, row); its CSV row. `callbacks`: more TrainerCallbacks for the trainer, after the step
+    timer (scripts/gpu_step_profile.py profiles a step through one)."""
     from fusedkern.integrations import trl as fk_trl
     from fusedkern.study import liger_layers
 
@@ -316,6 +320,8 @@ def run_one(model_name: str, step: str, row: str, args) -> dict:
         trainer = build_trainer(step, row, shape, path, args, global_batch, micro, out)
         timer = StepTimer(args.cuda)
         trainer.add_callback(timer)
+        for callback in callbacks:
+            trainer.add_callback(callback)
         print(f"{model_name} {step} {row}: global batch {global_batch}, micro-batch {micro}, seq {args.seq}",
               flush=True)
         trainer.train()
@@ -346,6 +352,7 @@ def run_one(model_name: str, step: str, row: str, args) -> dict:
         "liger_kernel": version("liger-kernel"), "commit": commit(),
         "autocast": "bf16, fp32 weights" if args.cuda else "none, fp32",
         "attention": "sdpa" if args.cuda else "eager", "optimizer": "adamw_torch_fused" if args.cuda else "sgd",
+        "phase": args.phase,
     }
     print(f"{model_name} {step} {row}: {float(result['tokens_per_s']):.0f} tokens/s, p50 {p50:.1f} ms, peak "
           f"{result['peak_mib'] or '-'} MiB, loss {result['first_loss']} -> {result['final_loss']} ({head} head)",
