@@ -1,6 +1,7 @@
 """scripts/gpu_train_table.py and its driver, on CPU (issue 43 item 4): the tiny mode runs TRL's SFT, DPO and GRPO
 steps with the four rows and writes the CSV the GPU run will write; a run out of memory exits 75 for the driver's
-search; notebook 10 draws the table from such a CSV (invented values, labelled fake, under tmp_path)."""
+search; notebook 10 draws the table and the step's time breakdown from such CSVs (invented values, labelled fake,
+under tmp_path)."""
 
 from __future__ import annotations
 
@@ -147,22 +148,50 @@ def fake_trl_table(path: Path) -> None:
         writer.writerows(rows)
 
 
+def fake_breakdown(path: Path) -> None:
+    """An invented step_time_breakdown.csv (FAKE numbers) in the schema scripts/gpu_step_profile.py writes."""
+    from fusedkern.study.step_profile import CATEGORIES, FLOOR_CATEGORY
+
+    common = dict(step="sft", layers=28, hidden=1024, vocab=151936, seq_len=2048, micro_batch=8, grad_accum=2,
+                  tokens_per_step=32768, workload="sft_full", device="FAKE GPU (test data)", torch="0.0",
+                  triton="0.0", transformers="0.0", trl="0.0", liger_kernel="0.0", commit="fake", phase="fake",
+                  note="")
+    rows = []
+    for model in ("qwen3-0.6b", "llama-3.2-1b"):
+        for row, layers_ms in (("trl", 300.0), ("trl_liger", 150.0), ("fusedkern", 300.0), ("fusedkern_liger", 150.0)):
+            parts = dict(zip(CATEGORIES, (40.0, 40.0, 60.0, layers_ms, 20.0, 10.0)))
+            rows += [dict(common, model=model, row=row, category=c, kernel_ms=ms, kernel_total_ms=sum(parts.values()),
+                          step_wall_ms=sum(parts.values()) * 1.02, protocol="profiled_step") for c, ms in parts.items()]
+        rows.append(dict(common, model=model, row="floor", category=FLOOR_CATEGORY, kernel_ms=40.0, kernel_total_ms="",
+                         step_wall_ms="", protocol="timed_reps"))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def test_notebook_10_draws_the_trl_table(tmp_path):
-    """With a train_trl_table.csv in data/measured/h100/, notebook 10 shows the table, the figure
-    (10_training_step_trl) and each target's verdict; the committed data have none yet, and the render there says
-    it is not measured (tests/study/test_run_all.py renders every notebook without it)."""
+    """With a train_trl_table.csv and a step_time_breakdown.csv in data/measured/h100/ (invented), notebook 10 shows
+    the table, the figures (10_training_step_trl, 10_step_time_breakdown), each target's verdict and Amdahl's
+    bound from the profile."""
     data = tmp_path / "data"
     shutil.copytree(ROOT / "data" / "reference", data / "reference")
     fake_trl_table(data / "measured" / "h100" / "train_trl_table.csv")
+    fake_breakdown(data / "measured" / "h100" / "step_time_breakdown.csv")
     out, figs = tmp_path / "rendered", tmp_path / "figures"
     env = dict(os.environ, TMPDIR=str(tmp_path))
     done = subprocess.run([sys.executable, str(ROOT / "run_all.py"), "--notebooks", "10", "--measure", "no",
                            "--data-dir", str(data), "--output-dir", str(out), "--figures-dir", str(figs)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-6000:]
-    assert (figs / "10_training_step_trl.png").exists() and (figs / "10_training_step_trl.svg").exists()
+    for name in ("10_training_step_trl", "10_step_time_breakdown"):
+        assert (figs / f"{name}.png").exists() and (figs / f"{name}.svg").exists()
     text = (out / "10_training_step.ipynb").read_text()
     assert "Not yet measured.** There is no `train_trl_table.csv`" not in text
-    assert "fusedkern 1.100× TRL's head (target ≥ 1.15: **missed**)" in text
-    assert "fusedkern 1.100× TRL's head (target ≥ 1.08: **met**)" in text
-    assert "target fusedkern + Liger's layers: **met**" in text
+    assert "Not yet measured.** There is no `step_time_breakdown.csv`" not in text
+    # fake speeds: fusedkern 1.1 / TRL 1.0, fusedkern + Liger 1.16 / TRL + Liger 1.05
+    assert "fusedkern 1.100× TRL's head (target ≥ 1.05: **met**)" in text
+    assert "fusedkern + Liger's layers 1.105× TRL's head + Liger's layers (target ≥ 1.04: **met**)" in text
+    assert "every target met on every step" in text
+    # the profile: a head of 80 ms in steps of 470 ms (PyTorch's layers) and 320 ms (Liger's), its floor 40 ms
+    assert f"at most {470 / 430:.3f}× faster without Liger's layers and {320 / 280:.3f}× with them" in text
