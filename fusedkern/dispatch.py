@@ -11,18 +11,22 @@ entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from th
   sum: a call that asks for TRL's mean_logits takes the chunked pass). It has no backward of its own: a gradient
   recomputes the logits with the chunked strategy's GEMMs.
 - `FUSED` (`kernels/fused_ce.py`): Triton GEMM with an online log-sum-exp, logits recomputed in backward; O(T + V)
-  extra memory. No logit scale, no entropy and no logits' sum.
+  extra memory. No logit scale, no entropy and no logits' sum. Its backward adds into dX, dW and db with fp32
+  atomics: the one strategy whose gradients are not bitwise reproducible (docs/usage.md, "Determinism").
 
-`impl="auto"` takes the chunked GEMMs unless their buffers do not fit the free GPU memory (then fused), and runs a
-statistics-only forward on Gluon wherever it applies, so that a forward with gradient and one without compute the
-same statistics with the same kernel (a policy and its reference model see equal log-probs). An explicit `impl`
-that cannot take the call raises ValueError saying why.
+`impl="auto"` takes the chunked GEMMs unless their buffers do not fit the free GPU memory (then fused, except under
+`torch.use_deterministic_algorithms(True)`), and runs a statistics-only forward on Gluon wherever it applies, so that
+a forward with gradient and one without compute the same statistics with the same kernel (a policy and its reference
+model see equal log-probs). An explicit `impl` that cannot take the call raises ValueError saying why; the fused
+backward under deterministic algorithms raises RuntimeError (a warning with `warn_only=True`), as torch's own
+non-deterministic operations do.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +108,7 @@ class Fused(Strategy):
 
     def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
                   weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
+        alert_not_deterministic("impl='fused' forms dX, dW and db with fp32 atomic adds")
         return _fused_kernels().fused_ce_backward(
             x, w, b, target, class_weight, stats, grad_tok, ignore_index=opts.ignore_index,
             label_smoothing=opts.label_smoothing, z_loss=opts.z_loss, softcap=opts.softcap, need_dx=need_dx,
@@ -170,11 +175,12 @@ def choose(impl: str, call: Call, *, weight_grad_accum: str = "fp32", chunk_toke
     """The strategy for a call. impl "auto": "fused" when the chunked buffers (at the caller's `chunk_tokens` when
     given) do not fit the free GPU memory and `fused_fallback` allows it; else, for a statistics-only forward
     (`statistics_only`: no gradient is formed in this pass; a backward may recompute the logits), "gluon" wherever
-    it applies; else "chunked". An explicit impl is checked (`check_supported`) and kept."""
+    it applies; else "chunked". Never "fused" under deterministic algorithms (`fused_fallback_allowed`). An explicit
+    impl is checked (`check_supported`) and kept."""
     if impl != AUTO:
         check_supported(impl, call)
         return STRATEGIES[impl]
-    if fused_fallback and STRATEGIES[FUSED].unsupported(call) is None \
+    if fused_fallback and fused_fallback_allowed() and STRATEGIES[FUSED].unsupported(call) is None \
             and _chunked_needs_more_than_free(call.x2d, call.w, weight_grad_accum, chunk_tokens):
         return STRATEGIES[FUSED]
     if statistics_only and STRATEGIES[GLUON].unsupported(call) is None:
@@ -185,10 +191,33 @@ def choose(impl: str, call: Call, *, weight_grad_accum: str = "fp32", chunk_toke
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,
                  chunk_tokens: int | None) -> str:
     """'auto' → 'chunked' (the faster strategy for a pass that forms gradients), unless its buffers do not fit
-    the free GPU memory: then 'fused', which needs only O(tokens) extra. An explicit impl is returned as is."""
+    the free GPU memory: then 'fused', which needs only O(tokens) extra (never under deterministic algorithms:
+    `fused_fallback_allowed`). An explicit impl is returned as is."""
     if impl != AUTO:
         return impl
-    return FUSED if _chunked_needs_more_than_free(x2d, w, weight_grad_accum, chunk_tokens) else CHUNKED
+    if fused_fallback_allowed() and _chunked_needs_more_than_free(x2d, w, weight_grad_accum, chunk_tokens):
+        return FUSED
+    return CHUNKED
+
+
+def fused_fallback_allowed() -> bool:
+    """Whether "auto" may fall back to the fused strategy when memory is short: not under
+    `torch.use_deterministic_algorithms(True)`, since the fused backward adds with atomics (the chunked strategy then
+    runs, and may run out of memory instead)."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+def alert_not_deterministic(what: str) -> None:
+    """Under `torch.use_deterministic_algorithms(True)`, refuse a computation whose bits vary from run to run: a
+    RuntimeError, or a warning with `warn_only=True` (torch's own convention for its non-deterministic operations)."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (f"{what}, which is not deterministic, and torch.use_deterministic_algorithms(True) is set: use "
+               f"impl='chunked' (or 'auto'), whose results are bitwise reproducible (docs/usage.md, 'Determinism')")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(message)
 
 
 def forms_grads_in_forward(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,

@@ -21,7 +21,9 @@ DEVICE = "cpu" if interpreting() else "cuda"
 #: option on where the test has such a case (node ids; ≤ 3 min on an H100 from a cold Triton cache):
 #: ce_rows and the cuBLAS chunked path, the fused strategy, the row-count GEMMs (TMA and pointer paths), the
 #: compacted device-count path, the SimPO and preference losses built on them, the Gluon loss-only pass (sm_90) and
-#: the gradients' rescale and cast (`kernels/scale.py`)
+#: the gradients' rescale and cast (`kernels/scale.py`); and two bitwise-determinism checks where the bits are
+#: likeliest to move: the row-count GEMMs (TMA reduce-add into fp32 dW, dX's tile width switching after its first
+#: call) and the Gluon statistics pass with a temperature, the entropy and the recomputed backward
 GPU_QUICK = (
     "tests/test_linear_cross_entropy.py::test_gpu_bf16_realistic[none-all-chunked]",
     "tests/test_linear_cross_entropy.py::test_gpu_bf16_realistic[mean-all-fused]",
@@ -35,6 +37,8 @@ GPU_QUICK = (
     "tests/test_distillation.py::test_gpu_bf16_realistic[jsd-tau2]",
     "tests/test_gluon_loss_only.py::test_gpu_loss_only_bf16_matches_fp64[none]",
     "tests/test_scale.py::test_gpu_scale_kernel_at_an_lm_heads_size",
+    "tests/test_determinism.py::test_gpu_same_bits_on_repeat[ce-device-count]",
+    "tests/test_determinism.py::test_gpu_same_bits_on_repeat[logprobs-entropy]",
 )
 
 
