@@ -28,7 +28,7 @@ LAYERS = (
                     "fusedkern.sharded")),
     ("kernels", ("fusedkern.kernels", "fusedkern.kernels.*")),
     ("core", ("fusedkern.engine", "fusedkern.autograd", "fusedkern.chunked", "fusedkern.compacted",
-              "fusedkern.formula", "fusedkern.dispatch")),
+              "fusedkern.anchored", "fusedkern.formula", "fusedkern.dispatch")),
     ("operators", ("fusedkern.linear_cross_entropy", "fusedkern.logprobs", "fusedkern.preference",
                    "fusedkern.anticipated")),
     ("losses", ("fusedkern.grpo", "fusedkern.linear_preference", "fusedkern.simpo", "fusedkern.distillation",
