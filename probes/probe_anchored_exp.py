@@ -419,6 +419,20 @@ def pass_section(writer, head, V, H, T, rounds, gpu):
     writer.rows(block_rows("pass", times, floors, head, V, H, T, gpu, "dense_w0.02_tau0.7", peaks))
 
 
+def guarded(what: str, fn, *args) -> bool:
+    """fn(*args); an exception is printed and the next block runs (False), unless CUDA's context is gone."""
+    import traceback
+
+    try:
+        result = fn(*args)
+        return True if result is None else bool(result)
+    except Exception:  # noqa: BLE001  (report the block, go on with the next)
+        print(f"FAILED {what}:\n{traceback.format_exc()[-3000:]}", flush=True)
+        if "CUDA error" in traceback.format_exc():
+            raise
+        return False
+
+
 def gpu_main(args) -> int:
     import torch
 
@@ -430,7 +444,7 @@ def gpu_main(args) -> int:
     ok = True
     if "check" in sections:
         t0 = time.time()
-        ok = check_section(out_dir, gpu)
+        ok = guarded("check", check_section, out_dir, gpu)
         print(f"check: {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s", flush=True)
     heads = args.heads.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -440,7 +454,7 @@ def gpu_main(args) -> int:
             V, H = HEADS[head]
             for T in tokens:
                 t0 = time.time()
-                producer_section(writer, head, V, H, T, args.rounds, gpu)
+                ok &= guarded(f"producer {head} {T}", producer_section, writer, head, V, H, T, args.rounds, gpu)
                 torch.cuda.empty_cache()
                 print(f"producer {head} {T}: {time.time() - t0:.0f} s", flush=True)
     if "pass" in sections:
@@ -449,7 +463,7 @@ def gpu_main(args) -> int:
             V, H = HEADS[head]
             for T in tokens:
                 t0 = time.time()
-                pass_section(writer, head, V, H, T, args.rounds, gpu)
+                ok &= guarded(f"pass {head} {T}", pass_section, writer, head, V, H, T, args.rounds, gpu)
                 torch.cuda.empty_cache()
                 print(f"pass {head} {T}: {time.time() - t0:.0f} s", flush=True)
     return 0 if ok else 1
