@@ -33,13 +33,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from fusedkern._runtime import sm_count
 from fusedkern.kernels.anchored_rows import (  # noqa: F401  (the producer's constants, named here for its callers)
@@ -63,6 +57,7 @@ from fusedkern.kernels.gluon_logits_stats import (
     NUM_WARPS,
     PRODUCER_REGS,
     accumulator_layout,
+    cooperative_mainloop,
     device_reason,
     operand_ring,
     shared_layouts,
@@ -110,21 +105,7 @@ def _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anch
         pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * TILE_M + CONSUMER * ROWS
         off_n = pid_n * BN
-        base = i * k_tiles
-        acc = gl.zeros([ROWS, BN], gl.float32, acc_layout)
-        prev = 0
-        for k in range(k_tiles):
-            count = base + k
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
-            b = b_bufs.index(slot)
-            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
-            mbarrier.arrive(empty.index(prev), pred=k > 0)
-            prev = slot
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
+        acc = cooperative_mainloop(a_bufs, b_bufs, ready, empty, i * k_tiles, k_tiles, ROWS, BN, STAGES, CONSUMER)
         i += 1
 
         rows = off_m + gl.arange(0, ROWS, layout=row_layout)

@@ -116,6 +116,30 @@ def tma_producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_t
 
 
 @gluon.jit
+def cooperative_mainloop(a_bufs, b_bufs, ready, empty, base, k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER: gl.constexpr):
+    """One consumer's fp32 accumulator [BLOCK_M, BLOCK_N] of a tile: rows [CONSUMER·BLOCK_M, (CONSUMER+1)·BLOCK_M) of
+    each X slot against the whole W slot over k_tiles K blocks from ring position `base` (the producer's count). Per
+    block: wait for the slot, async wgmma from shared memory (W permuted to K-major [BK, BN]), one wgmma group in
+    flight; the previous one is done, so its slot goes back to the producer (2 arrivals free it)."""
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, accumulator_layout(BLOCK_N))
+    prev = 0
+    for k in range(k_tiles):
+        count = base + k
+        slot = count % STAGES
+        mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+        a = a_bufs.index(slot).slice(CONSUMER * BLOCK_M, BLOCK_M)
+        b = b_bufs.index(slot)
+        acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
+        mbarrier.arrive(empty.index(prev), pred=k > 0)
+        prev = slot
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(prev))
+    return acc
+
+
+@gluon.jit
 def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_rest_ptr, part_ent_ptr, target_ptr,
               target_logit_ptr, T, V, partial_stride, logit_scale, num_m, num_n, k_tiles,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
@@ -134,23 +158,9 @@ def _consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr, part_r
         pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * TILE_M + CONSUMER * BLOCK_M
         off_n = pid_n * BLOCK_N
-        base = i * k_tiles  # ring position of this tile's first K block (the producer's count)
-        # 1. main loop: wait for the slot, async wgmma from shared memory (W permuted to K-major [BK, BN]), one
-        # wgmma group in flight; the previous one is done, so its slot goes back to the producer (2 arrivals free it)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)  # (BLOCK_M, BLOCK_N)
-        prev = 0
-        for k in range(k_tiles):
-            count = base + k
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot).slice(CONSUMER * BLOCK_M, BLOCK_M)
-            b = b_bufs.index(slot)
-            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
-            mbarrier.arrive(empty.index(prev), pred=k > 0)
-            prev = slot
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
+        # 1. main loop
+        acc = cooperative_mainloop(a_bufs, b_bufs, ready, empty, i * k_tiles, k_tiles, BLOCK_M, BLOCK_N, STAGES,
+                                   CONSUMER)
         i += 1
 
         # 2. the target's logit, from the accumulator registers, by the one tile that holds its column (rows past
