@@ -216,7 +216,7 @@ class Op:
             result = tuple(self.backward(ctx, *grads))
         finally:
             ctx.needs_input_grad = needs
-        return (*result, *([None] * (len(needs) - len(result))))
+        return result + (None,) * (len(needs) - len(result))
 
     def __call__(self, *args):
         *tensors, options = args
@@ -288,6 +288,36 @@ def grads_formed_in_forward(what: str | Callable[[typing.Any], str]) -> tuple[Ca
         return rescaled_grads(ctx, grad_loss, ctx.what)
 
     return setup_context, backward
+
+
+def recomputed_in_backward(backward_op: Callable) -> tuple[Callable, Callable]:
+    """(setup_context, backward) for `define_op` of an operator over (x, w, b, target, class_weight, ...) that returns
+    (per-token loss [T], row statistics [2, T]) and whose gradients recompute the logits: the five tensors and the
+    statistics are saved, and the backward calls `backward_op(x, w, b, target, class_weight, stats, grad_tok,
+    options.gradients(need_dx, need_dw, need_db))`, which returns (dx, dw, db), [0] where not wanted."""
+
+    def setup_context(ctx, tensors, options, output):
+        ctx.save_for_backward(*tensors[:5], output[1])
+        ctx.options = options
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, grad_loss_tok, _grad_stats):
+        x, w, b, target, class_weight, stats = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_db = need_db and b is not None
+        dx, dw, db = backward_op(x, w, b, target, class_weight, stats, grad_loss_tok.float().contiguous(),
+                                 ctx.options.gradients(need_dx, need_dw, need_db))
+        return dx if need_dx else None, dw if need_dw else None, db if need_db else None
+
+    return setup_context, backward
+
+
+def fake_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, options) -> tuple[torch.Tensor, ...]:
+    """(dx, dw, db) as a backward operator returns them: in x's, w's and b's shapes and dtypes, [0] where the
+    options' need_dx / need_dw / need_db do not ask for them (the fake implementation of such an operator)."""
+    return (torch.empty_like(x) if options.need_dx else absent(x),
+            torch.empty_like(w) if options.need_dw else absent(w),
+            torch.empty_like(b) if options.need_db and b is not None else absent(w))
 
 
 def absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -17,11 +17,14 @@ in exchange for reusing the single-GPU kernels unchanged; dX's all-reduce (2·T�
 same in both and dominates. docs/design.md ("Vocabulary parallelism") derives the volumes.
 
 Scalar reductions with gradients form them in the forward pass (three GEMMs, as on one GPU); "none" and
-the log-probs recompute the logits in backward from the saved statistics (four GEMMs).
+the log-probs recompute the logits in backward from the saved statistics (four GEMMs). The passes and the sequence-
+parallel gather are custom operators (`autograd.define_op`), as on one GPU; their options name the process group
+(`VocabShard.group_name`), since an operator's options are scalars.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,21 +41,41 @@ from fusedkern._validation import (
     validate_loss_options,
     validate_strategy,
 )
-from fusedkern.autograd import first_order_only, follows_autocast, rescaled_grads, save_precomputed_grads
+from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
+    absent,
+    define_op,
+    fake_grads,
+    follows_autocast,
+    grads_formed_in_forward,
+    or_absent,
+    recomputed_in_backward,
+)
 from fusedkern.linear_cross_entropy import mean_denominator
+
+
+def process_group(group_name: str):
+    """The process group of that name. Operator options hold scalars only, so the operators name their group, as
+    torch's own functional collectives do in their schemas, and resolve it with torch's function for that."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's rows of the head: vocabulary indices start … start + rows − 1 of vocab_size, in a group
-    of `world` ranks. Slots of the statistics exchange are laid out for `slot_cols` columns per rank."""
+    """This rank's rows of the head: vocabulary indices start … start + rows − 1 of vocab_size, in the process
+    group named `group_name` of `world` ranks. Slots of the statistics exchange are laid out for `slot_cols`
+    columns per rank."""
 
-    group: object
+    group_name: str
     rank: int
     world: int
     start: int
     rows: int
     vocab_size: int
+
+    @property
+    def group(self):
+        return process_group(self.group_name)
 
     @property
     def slot_cols(self) -> int:
@@ -96,7 +119,8 @@ def _resolve_shard(linear_weight: torch.Tensor, group, vocab_start: int | None, 
     if not (0 <= vocab_start and vocab_start + rows <= vocab_size):
         raise ValueError(f"linear_weight's {rows} rows starting at vocab_start={vocab_start} must lie inside "
                          f"the vocabulary of vocab_size={vocab_size}")
-    return VocabShard(group, rank, world, vocab_start, rows, vocab_size)
+    group_name = (dist.group.WORLD if group is None else group).group_name
+    return VocabShard(group_name, rank, world, vocab_start, rows, vocab_size)
 
 
 def _validate(input, linear_weight, target, linear_bias, weight, shard_rows: int, reduction, ignore_index,
@@ -195,7 +219,7 @@ def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, wei
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd
+# operators (`autograd.define_op`): the shard travels in the options by its process group's name
 
 
 def _row_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,93 +229,148 @@ def _row_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty((2, T), device=x.device, dtype=torch.float32))
 
 
-def _lse_output(ctx, stats: torch.Tensor) -> torch.Tensor:
-    """lse = max + log Σ exp of every token, returned beside the loss as a non-differentiable output."""
-    lse = stats[0] + stats[1]
-    ctx.mark_non_differentiable(lse)
-    return lse
+@dataclass(frozen=True)
+class ScalarOptions:
+    """`vp_ce_scalar`'s options: the loss, its reduction ("mean"/"sum"), the shard, the chunk plan's inputs, which
+    gradients to form, whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW
+    into it), and whether each chunk's dX is all-reduced (not with sequence parallelism: the gather's backward
+    reduce-scatters it)."""
+
+    loss: LossOptions
+    reduction: str
+    shard: VocabShard
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool
+    need_dw: bool
+    need_db: bool
+    return_dw_out: bool
+    reduce_dx: bool
 
 
-class _ScalarLossWithGrads(torch.autograd.Function):
-    """mean / sum with gradients: formed in the forward pass, rescaled by the upstream gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, y, class_weight, opts, reduction, shard, chunk_tokens, weight_grad_accum, reduce_dx):
-        ctx.set_materialize_grads(False)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
-        if reduction == "mean":
-            denom = mean_denominator(y, class_weight, opts.ignore_index)
-            grad_scale = (1.0 / denom).reshape(1)
-        else:
-            grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
-        loss_tok, stats = _row_buffers(x)
-        dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, opts, shard, (need_dx, need_dw, need_db),
-                                          chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=loss_tok, stats=stats,
-                                          compute_stats=True, grad=grad_scale, per_token_grad=False)
-        loss = loss_tok.sum() / denom if reduction == "mean" else loss_tok.sum()
-        finish_checks(checks)
-        save_precomputed_grads(ctx, x, w, b, dx, dw, db, dw_out)
-        return loss, _lse_output(ctx, stats)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_loss, _grad_lse):
-        if grad_loss is None:
-            return (None,) * 11
-        return (*rescaled_grads(ctx, grad_loss, "vocab_parallel_cross_entropy"), *([None] * 8))
+def _scalar(x, w, b, y, class_weight, o: ScalarOptions):
+    """mean / sum with gradients formed in the forward pass (rescaled by the upstream gradient in backward): (loss
+    0-d fp32, lse [T] fp32, dx, dw, db, dw_out) as `linear_cross_entropy`'s `ce_chunked_scalar` returns them."""
+    shard = o.shard
+    checks = start_checks(y, shard.vocab_size, o.loss.ignore_index, None, None, -1)
+    if o.reduction == "mean":
+        denom = mean_denominator(y, class_weight, o.loss.ignore_index)
+        grad_scale = (1.0 / denom).reshape(1)
+    else:
+        grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
+    loss_tok, stats = _row_buffers(x)
+    dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, o.loss, shard, (o.need_dx, o.need_dw, o.need_db),
+                                      o.chunk_tokens, o.weight_grad_accum, o.reduce_dx, loss_tok=loss_tok,
+                                      stats=stats, compute_stats=True, grad=grad_scale, per_token_grad=False)
+    loss = loss_tok.sum() / denom if o.reduction == "mean" else loss_tok.sum()
+    finish_checks(checks)
+    return (loss, stats[0] + stats[1], or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
+            or_absent(dw_out if o.return_dw_out else None, w))
 
 
-class _PerTokenLoss(torch.autograd.Function):
-    """Per-token loss [T] (and lse); the backward recomputes each shard's logits chunk from the saved statistics."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, y, class_weight, opts, shard, chunk_tokens, weight_grad_accum, reduce_dx):
-        ctx.set_materialize_grads(False)
-        checks = start_checks(y, shard.vocab_size, opts.ignore_index, None, None, -1)
-        loss_tok, stats = _row_buffers(x)
-        C = plan_for_grads(x.shape[0], w, False, weight_grad_accum, chunk_tokens).chunk_tokens
-        _shard_chunks(x, w, b, y, class_weight, opts, shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
-                      grad=None, per_token_grad=False)
-        finish_checks(checks)
-        ctx.save_for_backward(x, w, b, y, class_weight, stats)
-        ctx.config = (opts, shard, chunk_tokens, weight_grad_accum, reduce_dx)
-        return loss_tok, _lse_output(ctx, stats)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_tok, _grad_lse):
-        if grad_tok is None:
-            return (None,) * 10
-        x, w, b, y, class_weight, stats = ctx.saved_tensors
-        opts, shard, chunk_tokens, weight_grad_accum, reduce_dx = ctx.config
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, opts, shard, (need_dx, need_dw, need_db),
-                                          chunk_tokens, weight_grad_accum, reduce_dx, loss_tok=None, stats=stats,
-                                          compute_stats=False, grad=grad_tok.float().contiguous(), per_token_grad=True)
-        if dw_out is not None:
-            dw = dw_out.copy_(dw)
-        return (dx, dw, None if db is None else db.to(b.dtype), *([None] * 7))
+def _fake_scalar(x, w, b, y, class_weight, o: ScalarOptions):
+    (T, H), V = x.shape, w.shape[0]
+    fp32_accumulator = plan_for_grads(T, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens).fp32_accumulator
+    f32 = torch.float32
+    return (x.new_empty((), dtype=f32), x.new_empty((T,), dtype=f32),
+            x.new_empty((T, H)) if o.need_dx else absent(x),
+            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
+            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
+            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
 
 
-class _GatherTokens(torch.autograd.Function):
-    """Sequence parallelism: all-gather the ranks' token shards [T_r, ...] along dim 0 (equal T_r on every
-    rank); the backward reduce-scatters the ranks' partial gradients of the gathered tensor."""
+vp_ce_scalar = define_op("fusedkern::vp_ce_scalar", ["x", "w", "b?", "y", "class_weight?"], ScalarOptions, 6,
+                         _scalar, _fake_scalar, *grads_formed_in_forward("vocab_parallel_cross_entropy"),
+                         tags=CHECKING_OP_TAGS)
 
-    @staticmethod
-    def forward(ctx, local, group):
-        ctx.group = group
-        world = dist.get_world_size(group)
-        out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        world = dist.get_world_size(ctx.group)
-        local = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group)
-        return local, None
+@dataclass(frozen=True)
+class PerTokenOptions:
+    """`vp_per_token`'s options (and, with which gradients to form, `vp_per_token_backward`'s): the loss, the shard,
+    the chunk plan's inputs and whether each chunk's dX is all-reduced."""
+
+    loss: LossOptions
+    shard: VocabShard
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    reduce_dx: bool
+    need_dx: bool = False
+    need_dw: bool = False
+    need_db: bool = False
+
+    def gradients(self, need_dx: bool, need_dw: bool, need_db: bool) -> PerTokenOptions:
+        return dataclasses.replace(self, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+
+
+def _per_token(x, w, b, y, class_weight, o: PerTokenOptions):
+    """Per-token loss [T] and row statistics [2, T] (fp32); the backward recomputes each shard's logits chunk from
+    the saved statistics (`vp_per_token_backward`)."""
+    checks = start_checks(y, o.shard.vocab_size, o.loss.ignore_index, None, None, -1)
+    loss_tok, stats = _row_buffers(x)
+    C = plan_for_grads(x.shape[0], w, False, o.weight_grad_accum, o.chunk_tokens).chunk_tokens
+    _shard_chunks(x, w, b, y, class_weight, o.loss, o.shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
+                  grad=None, per_token_grad=False)
+    finish_checks(checks)
+    return loss_tok, stats
+
+
+def _fake_per_token(x, w, b, y, class_weight, o: PerTokenOptions):
+    T = x.shape[0]
+    return x.new_empty((T,), dtype=torch.float32), x.new_empty((2, T), dtype=torch.float32)
+
+
+def _per_token_backward(x, w, b, y, class_weight, stats, grad_tok, o: PerTokenOptions):
+    """Gradients of Σ_t grad_tok[t]·ℓ_t over this rank's shard: (dx [T, H] summed over the shards, dw [V_r, H],
+    db [V_r]) in the dtypes of x, w, b; [0] where not wanted."""
+    dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, o.loss, o.shard, (o.need_dx, o.need_dw, o.need_db),
+                                      o.chunk_tokens, o.weight_grad_accum, o.reduce_dx, loss_tok=None, stats=stats,
+                                      compute_stats=False, grad=grad_tok, per_token_grad=True)
+    if dw_out is not None:
+        dw = dw_out.copy_(dw)
+    return or_absent(dx, x), or_absent(dw, w), absent(w) if db is None else db.to(b.dtype)
+
+
+vp_per_token_backward = define_op(
+    "fusedkern::vp_per_token_backward", ["x", "w", "b?", "y", "class_weight?", "stats", "grad_tok"], PerTokenOptions,
+    3, _per_token_backward, lambda x, w, b, y, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o))
+vp_per_token = define_op("fusedkern::vp_per_token", ["x", "w", "b?", "y", "class_weight?"], PerTokenOptions, 2,
+                         _per_token, _fake_per_token, *recomputed_in_backward(vp_per_token_backward),
+                         tags=CHECKING_OP_TAGS)
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """The process group of a collective operator, by name (`VocabShard.group_name`), and its size."""
+
+    group_name: str
+    world: int
+
+
+def _gather_tokens(local: torch.Tensor, o: GroupOptions) -> torch.Tensor:
+    """Sequence parallelism: the ranks' token shards [T_r, ...] all-gathered along dim 0 (equal T_r on every rank)."""
+    out = local.new_empty((o.world * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local.contiguous(), group=process_group(o.group_name))
+    return out
+
+
+def _reduce_scatter_tokens(grad: torch.Tensor, o: GroupOptions) -> torch.Tensor:
+    """The gather's backward: the ranks' partial gradients of the gathered tensor, summed, this rank's rows kept."""
+    local = grad.new_empty((grad.shape[0] // o.world, *grad.shape[1:]))
+    dist.reduce_scatter_tensor(local, grad.contiguous(), group=process_group(o.group_name))
+    return local
+
+
+def _setup_gather(ctx, tensors, o: GroupOptions, output):
+    ctx.options = o
+
+
+reduce_scatter_tokens = define_op(
+    "fusedkern::reduce_scatter_tokens", ["grad"], GroupOptions, 1, _reduce_scatter_tokens,
+    lambda grad, o: grad.new_empty((grad.shape[0] // o.world, *grad.shape[1:])))
+gather_tokens = define_op(
+    "fusedkern::gather_tokens", ["local"], GroupOptions, 1, _gather_tokens,
+    lambda local, o: local.new_empty((o.world * local.shape[0], *local.shape[1:])), _setup_gather,
+    lambda ctx, grad: (reduce_scatter_tokens(grad, ctx.options),))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,9 +382,10 @@ def _flat_inputs(input, target, sequence_parallel: bool, group):
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()
-    if sequence_parallel and dist.get_world_size(group) > 1:
-        x2d = _GatherTokens.apply(x2d, group)
-        y = _GatherTokens.apply(y, group)
+    world = dist.get_world_size(group)
+    if sequence_parallel and world > 1:
+        options = GroupOptions((dist.group.WORLD if group is None else group).group_name, world)
+        x2d, y = gather_tokens(x2d, options), gather_tokens(y, options)
     return x2d, y
 
 
@@ -347,17 +427,19 @@ def vocab_parallel_cross_entropy(input: torch.Tensor, linear_weight: torch.Tenso
         V_.check_shape("weight", weight, (shard.vocab_size,), "one class weight per entry of the whole vocabulary")
     x2d, y = _flat_inputs(input, target, sequence_parallel, group)
     class_weight = None if weight is None else weight.float().contiguous()
-    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss),
-                               None if softcap is None else float(softcap))
+    opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     reduce_dx = not sequence_parallel  # with sequence parallelism the gather's backward reduce-scatters dX
-    wants_grad = torch.is_grad_enabled() and (x2d.requires_grad or linear_weight.requires_grad
-                                              or (linear_bias is not None and linear_bias.requires_grad))
-    if reduction != "none" and wants_grad:
-        loss, lse = _ScalarLossWithGrads.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, reduction,
-                                               shard, chunk_tokens, weight_grad_accum, reduce_dx)
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x2d.requires_grad, grad and linear_weight.requires_grad
+    need_db = grad and linear_bias is not None and linear_bias.requires_grad
+    if reduction != "none" and (need_dx or need_dw or need_db):
+        loss, lse, *_ = vp_ce_scalar(x2d, linear_weight, linear_bias, y, class_weight, ScalarOptions(
+            opts, reduction, shard, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
+            return_dw_out=not torch.compiler.is_compiling(), reduce_dx=reduce_dx))
     else:
-        loss, lse = _PerTokenLoss.apply(x2d, linear_weight, linear_bias, y, class_weight, opts, shard, chunk_tokens,
-                                        weight_grad_accum, reduce_dx)
+        loss, stats = vp_per_token(x2d, linear_weight, linear_bias, y, class_weight,
+                                   PerTokenOptions(opts, shard, weight_grad_accum, chunk_tokens, reduce_dx))
+        lse = stats[0] + stats[1]
         if reduction == "sum":
             loss = loss.sum()
         elif reduction == "mean":

@@ -39,9 +39,11 @@ from fusedkern.autograd import (
     absent,
     cast_or_none,
     define_op,
+    fake_grads,
     follows_autocast,
     grads_formed_in_forward,
     or_absent,
+    recomputed_in_backward,
 )
 from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
@@ -212,22 +214,6 @@ def _fake_per_token(x, w, b, target, class_weight, check_target, count, o: PerTo
     return x.new_empty((T,), dtype=torch.float32), x.new_empty((2, T), dtype=torch.float32)
 
 
-def _setup_per_token(ctx, tensors, o: PerTokenOptions, output):
-    x, w, b, target, class_weight = tensors[:5]
-    ctx.save_for_backward(x, w, b, target, class_weight, output[1])
-    ctx.options = o
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward_per_token(ctx, grad_loss_tok, _grad_stats):
-    x, w, b, target, class_weight, stats = ctx.saved_tensors
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    need_db = need_db and b is not None
-    dx, dw, db = ce_per_token_backward(x, w, b, target, class_weight, stats, grad_loss_tok.float().contiguous(),
-                                       ctx.options.gradients(need_dx, need_dw, need_db))
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
-
-
 def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                         class_weight: torch.Tensor | None, stats: torch.Tensor, grad_tok: torch.Tensor,
                         o: PerTokenGradOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,21 +226,13 @@ def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
             absent(w) if db is None else db.to(b.dtype))
 
 
-def _fake_grads(x, w, b, o) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db) as a backward operator returns them: in x's, w's and b's shapes and dtypes, [0] where not
-    wanted."""
-    return (torch.empty_like(x) if o.need_dx else absent(x), torch.empty_like(w) if o.need_dw else absent(w),
-            torch.empty_like(b) if o.need_db and b is not None else absent(w))
-
-
-ce_per_token = define_op("fusedkern::ce_per_token", ["x", "w", "b?", "target", "class_weight?", "check_target?",
-                                                     "count?"],
-                         PerTokenOptions, 2, _per_token, _fake_per_token, _setup_per_token, _backward_per_token,
-                         tags=CHECKING_OP_TAGS)
 ce_per_token_backward = define_op(
     "fusedkern::ce_per_token_backward", ["x", "w", "b?", "target", "class_weight?", "stats", "grad_tok"],
     PerTokenGradOptions, 3, _per_token_backward,
-    lambda x, w, b, target, class_weight, stats, grad_tok, o: _fake_grads(x, w, b, o))
+    lambda x, w, b, target, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o))
+ce_per_token = define_op(
+    "fusedkern::ce_per_token", ["x", "w", "b?", "target", "class_weight?", "check_target?", "count?"], PerTokenOptions, 2,
+    _per_token, _fake_per_token, *recomputed_in_backward(ce_per_token_backward), tags=CHECKING_OP_TAGS)
 
 
 def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -330,7 +308,7 @@ logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "ta
 logprobs_entropy_backward = define_op(
     "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],
     PerTokenGradOptions, 3, _logprobs_entropy_backward,
-    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: _fake_grads(x, w, b, o))
+    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: fake_grads(x, w, b, o))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -298,3 +298,30 @@ def test_needs_an_initialized_process_group():
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         vp(torch.randn(2, 4), torch.randn(3, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_operators_pass_opcheck(world_of_one):
+    """The vocabulary-parallel passes and the sequence-parallel gather are custom operators (`autograd.define_op`)
+    whose options name the process group: torch.library.opcheck's schema, autograd registration and fake-tensor
+    checks in a one-rank group."""
+    import fusedkern.distributed as fd
+    from fusedkern.engine import LossOptions
+
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(6, 8, generator=g).requires_grad_(), torch.randn(9, 8, generator=g).requires_grad_(),
+               torch.randn(9, generator=g).requires_grad_())
+    y = torch.randint(0, 9, (6,), generator=g)
+    shard = fd.VocabShard(dist.group.WORLD.group_name, rank=0, world=1, start=0, rows=9, vocab_size=9)
+    loss = LossOptions(-100, 0.1, 1e-3, 4.0)
+    stats = fd.vp_per_token(x, w, b, y, None, fd.PerTokenOptions(loss, shard, "fp32", 4, True))[1].detach()
+    cases = [
+        (fd.vp_ce_scalar, (x, w, b, y, None, fd.ScalarOptions(loss, "mean", shard, "fp32", 4, True, True, True,
+                                                              True, True))),
+        (fd.vp_per_token, (x, w, b, y, None, fd.PerTokenOptions(loss, shard, "fp32", None, True))),
+        (fd.vp_per_token_backward, (x.detach(), w.detach(), b.detach(), y, None, stats, torch.randn(6, generator=g),
+                                    fd.PerTokenOptions(loss, shard, "fp32", 4, True, True, True, True))),
+        (fd.gather_tokens, (x, fd.GroupOptions(shard.group_name, 1))),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op.custom_op, op.flat_args(*args),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
