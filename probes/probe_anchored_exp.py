@@ -10,7 +10,8 @@ stack= spill= smem=" (tests/test_anchored_exp.py runs it).
    anchor's reach, each against float64 with torch's same-dtype error beside it (the 2× rule) -> check.csv.
 2. producer (item 2): at each head and token count, cuBLAS's bf16 logits GEMM (torch.mm into a buffer), the
    producer's epilogues NONE (main loop only), SUMS (the no-grad pass's), SUMS_AND_E, SUMS_AND_E with the entropy,
-   and the library's Gluon statistics kernel (tile max, Σ exp, target logit), in shuffled rounds -> producer.csv.
+   SUMS_AND_E in the grouped order's GROUP_M 8 (16 elsewhere), and the library's Gluon statistics kernel (tile max,
+   Σ exp, target logit), in shuffled rounds -> producer.csv.
 3. pass (item 1): the 3-GEMM floor (cuBLAS logits, dX = G·W, dW = Gᵀ·X on a pre-made G, allocated per call),
    fusedkern's default cross-entropy, the anchored cross-entropy (and at chunk 8192), per-token log-probs at τ 0.7
    with an upstream (fusedkern's default, anchored: E kept), and no-grad cross-entropy (one GEMM, fusedkern's default,
@@ -330,6 +331,7 @@ def producer_section(writer, head, V, H, T, rounds, gpu):
         "anchored_sums_entropy": lambda: g.launch(x, w, anchor, parts2, None, epilogue=SUMS),
         "anchored_sums_and_e": lambda: g.launch(x, w, anchor, parts1, e, epilogue=SUMS_AND_E),
         "anchored_sums_and_e_entropy": lambda: g.launch(x, w, anchor, parts2, e, epilogue=SUMS_AND_E),
+        "anchored_sums_and_e_g8": lambda: g.launch(x, w, anchor, parts1, e, epilogue=SUMS_AND_E, group_m=8),
         "gluon_stats": lambda: stats.launch_partials(x, w, y, sparts, tl),
     }
     times = timed_rounds(providers, rounds)
