@@ -4,7 +4,7 @@
 #                               $failures
 #   install_wheels SITE DIR...  the carried wheels of every existing DIR (e.g. .whl/liger085) into SITE,
 #                               then SITE and the repository on PYTHONPATH (the machine has no package index)
-#   install_quack               QuACK 0.6.1 from the carried parts (.whl/qa, .whl/qb) onto PYTHONPATH ($quack_path)
+#   install_quack               QuACK 0.6.5 from the carried parts (.whl/qa, .whl/qb) onto PYTHONPATH ($quack_path)
 #   triton_cache_restore DIR    TRITON_CACHE_DIR=DIR (created empty) with autotune results cached too; if the
 #                               carried TRITON_CACHE_TARBALL exists, its kernels are unpacked into DIR first
 #   run_shuffled LOG PREFIX CAP_S TAIL "IMPLS" CMD...
@@ -48,13 +48,16 @@ install_quack() {
     # QuACK and its CuTe DSL from the carried parts (scripts/fetch_wheels.sh --quack: .whl/qa and .whl/qb, over
     # two calls on one warm machine; parts gathered in $TMPDIR/quack_parts). The wheels go into an empty target
     # first, then the cu13 files: pip --target --upgrade replaces the nvidia_cutlass_dsl folder, so cu13 files
-    # unpacked before it are lost ("No CTK flavor installed"). The DSL's .pth is not run under --target, so its
-    # packages folder joins PYTHONPATH by hand. Sets $quack_path (empty when the parts are incomplete).
-    local parts_dir="${TMPDIR:-/tmp}"/quack_parts qsite="${TMPDIR:-/tmp}"/site_quack d
+    # unpacked before it are lost ("No CTK flavor installed"). The target's path contains /site-packages/: QuACK
+    # 0.6.5 fingerprints every epilogue function whose file is not under a site-packages folder, and refuses them all
+    # ("epilogue fn depends on ... no fail-closed semantic key") when installed anywhere else. The DSL's .pth is not
+    # run under --target, so its packages folder joins PYTHONPATH by hand. Sets $quack_path (empty when the parts are
+    # incomplete).
+    local parts_dir="${TMPDIR:-/tmp}"/quack_parts qsite="${TMPDIR:-/tmp}"/quack/site-packages d
     mkdir -p "$parts_dir"
     for d in .whl/qa .whl/qb; do [ -d "$d" ] && cp "$d"/* "$parts_dir"/; done
     quack_path=""
-    if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ] && [ -f "$parts_dir/cu13.part.ac" ]; then
+    if [ -f "$parts_dir/cu13.part.aa" ] && [ -f "$parts_dir/cu13.part.ab" ]; then
         rm -rf "$qsite" && mkdir -p "$qsite"
         python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$qsite" "$parts_dir"/*.whl \
             && cat "$parts_dir"/cu13.part.* | xz -d | tar x -C "$qsite" \

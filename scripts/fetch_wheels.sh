@@ -7,14 +7,14 @@
 # --no-deps on purpose: their declared dependencies (torch, triton, transformers) are already on the
 # GPU machine, and resolving them here would download multi-GB CUDA builds of torch.
 # Usage: scripts/fetch_wheels.sh            (run from anywhere; writes <repo>/.whl/)
-#        scripts/fetch_wheels.sh --quack    (also QuACK 0.6.1 and its CuTe DSL 4.6.0, as .whl/qa and .whl/qb)
+#        scripts/fetch_wheels.sh --quack    (also QuACK 0.6.5 and its CuTe DSL 4.7.1, as .whl/qa and .whl/qb)
 #        scripts/fetch_wheels.sh --trl      (also TRL 1.16.0 and what the GPU image lacks or holds at another
 #                                            version, as .whl/trl, ~16 MiB: scripts/gpu_train_dpo.sh carries it)
-# QuACK's CUDA library wheel (nvidia-cutlass-dsl-libs-cu13, 88 MB) is more than one device call carries:
-# --quack unpacks it, packs it as tar.xz (~60 MiB) and splits that into cu13.part.aa/ab/ac; .whl/qa holds
-# part aa and the small wheels (~28 MiB), .whl/qb parts ab and ac (~42 MiB): with the ~15 MiB working tree
-# each stays under a call's 64 MiB. scripts/h200_speed_calls.sh's call a carries qa, call b (on the same
-# warm machine) qb, and b joins them.
+# QuACK's CUDA library wheel (nvidia-cutlass-dsl-libs-cu13 4.7.1, 88 MB) is more than one device call carries:
+# --quack unpacks it, packs it as tar.xz (~61 MiB; xz takes a few minutes) and cuts that in two, cu13.part.aa and
+# cu13.part.ab, sized so that .whl/qa (part aa and the small wheels, ~14 MiB of them) and .whl/qb (part ab) weigh the
+# same, ~37 MiB each: with the ~22 MiB working tree each stays under a call's 64 MiB. A first device call carries qa,
+# a second one on the same warm machine qb, and `install_quack` (scripts/device_common.sh) joins them.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,22 +46,28 @@ fi
 if [ "${1:-}" = "--quack" ]; then
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
-    # quack-kernels' own requirements besides torch; the DSL's libs need libs-core (without it the DSL's
-    # `cutlass.cutlass_dsl` is missing) and cuda-python, protobuf and nvidia-cuda-nvdisasm, which the GPU
-    # machine's image may hold: check there before a measuring call (`pip show` them)
-    for spec in quack-kernels==0.6.1 nvidia-cutlass-dsl==4.6.0 nvidia-cutlass-dsl-libs-base==4.6.0 \
-                nvidia-cutlass-dsl-libs-core==4.6.0 "apache-tvm-ffi>=0.1.6,<0.2" torch-c-dlpack-ext einops; do
+    # quack-kernels 0.6.5's own requirements besides torch (nvidia-cutlass-dsl >= 4.7, apache-tvm-ffi, the DLPack
+    # extension, einops); the DSL's libs need libs-core (without it the DSL's `cutlass.cutlass_dsl` is missing) and
+    # nvidia-cuda-nvdisasm >= 13.3 (its wheel holds only nvidia/cu13/bin/nvdisasm, no package __init__). cuda-python
+    # and protobuf, which the DSL also needs, are on the GPU image (`pip show` them before a measuring call)
+    for spec in quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 nvidia-cutlass-dsl-libs-base==4.7.1 \
+                nvidia-cutlass-dsl-libs-core==4.7.1 "apache-tvm-ffi>=0.1.6,<0.2" torch-c-dlpack-ext einops \
+                "nvidia-cuda-nvdisasm>=13.3,<14"; do
         download "$work/small" "$spec"
     done
-    download "$work/big" nvidia-cutlass-dsl-libs-cu13==4.6.0
+    download "$work/big" nvidia-cutlass-dsl-libs-cu13==4.7.1
     mkdir -p "$work/unpacked" "$dest/qa" "$dest/qb"
     python3 -m zipfile -e "$work"/big/*.whl "$work/unpacked"
     tar c -C "$work/unpacked" . | xz -6 -T0 > "$work/cu13.tar.xz"
+    small=$(cat "$work"/small/*.whl | wc -c)
     size=$(stat -c %s "$work/cu13.tar.xz")
-    split -b $(( (size + 2) / 3 )) -a 2 "$work/cu13.tar.xz" "$work/cu13.part."
+    first=$(( (small + size) / 2 - small ))
+    [ "$first" -gt 0 ] || first=1
+    head -c "$first" "$work/cu13.tar.xz" > "$work/cu13.part.aa"
+    tail -c +"$((first + 1))" "$work/cu13.tar.xz" > "$work/cu13.part.ab"
     rm -f "$dest"/qa/* "$dest"/qb/*
     cp "$work"/small/*.whl "$work/cu13.part.aa" "$dest/qa/"
-    cp "$work/cu13.part.ab" "$work/cu13.part.ac" "$dest/qb/"
+    cp "$work/cu13.part.ab" "$dest/qb/"
     du -sh "$dest/qa" "$dest/qb"
 fi
 

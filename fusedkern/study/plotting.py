@@ -67,6 +67,7 @@ _STYLES: dict[str, dict] = {
     # 2026's peers on Hopper (the H100 table): QuACK's and Liger's CuTe DSL kernels, Transformers' own loss (its
     # models' bf16 logits upcast to fp32: the fp32-upcast brown)
     "quack": dict(color="#00897b", marker="P", label="QuACK 0.6.1"),
+    "quack-kernels 0.6.5": dict(color="#004d40", marker="P", label="QuACK 0.6.5"),
     "liger-kernel 0.8.5 CuTe SM90": dict(color="#08306b", marker="<", label="Liger 0.8.5 CuTe SM90"),
     "liger-kernel 0.8.5 CuTe SM90 log-probs": dict(color="#08306b", marker="<",
                                                    label="Liger 0.8.5 CuTe SM90 log-probs, τ 0.7 + entropy"),

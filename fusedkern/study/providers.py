@@ -5,7 +5,10 @@ floors, each as a `Provider` whose `build(inputs)` returns a `Step` per timing m
 Modes: `loss_only` (no autograd), `forward` (autograd on, the seed's "forward"), `backward` (forward
 untimed, `loss.backward()` timed) and `full` (both). Competitors and fusedkern itself are imported
 inside the builders, so a provider whose package is missing or unfinished is skipped (and logged)
-instead of breaking the module.
+instead of breaking the module. A peer that is installed but refuses a shape by its own rule (Liger's CuTe kernel
+a vocabulary that is not a multiple of 256, QuACK 0.6.5 a gradient over a chunk of `hidden` rows) raises
+`ProviderRefused`, or returns a `Refusal` for the modes it refuses: the sweep writes those rows with the note
+"refused: <why>", so tables and figures show the refusal, not a gap.
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ def loss_steps(loss_fn: Callable[[], torch.Tensor]) -> dict[str, Step]:
 
 class ProviderUnavailable(RuntimeError):
     """A provider cannot run in this environment (package missing, torch too old, no GPU)."""
+
+
+class ProviderRefused(ProviderUnavailable):
+    """An installed peer refuses this shape by its own rule (Liger's CuTe kernel a vocabulary that is not a multiple
+    of 256): the sweep writes a row per mode with note "refused: <why>", so tables and figures show the refusal
+    instead of a gap. A refusal of some modes only is a `Refusal` in place of their steps."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """In a provider's steps, a mode the peer refuses at this shape: the sweep writes its row as refused."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -238,6 +254,11 @@ def _liger_cute_import(module: str, name: str):
         raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
 
 
+# Liger 0.8.5's CuTe SM90 fused linear cross-entropy raises NotImplementedError for V % TILE_N != 0 (TILE_N = 256 in
+# liger_kernel/ops/cutedsl/ops/_fused_linear_cross_entropy_forward_sm90.py): Qwen's 151936 is 128 past a multiple
+LIGER_CUTE_VOCAB_MULTIPLE = 256
+
+
 def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
     """Liger-Kernel's CuTe DSL kernel for Hopper (`liger_kernel.ops.cutedsl`, ≥ 0.8.5): sm_90, bf16, mean,
     no bias, no softcap; it writes the [T, V] bf16 logits once. Needs `nvidia-cutlass-dsl` (as QuACK)."""
@@ -247,8 +268,11 @@ def _ce_liger_cute_sm90(inp: Inputs) -> dict[str, Step]:
         raise ProviderUnavailable("Liger's CuTe SM90 kernel runs on compute capability 9.0 only")
     liger_fused_linear_cross_entropy_sm90 = _liger_cute_import("fused_linear_cross_entropy_sm90",
                                                                 "liger_fused_linear_cross_entropy_sm90")
-    if inp.w.shape[0] % 128 or inp.x.dtype != torch.bfloat16:
-        raise ProviderUnavailable("Liger's CuTe SM90 kernel needs bf16 and a vocabulary that is a multiple of 128")
+    if inp.x.dtype != torch.bfloat16:
+        raise ProviderUnavailable("Liger's CuTe SM90 kernel takes bf16 only")
+    if inp.w.shape[0] % LIGER_CUTE_VOCAB_MULTIPLE:
+        raise ProviderRefused(f"Liger's CuTe SM90 kernel needs a vocabulary that is a multiple of "
+                              f"{LIGER_CUTE_VOCAB_MULTIPLE} (its tile N), not {inp.w.shape[0]}")
 
     def loss():
         # it takes token counts that are multiples of 128 only: a caller pads (timed, as the caller pays it)
@@ -373,8 +397,11 @@ def _gathered(build: Callable[[Inputs], dict[str, Step]]) -> Callable[[Inputs], 
             keep = inp.target != IGNORE_INDEX
             return replace(inp, x=inp.x[keep], target=inp.target[keep])
 
-        build(kept())  # untimed: a peer that cannot take this shape raises ProviderUnavailable here
-        return loss_steps(lambda: build(kept())["backward"].setup())
+        # untimed: a peer that cannot take this shape raises ProviderUnavailable here, or refuses some modes
+        refused = {mode: step for mode, step in build(kept()).items() if isinstance(step, Refusal)}
+        if "backward" in refused:  # its loss function comes with the backward step: only its loss-only pass runs
+            return {"loss_only": Step(lambda _: build(kept())["loss_only"].run(None)), **refused}
+        return {**loss_steps(lambda: build(kept())["backward"].setup()), **refused}
 
     return wrapped
 
@@ -416,17 +443,46 @@ def _ce_torch_linear_cross_entropy(chunked: bool) -> Callable[[Inputs], dict[str
     return build
 
 
+QUACK_CHUNK = 4096  # chunked_linear_cross_entropy's default chunk_size (tokens)
+
+
+def quack_chunk_size(hidden: int) -> int:
+    """The chunk the study passes to QuACK: its default 4096 tokens, but 8192 at hidden 4096 (see `quack_refusal`),
+    the call a QuACK 0.6.5 user at that hidden size must write."""
+    return 2 * QUACK_CHUNK if hidden == QUACK_CHUNK else QUACK_CHUNK
+
+
+def quack_refusal(tokens: int, hidden: int, chunk: int) -> str | None:
+    """Why QuACK 0.6.5's scaled-exp pipeline refuses a gradient at this shape, or None. Each chunk's dX GEMM
+    ([rows, hidden] out) scales its output by a per-row vector whose orientation QuACK's epilogue infers from the
+    shape, and raises "operand 'v': m == n makes row/col inference ambiguous" when a chunk has exactly `hidden` rows:
+    full chunks have `chunk` rows, the last one its rows rounded up to 128 (`scaled_exp_linear_cross_entropy_fwd`).
+    Its eval pass (no gradient) has no such chunk."""
+    if tokens <= chunk:
+        rows = {-(-tokens // 128) * 128}
+    else:
+        rest = tokens - (-(-tokens // chunk) - 1) * chunk
+        rows = {chunk, -(-rest // 128) * 128}
+    if hidden in rows:
+        return (f"QuACK's scaled-exp dX GEMM cannot take a chunk of {hidden} rows = hidden ({tokens} tokens in chunks "
+                f"of {chunk}): it raises 'm == n makes row/col inference ambiguous'")
+    return None
+
+
 def _ce_quack(inp: Inputs) -> dict[str, Step]:
-    """QuACK (`quack-kernels`, Dao-AILab; the 0.6 API): `chunked_linear_cross_entropy` at its defaults
-    (chunks of 4096 tokens, tuned GEMMs), the call its `LinearCrossEntropy` module makes when given a
-    chunk size. Like Liger it forms dX and dW inside its forward (whatever the grad mode)."""
+    """QuACK (`quack-kernels`, Dao-AILab; the 0.6 API): `chunked_linear_cross_entropy`, the call its
+    `LinearCrossEntropy` module makes when given a chunk size, with the tuned GEMMs. 0.6.5 takes its "scaled-exp"
+    pipeline by itself where eligible (SM90, bf16, V % 128 == 0): with a gradient it forms dX and dW inside its
+    forward (whatever the grad mode), without one (loss_only) it runs its eval pass, one GEMM with an lse and target
+    logit epilogue. The chunk is `quack_chunk_size(H)`; the modes with a gradient are refused where
+    `quack_refusal` says so (0.6.5 only: earlier versions have no scaled-exp pipeline)."""
     _require_cuda(inp, "QuACK")
     _no_softcap(inp, "QuACK's chunked_linear_cross_entropy")
     tokens, hidden = inp.x.shape
     if tokens % 8 or hidden % 8 or inp.w.shape[0] % 8:
-        raise ProviderUnavailable("QuACK's chunked path needs tokens, hidden and vocab multiples of 8 (TMA)")
+        raise ProviderRefused("QuACK's chunked path needs tokens, hidden and vocab multiples of 8 (TMA)")
     try:
-        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+        from quack import linear_cross_entropy as quack_lce
     except ImportError as error:
         if error.name == "quack":
             raise  # not installed: skipped, like the other optional providers
@@ -437,7 +493,14 @@ def _ce_quack(inp: Inputs) -> dict[str, Step]:
     except Exception as error:  # noqa: BLE001 - the CuTe DSL fails in many ways where it cannot run
         raise ProviderUnavailable(f"quack failed to import: {type(error).__name__}: {error}") from error
 
-    return loss_steps(lambda: chunked_linear_cross_entropy(inp.x, inp.w, inp.target, ignore_index=IGNORE_INDEX))
+    chunk = quack_chunk_size(hidden)
+    steps = loss_steps(lambda: quack_lce.chunked_linear_cross_entropy(inp.x, inp.w, inp.target, chunk_size=chunk,
+                                                                      ignore_index=IGNORE_INDEX))
+    supported = getattr(quack_lce, "scaled_exp_lce_supported", None)
+    reason = quack_refusal(tokens, hidden, chunk)
+    if reason is not None and supported is not None and supported(inp.x, inp.w, chunk, "mean"):
+        steps = {mode: step if mode == "loss_only" else Refusal(reason) for mode, step in steps.items()}
+    return steps
 
 
 def _three_gemm_steps(x2d: torch.Tensor, w: torch.Tensor, grad_logits: torch.Tensor) -> dict[str, Step]:
@@ -844,7 +907,7 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             ),
             Provider("liger", _ce_liger, _dist_label("liger-kernel")),
             Provider("cut_cross_entropy", _ce_cut_cross_entropy),
-            Provider("quack", _ce_quack),
+            Provider("quack", _ce_quack, _dist_label("quack-kernels")),
             Provider("liger_cute_sm90", _ce_liger_cute_sm90, _dist_label_suffix("liger-kernel", "CuTe SM90")),
             # TRL's own fused LM head: what SFTTrainer and GRPOTrainer use by default since trl 1.16 (it scores the
             # labelled rows only, so on a masked workload it is its own "+gather")
@@ -875,7 +938,7 @@ PROVIDERS: dict[str, dict[str, Provider]] = {
             Provider("liger_gather", _gathered(_ce_liger), _dist_label_suffix("liger-kernel", "+gather")),
             Provider("liger_cute_sm90_gather", _gathered(_ce_liger_cute_sm90),
                      _dist_label_suffix("liger-kernel", "CuTe SM90 +gather")),
-            Provider("quack_gather", _gathered(_ce_quack)),
+            Provider("quack_gather", _gathered(_ce_quack), _dist_label_suffix("quack-kernels", "+gather")),
             Provider("cut_cross_entropy_gather", _gathered(_ce_cut_cross_entropy)),
             # torch ≥ 2.13: with LinearCrossEntropyOptions() (chunked, no [T, V] logits) and without (unfused)
             Provider("torch_linear_cross_entropy", _ce_torch_linear_cross_entropy(chunked=True)),

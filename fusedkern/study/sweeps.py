@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from fusedkern.reference import fp64_linear_cross_entropy_grads_chunked
-from fusedkern.study.providers import PROVIDERS, Provider, ProviderUnavailable, Step, select_providers
+from fusedkern.study.providers import (PROVIDERS, Provider, ProviderRefused, ProviderUnavailable, Refusal, Step,
+                                      select_providers)
 from fusedkern.study.results import ALL_LOSS_TYPES, MODES
 from fusedkern.study.timing import (DEFAULT_PROTOCOL, PROTOCOLS, free_memory, measure_step, settle_gpu, time_step,
                                     time_steps_interleaved)
@@ -46,13 +47,17 @@ def _entry_key(provider: Provider, loss_type: str | None) -> str:
     return provider.key if loss_type is None else f"{loss_type}/{provider.key}"
 
 
-def _build(provider: Provider, inputs: Inputs, skipped: dict[str, str]) -> dict[str, Step] | None:
-    """The provider's steps, or None (logged once per sweep, per loss type for preference) when it cannot run here."""
+def _build(provider: Provider, inputs: Inputs, skipped: dict[str, str]) -> dict[str, Step | Refusal] | None:
+    """The provider's steps, or None (logged once per sweep, per loss type for preference) when it cannot run here.
+    A peer that refuses this shape (`ProviderRefused`) gets a `Refusal` for every mode: it may take the next size."""
     name = _entry_key(provider, inputs.loss_type)
     if name in skipped:
         return None
     try:
         return provider.build(inputs)
+    except ProviderRefused as error:
+        say(f"provider {name} refuses this shape: {error}")
+        return dict.fromkeys(MODES, Refusal(str(error)))
     except (ImportError, ProviderUnavailable) as error:
         skipped[name] = f"{type(error).__name__}: {error}"
         say(f"skipping provider {name}: {skipped[name]}")
@@ -199,8 +204,8 @@ def run_sweep(
     failed: set[tuple[str, str, str]] = set()  # (workload, entry key, mode)
 
     def record(provider: Provider, loss_type: str | None, workload: str, x: int, mode: str,
-               measure: Callable[[], dict]) -> None:
-        """One row: `measure()`'s fields, or NaNs and a note when it raises."""
+               measure: Callable[[], dict] | Refusal) -> None:
+        """One row: `measure()`'s fields, or NaNs and a note when it raises or is a refusal."""
         label = provider.label()
         base = {"op": op, "provider": label, "x_name": x_name, "x": x, "mode": mode, "protocol": protocol,
                 "workload": workload, "head": head}
@@ -208,7 +213,10 @@ def run_sweep(
             base["loss_type"] = loss_type
         row = {**base, "note": ""}
         try:
-            row.update(measure())
+            if isinstance(measure, Refusal):
+                row = _nan_row(**base, note=f"refused: {measure.reason}"[:200])
+            else:
+                row.update(measure())
         except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
             row = _nan_row(**base, note=_error_note(error))
             if row["note"] != "OOM":
@@ -247,6 +255,10 @@ def run_sweep(
                         bar.set_postfix_str(f"{workload} {x_name}={x} {mode}, {protocol}")
                         todo = {(p, t): st for (p, t), st in built.items()
                                 if mode in st and (workload, _entry_key(p, t), mode) not in failed}
+                        for (p, t), st in list(todo.items()):
+                            if isinstance(st[mode], Refusal):
+                                record(p, t, workload, x, mode, st[mode])
+                                del todo[(p, t)]
                         rng = _case_rng(seed, op, workload, x, mode) if protocol == "shuffled" else None
                         try:
                             named = {_entry_key(p, t): st[mode] for (p, t), st in todo.items()}
@@ -269,8 +281,9 @@ def run_sweep(
                             bar.update(1)
                             key = (workload, _entry_key(provider, loss_type), mode)
                             if steps is not None and mode in steps and key not in failed:
-                                record(provider, loss_type, workload, x, mode,
-                                       timed_then_measured(steps, mode, views[loss_type], None))
+                                step = steps[mode]
+                                record(provider, loss_type, workload, x, mode, step if isinstance(step, Refusal)
+                                       else timed_then_measured(steps, mode, views[loss_type], None))
                         del steps
                         free_memory(device)
                         if checkpoint is not None:
@@ -342,10 +355,14 @@ def run_accuracy(
                 row = _nan_row(op="ce", provider=provider.label(), x_name="tokens", x=n_tokens, mode="full",
                                protocol="sequential", workload=workload, head=head)
                 try:
+                    if isinstance(steps["full"], Refusal):
+                        raise ProviderRefused(steps["full"].reason)
                     row["loss"], row["peak_extra_mib"] = measure_step(steps["full"], inputs, "full")
                     row["err_loss"] = abs(row["loss"] - float(ref_loss)) / abs(float(ref_loss))
                     row["err_dx"] = _relative_error(inputs.x.grad, ref_dx)
                     row["err_dw"] = _relative_error(inputs.w.grad, ref_dw)
+                except ProviderRefused as error:
+                    row["note"] = f"refused: {error}"[:200]
                 except Exception as error:  # noqa: BLE001 - one broken provider must not end the run
                     row["note"] = _error_note(error)
                     say(traceback.format_exc().rstrip())

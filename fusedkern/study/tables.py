@@ -34,6 +34,8 @@ PROVIDER_ORDER = (
     "liger-kernel 0.8.5 CuTe SM90 log-probs",
     "quack",
     "quack_gather",
+    "quack-kernels 0.6.5",
+    "quack-kernels 0.6.5 +gather",
     "trl 1.16.0 fused LM head",
     "trl 1.16.0 fused LM head log-probs",
     "cut_cross_entropy",

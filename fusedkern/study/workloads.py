@@ -46,11 +46,15 @@ class Head:
     softcap: float | None = None
 
 
-# The heads users train (Llama 3, Qwen2.5-7B, Gemma 2). The default sweep (V 128256, H 4096) is Llama 3's.
+# The heads users train (Llama 3, Qwen2.5-7B, Gemma 2, and the small models RL and preference training use most:
+# Qwen3-0.6B, Llama-3.2-1B, whose head is a large share of the step). The default sweep (V 128256, H 4096) is Llama
+# 3's.
 HEADS = {
     "llama3": Head(vocab=128256, hidden=4096),
     "qwen25_7b": Head(vocab=151936, hidden=3584),
     "gemma2": Head(vocab=256000, hidden=2304, softcap=30.0),
+    "qwen3_0p6b": Head(vocab=151936, hidden=1024),
+    "llama32_1b": Head(vocab=128256, hidden=2048),
 }
 
 
