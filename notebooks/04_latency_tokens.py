@@ -55,7 +55,7 @@ if quick:
 # %%
 import pandas as pd
 
-from IPython.display import display
+from IPython.display import Markdown, display
 
 from fusedkern.study import plotting, results, tables
 
@@ -708,3 +708,63 @@ if earlier.exists():
     print("the earlier call's loss-only table at 4096 tokens (before the Gluon pass; QuACK and Liger's Triton kernel "
           "were in it), × one GEMM, fastest first:")
     display(earlier_ratio.sort_values(earlier_ratio.columns[0]).round(3))
+
+# %% [markdown]
+# ## 2026's peers on every head: QuACK 0.6.5 and Liger's CuTe kernel (H100)
+#
+# The tables above are Llama-3-8B's head (H 4096) with QuACK 0.6.1. Since then QuACK 0.6.5 forms the gradient in
+# its GEMMs' epilogues and runs its eval pass at one GEMM, and the models RL and preference training use most have
+# small heads: Qwen3-0.6B's (H 1024, V 151936) and Llama-3.2-1B's (H 2048, V 128256), where a GEMM costs 4× (2×)
+# less per logit and every pass over the logits in HBM weighs that much more. Here each peer is × the floor of its
+# own process (`fusedkern.study.peers`: the bench's `peers3_ce_<head>.csv` where measured, else the side-by-side
+# probe's `side_by_side_1207b.csv` / `side_by_side_1207.csv`, data/measured/h100/README.md; one source a head). A
+# peer that refuses a shape says so: Liger's CuTe kernel a vocabulary that is not a multiple of 256, QuACK 0.6.5 a
+# gradient over a chunk of exactly H rows (4096 tokens at H 4096, chunk 8192); "n/m": not measured.
+
+# %%
+from fusedkern.study import peers
+
+peer_cells = peers.peer_table(data_dir / "measured" / table_gpu)
+have_peers = (peer_cells.status == "measured").any()
+if not have_peers:
+    print(f"Not measured yet: no side-by-side or peers3_ce_*.csv file in data/measured/{table_gpu}/")
+else:
+    shown = peer_cells.assign(
+        cell=[f"{r.ratio:.3f}" if r.status == "measured" else ("refused" if r.status == "refused" else "n/m")
+              for r in peer_cells.itertuples()],
+        head=[peers.head_label(h, v) for h, v in zip(peer_cells.hidden, peer_cells.vocab)])
+    for pass_ in peers.PASSES:
+        part = shown[shown["pass"] == pass_]
+        print(f"{peers.PASS_TITLE[pass_]}, × {peers.PASSES[pass_][4]} of the same process:")
+        display(part.pivot_table(index=["head", "tokens"], columns="peer", values="cell", aggfunc="first",
+                                 sort=False)[list(peers.PEERS)])
+    print("sources: " + "; ".join(sorted(set(peer_cells.source) - {"", "its rule (providers.py)"})))
+    print("refusals: " + "; ".join(sorted({f"{r.peer}: {r.why}" for r in peer_cells.itertuples()
+                                           if r.status == "refused"})))
+
+# %%
+if have_peers:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(peers.HEAD_SHAPES), figsize=(15, 8), layout="constrained")
+    for row, pass_ in zip(axes, peers.PASSES):
+        peers.plot_peer_grid(row, peer_cells, pass_)
+        row[1].set_title(f"{peers.PASS_TITLE[pass_]}\n{row[1].get_title()}", fontsize=9.5)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=plotting.style_for(peers.PEER_STYLE[p])["color"]) for p in peers.PEERS]
+    fig.legend(handles, peers.PEERS, loc="outside upper center", ncol=len(peers.PEERS), fontsize=8.5,
+               title="One H100, every peer × the GEMM floor of its own process (hatched: the peer refuses the shape; "
+                     "n/m: not measured)", title_fontproperties={"size": 10})
+    plotting.add_caption(fig, "Sources: " + "; ".join(sorted(set(peer_cells.source) - {"", "its rule (providers.py)"}))
+                         + " (data/measured/h100/). Dense cross-entropy forward + backward × the three cuBLAS GEMMs; "
+                           "loss only (no gradient) × the logits GEMM; bf16.", width=190)
+    display(plotting.save_figure(fig, figures_dir / "04_peers_heads"))
+
+# %%
+if have_peers:
+    lines = []
+    for pass_ in peers.PASSES:
+        for hidden, vocab in peers.HEAD_SHAPES:
+            said = peers.standing(peer_cells, pass_, hidden, vocab)
+            lines.append(f"- **{peers.PASS_TITLE[pass_]}, {peers.head_label(hidden, vocab)}**: "
+                         + "; ".join(f"{peer} {value}" for peer, value in said.items()) + ".")
+    display(Markdown("\n".join(lines)))

@@ -25,6 +25,8 @@ headline_dense = ["huggingface_bf16", "liger-kernel 0.8.5", "cut_cross_entropy",
 headline_masked = ["huggingface_bf16", "liger-kernel 0.8.5", "cut_cross_entropy", "fusedkern_chunked",
                    "fusedkern_chunked_counted", "fusedkern_chunked_device_count"]
 headline_masked_workload = "masked_50"
+peers_gpu = "h100"  # the headline's last row: the 2026 peers on every head (fusedkern.study.peers), this GPU's data
+peers_tokens = 16384  # ... at this size, measured on every head
 anchor_names = {  # reference-anchor provider -> the name our measurements use
     "cut-cross-entropy 25.1.1 (default filter_eps)": "cut_cross_entropy",
     "cublas (x@W.T, G@W, G.T@x)": "cublas_3gemm",
@@ -44,7 +46,7 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
-from fusedkern.study import plotting, results, tables
+from fusedkern.study import peers, plotting, results, tables
 
 plotting.use_style()
 pd.set_option("display.precision", 2)
@@ -183,7 +185,7 @@ if not quick:
 # %% [markdown]
 # ## 5 · The headline figure
 #
-# Four panels for the README: (a) the seed's own numbers at 4096 tokens, `forward` vs `full`;
+# Six panels for the README: (a) the seed's own numbers at 4096 tokens, `forward` vs `full`;
 # (b) peak extra memory on the H200; (c) forward + backward time on the H200 ÷ the three-GEMM floor,
 # every target counted (dense); (d) the same with half of every sequence's targets ignored (a prompt
 # prefix, as in SFT), still ÷ the *dense* floor — the three GEMMs on all tokens — so 0.5× (dotted)
@@ -191,6 +193,10 @@ if not quick:
 # run (`ce_llama3_shuffled.csv`: a new random provider order every round; notebook 08 has the other
 # shares, heads and the row-count GEMMs), each ratio to the floor timed in the same workload's
 # rounds. Without that file they fall back to the sequential run above (and (d) says it is missing).
+# (e), (f): today's standing against the 2026 peers on an H100, QuACK 0.6.5 and Liger 0.8.5's CuTe kernel, on every
+# head of the head-floor targets (H 4096 and the small heads H 2048 and H 1024), dense forward + backward ÷ the
+# three GEMMs and loss only ÷ one GEMM, each × the floor of its own process (`fusedkern.study.peers`; a peer that
+# refuses a head is marked refused; notebook 04's last section has every size).
 
 # %%
 shuffled = results.load_measured(measured_dir / f"{headline_sweep}.csv")
@@ -212,8 +218,8 @@ if head_masked is not None:
 masked_share = results.ignored_share(headline_masked_workload)
 
 # %%
-fig, ((ax_a, ax_b), (ax_c, ax_d)) = plt.subplots(2, 2, figsize=(15, 11), layout="constrained",
-                                                 gridspec_kw={"height_ratios": [1.0, 1.25]})
+fig, ((ax_a, ax_b), (ax_c, ax_d), (ax_e, ax_f)) = plt.subplots(
+    3, 2, figsize=(15, 16), layout="constrained", gridspec_kw={"height_ratios": [1.0, 1.25, 1.05]})
 
 # (a) the seed's protocol at its headline size
 at = seed_latency[(seed_latency.op == "ce") & (seed_latency.x == 4096)]
@@ -266,9 +272,22 @@ for ax in (ax_c, ax_d):
     ax.set_xlabel("tokens")
     ax.set_ylabel("forward + backward ÷ the dense 3-GEMM floor")
 
+# (e), (f) the 2026 peers on every head, H100
+peer_cells = peers.peer_table(data_dir / "measured" / peers_gpu)
+peer_sources = sorted(set(peer_cells[peer_cells.tokens == peers_tokens].source) - {"", "its rule (providers.py)"})
+for ax, pass_, letter in ((ax_e, "dense_ce", "e"), (ax_f, "loss_only", "f")):
+    if (peer_cells[(peer_cells.tokens == peers_tokens) & (peer_cells["pass"] == pass_)].status == "measured").any():
+        peers.plot_head_sizes(ax, peer_cells, pass_, peers_tokens)
+    else:
+        ax.text(0.5, 0.5, f"the peers on every head: not measured at {peers_tokens} tokens", ha="center",
+                va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+    ax.set_title(f"({letter}) {peers_gpu.upper()}, 2026 peers, {peers.PASS_TITLE[pass_]}, {peers_tokens} tokens")
+
 caption = ("Cross-entropy, H = 4096, V = 128256, bf16. (a) " + SEED_CAPTION + " (b–d) " + head_source.rstrip(".")
            + ". Peak extra = peak allocation above inputs and gradients. Every ratio is to the three cuBLAS GEMMs on "
-           "all tokens timed in the same rounds.")
+           "all tokens timed in the same rounds. (e–f) bf16 on the heads named, each peer × the GEMM floor of its own "
+           f"process: {'; '.join(peer_sources) or 'not measured'} (data/measured/{peers_gpu}/).")
 plotting.add_caption(fig, caption, width=200)
 display(plotting.save_figure(fig, figures_dir / "headline"))
 

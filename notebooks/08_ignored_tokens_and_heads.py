@@ -563,3 +563,41 @@ for stem in gemma_counted:
     gemma_memory = gemma_run[gemma_run["provider"].str.startswith("fusedkern")].set_index("provider")["peak_extra_mib"]
     print("peak extra memory, MiB (beyond inputs, dX and dW): "
           + ", ".join(f"{plotting.label_for(p)} {m:.1f}" for p, m in gemma_memory.items()))
+
+
+# %% [markdown]
+# ## The small heads beside the 2026 peers (H100)
+#
+# Section (c) compared heads with H ≥ 2304. The models RL and preference training use most have smaller ones:
+# Qwen3-0.6B's (H 1024, V 151936) and Llama-3.2-1B's (H 2048, V 128256). There a GEMM costs 4× (2×) less per logit
+# than at H 4096, so each pass over the logits in HBM that a fused loss adds weighs that much more against the
+# floor. Every peer at 16384 tokens, dense, × the floor of its own process, against the head's hidden size
+# (`fusedkern.study.peers`, the table and the per-size bars of notebook 04's last section): fusedkern, QuACK 0.6.5
+# (its gradient formed in the GEMMs' epilogues, its eval pass at one GEMM), Liger 0.8.5's CuTe kernel (refused where
+# V % 256 ≠ 0, marked at the top) and the bf16-logits baseline; a peer not measured at a head is left out there.
+
+# %%
+from fusedkern.study import peers
+
+peer_cells = peers.peer_table(data_dir / "measured" / table_gpu)
+size_tokens = 16384  # the size every head was measured at
+if not (peer_cells[peer_cells.tokens == size_tokens].status == "measured").any():
+    print(f"Not measured yet: no peer of any head at {size_tokens} tokens in data/measured/{table_gpu}/")
+else:
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
+    for ax, pass_ in zip(axes, peers.PASSES):
+        peers.plot_head_sizes(ax, peer_cells, pass_, size_tokens)
+        ax.set_title(f"{peers.PASS_TITLE[pass_]}, {size_tokens} tokens", fontsize=10)
+    sources = sorted(set(peer_cells[peer_cells.tokens == size_tokens].source) - {"", "its rule (providers.py)"})
+    plotting.add_caption(fig, "One H100; each peer × the GEMM floor of its own process. Sources: " + "; ".join(sources)
+                         + " (data/measured/h100/).", width=170)
+    display(plotting.save_figure(fig, figures_dir / "08_peers_heads"))
+    at = peer_cells[(peer_cells.tokens == size_tokens) & (peer_cells.status == "measured")]
+    by = at.pivot_table(index=["pass", "hidden"], columns="peer", values="ratio", aggfunc="first")
+    for pass_ in peers.PASSES:
+        ours = by.loc[pass_, "fusedkern"]
+        line = f"{peers.PASS_TITLE[pass_]}: fusedkern " + ", ".join(f"H {h} {r:.2f}×" for h, r in ours.items())
+        if "QuACK 0.6.5" in by.columns:
+            theirs = by.loc[pass_, "QuACK 0.6.5"].dropna()
+            line += "; QuACK 0.6.5 " + ", ".join(f"H {h} {r:.2f}×" for h, r in theirs.items())
+        print(line)
