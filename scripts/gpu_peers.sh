@@ -5,10 +5,11 @@
 # harnesses' floors (probes/probe_floor_values.py). QuACK's CUDA library travels in two halves
 # (scripts/fetch_wheels.sh --quack), so the work takes two calls on one warm machine:
 #
-#   scripts/gpu_peers.sh OUTDIR floors   # carry .whl/qa: leaves part aa in $TMPDIR/quack_parts, then runs
+#   scripts/gpu_peers.sh OUTDIR floors   # carry .whl/qa .whl/liger085 (~61 MiB with the tree): leaves part aa in
+#                                        # $TMPDIR/quack_parts and Liger in $TMPDIR/site_peers, then runs
 #                                        # probes/probe_floor_values.py (no QuACK needed), ~3-4 min
-#   scripts/gpu_peers.sh OUTDIR table    # carry .whl/qb .whl/liger085, on the machine `floors` left warm: installs
-#                                        # QuACK 0.6.5 and runs the bench, one process per head and size
+#   scripts/gpu_peers.sh OUTDIR table    # carry .whl/qb (~60 MiB with the tree), on the machine `floors` left warm:
+#                                        # installs QuACK 0.6.5 and runs the bench, one process per head and size
 #
 # Each bench process: `python -m fusedkern.bench ce --head HEAD --tokens T --modes full loss_only --providers
 # cublas_1gemm cublas_3gemm fusedkern_chunked fusedkern_logprobs quack liger_cute_sm90 liger_cute_sm90_logprobs
@@ -18,8 +19,9 @@
 # where a chunk has `hidden` rows. The CuTe DSL compiles QuACK's and Liger's kernels once per shape (CUTE_DSL_CACHE_DIR
 # keeps them for the machine): the first process of a head is the slow one. HEADS (default "qwen3_0p6b llama32_1b
 # llama3") and TOKENS ("8192 16384 32768") choose the cases, CAP_S (150) caps each process, CALL_BUDGET_S (570) the
-# call; what is not reached is listed as skipped, to run in a next `table` call (QuACK stays installed on the warm
-# machine: carry .whl/liger085 alone then). Copy the CSVs (and their JSON) to data/measured/h100/.
+# call; what is not reached is listed as skipped, to run in a next `table` call on the same warm machine (the parts
+# and Liger stay in $TMPDIR: carry nothing then). Copy the CSVs (and their JSON) to data/measured/h100/ and list them in
+# its README.
 set -uo pipefail
 part="${2:?usage: scripts/gpu_peers.sh OUTDIR floors|table}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
