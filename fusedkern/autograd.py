@@ -1,6 +1,7 @@
 """The autograd plumbing of fusedkern's operators: custom operators with fake implementations and autograd
 formulas (`define_op`: tensors plus one frozen options dataclass, flattened into the operator's scalars and
-rebuilt in one place), gradients formed in the forward pass and rescaled in backward
+rebuilt in one place; the options every operator with gradients shares are one nested `GradOptions`), gradients
+formed in the forward pass and rescaled in backward
 (`save_precomputed_grads`, `rescaled_grads`), first-order-only backwards, and the autocast rule of the
 public entry points (`follows_autocast`).
 
@@ -113,6 +114,56 @@ CHECKING_OP_TAGS = (torch.Tag.cudagraph_unsafe,)
 
 # ----------------------------------------------------------------------------------------------
 # operators: tensors plus one frozen options dataclass, flattened into the schema's scalars in one place
+
+
+@dataclasses.dataclass(frozen=True)
+class GradOptions:
+    """What every operator that forms gradients is told, nested in its options dataclass (`define_op` flattens it):
+    the chunk plan's inputs (`weight_grad_accum`, `chunk_tokens`), which gradients to form (`need_dx`, `need_dw`,
+    `need_db`), and whether dW's own storage comes back as an output (`return_dw_out`: eager, where the backward
+    writes dW into it; not while torch.compile traces). A per-token forward carries the plan's inputs for its
+    backward and asks for no gradient; its backward operator gets the same options with the gradients set
+    (`needing`)."""
+
+    weight_grad_accum: str
+    chunk_tokens: int | None
+    need_dx: bool = False
+    need_dw: bool = False
+    need_db: bool = False
+    return_dw_out: bool = False
+
+    @classmethod
+    def asked(cls, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, weight_grad_accum: str,
+              chunk_tokens: int | None) -> GradOptions:
+        """The gradients autograd will ask of x, w and b in this call (b may be None); dW's storage comes back when
+        eager."""
+        grad = torch.is_grad_enabled()
+        return cls(weight_grad_accum, chunk_tokens, grad and x.requires_grad, grad and w.requires_grad,
+                   grad and b is not None and b.requires_grad, return_dw_out=not torch.compiler.is_compiling())
+
+    @property
+    def wanted(self) -> bool:
+        return self.need_dx or self.need_dw or self.need_db
+
+    def needing(self, need_dx: bool, need_dw: bool, need_db: bool) -> GradOptions:
+        return dataclasses.replace(self, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+
+    def outputs(self, x: torch.Tensor, w: torch.Tensor, dx, dw, db, dw_out) -> tuple[torch.Tensor, ...]:
+        """(dx, dw, db, dw_out) of a pass that formed them, as an operator returns them: [0] where not formed, db in
+        fp32, dw_out only with `return_dw_out`."""
+        return (or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
+                or_absent(dw_out if self.return_dw_out else None, w))
+
+    def fake_outputs(self, x: torch.Tensor, w: torch.Tensor, rows: int, fp32_accumulator: bool,
+                     need_db: bool) -> tuple[torch.Tensor, ...]:
+        """`outputs`' shapes and dtypes, for an operator's fake implementation: dx [rows, H] in x's dtype, dw the
+        fp32 accumulator or dW in w's, db [V] fp32 where `need_db`, dw_out [V, H] beside an accumulator."""
+        (V, H), f32 = w.shape, torch.float32
+        return (x.new_empty((rows, H)) if self.need_dx else absent(x),
+                w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if self.need_dw else absent(w),
+                w.new_empty((V,), dtype=f32) if need_db else absent(w, f32),
+                w.new_empty((V, H)) if self.need_dw and fp32_accumulator and self.return_dw_out else absent(w))
+
 
 _SCHEMA_TYPES = {int: "SymInt", float: "float", bool: "bool", str: "str"}
 
@@ -274,13 +325,13 @@ def differentiable():
 def grads_formed_in_forward(what: str | Callable[[typing.Any], str]) -> tuple[Callable, Callable]:
     """(setup_context, backward) for `define_op` of an operator that forms its gradients in the forward pass and
     returns (loss, outputs without gradient ..., dx, dw, db, dw_out): the last four are saved
-    (`save_output_grads`, by the options' need_dx / need_dw / need_db) and the backward rescales them by the
+    (`save_output_grads`, by the options' `grads`: a `GradOptions`) and the backward rescales them by the
     loss's upstream gradient. what: the loss's name in errors (or a function of the options giving it)."""
 
     def setup_context(ctx, tensors, options, output):
         x, w, b = tensors[:3]
-        save_output_grads(ctx, x, w, b, options.need_dx, options.need_dw, options.need_db and b is not None,
-                          *output[-4:])
+        grads = options.grads
+        save_output_grads(ctx, x, w, b, grads.need_dx, grads.need_dw, grads.need_db and b is not None, *output[-4:])
         ctx.mark_non_differentiable(*output[1:])
         ctx.what = what if isinstance(what, str) else what(options)
 
@@ -294,7 +345,8 @@ def recomputed_in_backward(backward_op: Callable) -> tuple[Callable, Callable]:
     """(setup_context, backward) for `define_op` of an operator over (x, w, b, target, class_weight, ...) that returns
     (per-token loss [T], row statistics [2, T]) and whose gradients recompute the logits: the five tensors and the
     statistics are saved, and the backward calls `backward_op(x, w, b, target, class_weight, stats, grad_tok,
-    options.gradients(need_dx, need_dw, need_db))`, which returns (dx, dw, db), [0] where not wanted."""
+    options)` with the gradients asked for set in the options' `grads` (`with_grads`), which returns (dx, dw, db),
+    [0] where not wanted."""
 
     def setup_context(ctx, tensors, options, output):
         ctx.save_for_backward(*tensors[:5], output[1])
@@ -306,18 +358,24 @@ def recomputed_in_backward(backward_op: Callable) -> tuple[Callable, Callable]:
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and b is not None
         dx, dw, db = backward_op(x, w, b, target, class_weight, stats, grad_loss_tok.float().contiguous(),
-                                 ctx.options.gradients(need_dx, need_dw, need_db))
+                                 with_grads(ctx.options, need_dx, need_dw, need_db))
         return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
     return setup_context, backward
 
 
-def fake_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, options) -> tuple[torch.Tensor, ...]:
-    """(dx, dw, db) as a backward operator returns them: in x's, w's and b's shapes and dtypes, [0] where the
-    options' need_dx / need_dw / need_db do not ask for them (the fake implementation of such an operator)."""
-    return (torch.empty_like(x) if options.need_dx else absent(x),
-            torch.empty_like(w) if options.need_dw else absent(w),
-            torch.empty_like(b) if options.need_db and b is not None else absent(w))
+def with_grads(options, need_dx: bool, need_dw: bool, need_db: bool):
+    """An operator's options (a dataclass with a `grads: GradOptions` field) asking for these gradients: what its
+    forward hands its backward operator."""
+    return dataclasses.replace(options, grads=options.grads.needing(need_dx, need_dw, need_db))
+
+
+def fake_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grads: GradOptions) -> tuple:
+    """(dx, dw, db) as a backward operator returns them: in x's, w's and b's shapes and dtypes, [0] where `grads`
+    does not ask for them (the fake implementation of such an operator)."""
+    return (torch.empty_like(x) if grads.need_dx else absent(x),
+            torch.empty_like(w) if grads.need_dw else absent(w),
+            torch.empty_like(b) if grads.need_db and b is not None else absent(w))
 
 
 def absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -35,11 +35,14 @@ from fusedkern._validation import (
 )
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
+    GradOptions,
     absent,
     cast_or_none,
     define_op,
+    fake_grads,
     grads_formed_in_forward,
     or_absent,
+    with_grads,
 )
 from fusedkern.chunk_plan import (
     CHUNK_MULTIPLE,
@@ -154,44 +157,26 @@ def clamped_mean_divisor(target: torch.Tensor | None, n_tokens: int, ignore_inde
 
 @dataclass(frozen=True)
 class DistillScalarOptions:
-    """`distill_scalar`'s options: the loss, its reduction ("mean"/"sum"), the chunk plan's inputs, which of the
-    student's gradients to form, whether dW's own storage comes back (`return_dw_out`), a host count to check
-    (`count_int`, -1: none) and whether the student's entropy is formed."""
+    """`distill_scalar`'s options: the loss, its reduction ("mean"/"sum"), the student's gradients (`GradOptions`), a
+    host count to check (`count_int`, -1: none) and whether the student's entropy is formed."""
 
     loss: DistillOptions
     reduction: str
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
     count_int: int = -1
     with_entropy: bool = False
 
 
 @dataclass(frozen=True)
 class DistillPerTokenOptions:
-    """`distill_per_token`'s options: the loss, the chunks (`chunk_tokens`; None: the loss-only budget; the
-    backward's plan), a host count to check (`count_int`, -1: none) and whether the student's entropy is formed."""
+    """`distill_per_token`'s and `distill_per_token_backward`'s options: the loss, the chunks and gradients
+    (`GradOptions`: none asked for in the forward; `chunk_tokens` None: the loss-only budget forward, the backward's
+    plan), a host count to check (`count_int`, -1: none) and whether the student's entropy is formed."""
 
     loss: DistillOptions
-    weight_grad_accum: str
-    chunk_tokens: int | None
+    grads: GradOptions
     count_int: int = -1
     with_entropy: bool = False
-
-
-@dataclass(frozen=True)
-class DistillGradOptions:
-    """`distill_per_token_backward`'s options: the loss, the chunk plan's inputs and which gradients to form."""
-
-    loss: DistillOptions
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
 
 
 DISTILL_TENSORS = ["xs", "ws", "bs?", "xt", "wt", "bt?", "target?"]
@@ -213,28 +198,25 @@ def _distill_scalar(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None,
                                             dtype=torch.float32)).reshape(1)
     else:
         grad_scale = torch.ones(1, device=xs.device, dtype=torch.float32)
-    plan = distill_plan(T, ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+    g = o.grads
+    plan = distill_plan(T, ws, wt, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
     entropy = torch.empty(T if o.with_entropy else 0, device=xs.device, dtype=torch.float32)
-    grads = Grads.allocate(xs, ws, bs, o.need_dx, o.need_dw, o.need_db, plan)
+    grads = Grads.allocate(xs, ws, bs, g.need_dx, g.need_dw, g.need_db, plan)
     _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_scale,
                 per_token_grad=False, grads=grads, entropy=entropy if o.with_entropy else None)
     dx, dw, db, dw_out = grads.as_tuple()
     loss = loss_tok.sum() * grad_scale[0] if o.reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
-    return (loss, entropy, or_absent(dx, xs), or_absent(dw, ws), or_absent(db, ws, torch.float32),
-            or_absent(dw_out if o.return_dw_out else None, ws))
+    return (loss, entropy, *g.outputs(xs, ws, dx, dw, db, dw_out))
 
 
 def _fake_distill_scalar(xs, ws, bs, xt, wt, bt, target, check_target, count, o: DistillScalarOptions):
-    (T, H), V = xs.shape, ws.shape[0]
-    fp32_accumulator = distill_plan(T, ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens).fp32_accumulator
+    T, g = xs.shape[0], o.grads
+    fp32_accumulator = distill_plan(T, ws, wt, g.need_dw, g.weight_grad_accum, g.chunk_tokens).fp32_accumulator
     f32 = torch.float32
     return (xs.new_empty((), dtype=f32), xs.new_empty((T if o.with_entropy else 0,), dtype=f32),
-            xs.new_empty((T, H)) if o.need_dx else absent(xs),
-            ws.new_empty((V, H), dtype=f32 if fp32_accumulator else ws.dtype) if o.need_dw else absent(ws),
-            ws.new_empty((V,), dtype=f32) if o.need_db else absent(ws, f32),
-            ws.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(ws))
+            *g.fake_outputs(xs, ws, T, fp32_accumulator, g.need_db))
 
 
 distill_scalar = define_op("fusedkern::distill_scalar", [*DISTILL_TENSORS, "check_target?", "count?"],
@@ -252,7 +234,7 @@ def _distill_per_token(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | No
     checks = [] if target is None else start_checks(target, ws.shape[0], o.loss.ignore_index, check_target, count,
                                                     o.count_int)
     T, V = xs.shape[0], ws.shape[0]
-    C = o.chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
+    C = o.grads.chunk_tokens or chunk_rows(T, V, max(xs.element_size(), xt.element_size()), LOSS_CHUNK_BUDGET_BYTES)
     loss_tok = torch.empty(T, device=xs.device, dtype=torch.float32)
     entropy = torch.empty(T if o.with_entropy else 0, device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, C, loss_tok=loss_tok, grad=None, per_token_grad=False,
@@ -276,20 +258,19 @@ def _backward_distill_per_token(ctx, grad_loss_tok, _grad_entropy):
     xs, ws, bs, xt, wt, bt, target = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bs is not None
-    o = ctx.options
-    dx, dw, db = distill_per_token_backward(
-        xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
-        DistillGradOptions(o.loss, o.weight_grad_accum, o.chunk_tokens, need_dx, need_dw, need_db))
+    dx, dw, db = distill_per_token_backward(xs, ws, bs, xt, wt, bt, target, grad_loss_tok.float().contiguous(),
+                                            with_grads(ctx.options, need_dx, need_dw, need_db))
     return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
 def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Tensor | None, xt: torch.Tensor,
                                 wt: torch.Tensor, bt: torch.Tensor | None, target: torch.Tensor | None,
-                                grad_tok: torch.Tensor, o: DistillGradOptions
+                                grad_tok: torch.Tensor, o: DistillPerTokenOptions
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t with both logits recomputed: (dx, dw, db) in the student's dtypes."""
-    plan = distill_plan(xs.shape[0], ws, wt, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
-    grads = Grads.allocate(xs, ws, bs, o.need_dx, o.need_dw, o.need_db, plan)
+    g = o.grads
+    plan = distill_plan(xs.shape[0], ws, wt, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
+    grads = Grads.allocate(xs, ws, bs, g.need_dx, g.need_dw, g.need_db, plan)
     loss_tok = torch.empty(xs.shape[0], device=xs.device, dtype=torch.float32)
     _run_chunks(xs, ws, bs, xt, wt, bt, target, o.loss, plan.chunk_tokens, loss_tok=loss_tok, grad=grad_tok,
                 per_token_grad=True, grads=grads)
@@ -298,17 +279,13 @@ def _distill_per_token_backward(xs: torch.Tensor, ws: torch.Tensor, bs: torch.Te
             absent(ws) if db is None else db.to(bs.dtype))
 
 
-def _fake_distill_per_token_backward(xs, ws, bs, xt, wt, bt, target, grad_tok, o: DistillGradOptions):
-    return (torch.empty_like(xs) if o.need_dx else absent(xs), torch.empty_like(ws) if o.need_dw else absent(ws),
-            torch.empty_like(bs) if o.need_db and bs is not None else absent(ws))
-
-
 distill_per_token = define_op("fusedkern::distill_per_token", [*DISTILL_TENSORS, "check_target?", "count?"],
                               DistillPerTokenOptions, 2, _distill_per_token, _fake_distill_per_token,
                               _setup_distill_per_token, _backward_distill_per_token, tags=CHECKING_OP_TAGS)
 distill_per_token_backward = define_op("fusedkern::distill_per_token_backward", [*DISTILL_TENSORS, "grad_tok"],
-                                       DistillGradOptions, 3, _distill_per_token_backward,
-                                       _fake_distill_per_token_backward)
+                                       DistillPerTokenOptions, 3, _distill_per_token_backward,
+                                       lambda xs, ws, bs, xt, wt, bt, target, grad_tok, o: fake_grads(xs, ws, bs,
+                                                                                                      o.grads))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,19 +370,15 @@ def _loss(xs, ws, bs, xt, wt, bt, y, opts: DistillOptions, reduction, weight_gra
           checks=(None, None, -1), with_entropy: bool = False):
     """(loss: 0-d for mean/sum, [T] for "none"; the student's entropy [T] fp32, detached, or [0]) for flat,
     validated inputs: the operator dispatch."""
-    grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and xs.requires_grad, grad and ws.requires_grad
-    need_db = grad and bs is not None and bs.requires_grad
+    grads = GradOptions.asked(xs, ws, bs, weight_grad_accum, chunk_tokens)
     check_target, count, count_int = checks
-    if reduction != "none" and (need_dx or need_dw or need_db):
-        loss, entropy, *_ = distill_scalar(
-            xs, ws, bs, xt, wt, bt, y, check_target, count,
-            DistillScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                 not torch.compiler.is_compiling(), count_int, with_entropy))
+    if reduction != "none" and grads.wanted:
+        loss, entropy, *_ = distill_scalar(xs, ws, bs, xt, wt, bt, y, check_target, count,
+                                           DistillScalarOptions(opts, reduction, grads, count_int, with_entropy))
         return loss, entropy
     loss_tok, entropy = distill_per_token(
         xs, ws, bs, xt, wt, bt, y, check_target, count,
-        DistillPerTokenOptions(opts, weight_grad_accum, chunk_tokens, count_int, with_entropy))
+        DistillPerTokenOptions(opts, GradOptions(weight_grad_accum, chunk_tokens), count_int, with_entropy))
     if reduction == "none":
         return loss_tok, entropy
     if reduction == "sum":

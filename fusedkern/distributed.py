@@ -24,7 +24,6 @@ parallel gather are custom operators (`autograd.define_op`), as on one GPU; thei
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from fusedkern._validation import (
 )
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
+    GradOptions,
     absent,
     define_op,
     fake_grads,
@@ -207,12 +207,10 @@ def _shard_chunks(x, w, b, y, class_weight, opts: LossOptions, shard: VocabShard
         work.wait()
 
 
-def _shard_grads(x, w, b, y, class_weight, opts, shard, needs, chunk_tokens, weight_grad_accum, reduce_dx,
-                 **chunk_args):
-    """(dx, dw, db, dw_out) of a pass over the chunks with gradients, in `engine.Grads`' form."""
-    need_dx, need_dw, need_db = needs
-    plan = plan_for_grads(x.shape[0], w, need_dw, weight_grad_accum, chunk_tokens)
-    grads = Grads.allocate(x, w, b, need_dx, need_dw, need_db, plan)
+def _shard_grads(x, w, b, y, class_weight, opts, shard, g: GradOptions, reduce_dx, **chunk_args):
+    """(dx, dw, db, dw_out) of a pass over the chunks with the gradients `g` asks for, in `engine.Grads`' form."""
+    plan = plan_for_grads(x.shape[0], w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
+    grads = Grads.allocate(x, w, b, g.need_dx, g.need_dw, g.need_db, plan)
     _shard_chunks(x, w, b, y, class_weight, opts, shard, plan.chunk_tokens, grads=grads, reduce_dx=reduce_dx,
                   **chunk_args)
     return grads.as_tuple()
@@ -231,27 +229,21 @@ def _row_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class ScalarOptions:
-    """`vp_ce_scalar`'s options: the loss, its reduction ("mean"/"sum"), the shard, the chunk plan's inputs, which
-    gradients to form, whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW
-    into it), and whether each chunk's dX is all-reduced (not with sequence parallelism: the gather's backward
-    reduce-scatters it)."""
+    """`vp_ce_scalar`'s options: the loss, its reduction ("mean"/"sum"), the shard, the gradients (`GradOptions`),
+    and whether each chunk's dX is all-reduced (not with sequence parallelism: the gather's backward reduce-scatters
+    it)."""
 
     loss: LossOptions
     reduction: str
     shard: VocabShard
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
     reduce_dx: bool
 
 
 def _scalar(x, w, b, y, class_weight, o: ScalarOptions):
     """mean / sum with gradients formed in the forward pass (rescaled by the upstream gradient in backward): (loss
     0-d fp32, lse [T] fp32, dx, dw, db, dw_out) as `linear_cross_entropy`'s `ce_chunked_scalar` returns them."""
-    shard = o.shard
+    shard, g = o.shard, o.grads
     checks = start_checks(y, shard.vocab_size, o.loss.ignore_index, None, None, -1)
     if o.reduction == "mean":
         denom = mean_denominator(y, class_weight, o.loss.ignore_index)
@@ -259,24 +251,18 @@ def _scalar(x, w, b, y, class_weight, o: ScalarOptions):
     else:
         grad_scale = torch.ones(1, device=x.device, dtype=torch.float32)
     loss_tok, stats = _row_buffers(x)
-    dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, o.loss, shard, (o.need_dx, o.need_dw, o.need_db),
-                                      o.chunk_tokens, o.weight_grad_accum, o.reduce_dx, loss_tok=loss_tok,
-                                      stats=stats, compute_stats=True, grad=grad_scale, per_token_grad=False)
+    grads = _shard_grads(x, w, b, y, class_weight, o.loss, shard, g, o.reduce_dx, loss_tok=loss_tok, stats=stats,
+                         compute_stats=True, grad=grad_scale, per_token_grad=False)
     loss = loss_tok.sum() / denom if o.reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
-    return (loss, stats[0] + stats[1], or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
-            or_absent(dw_out if o.return_dw_out else None, w))
+    return (loss, stats[0] + stats[1], *g.outputs(x, w, *grads))
 
 
 def _fake_scalar(x, w, b, y, class_weight, o: ScalarOptions):
-    (T, H), V = x.shape, w.shape[0]
-    fp32_accumulator = plan_for_grads(T, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens).fp32_accumulator
-    f32 = torch.float32
-    return (x.new_empty((), dtype=f32), x.new_empty((T,), dtype=f32),
-            x.new_empty((T, H)) if o.need_dx else absent(x),
-            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
-            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+    T, g = x.shape[0], o.grads
+    fp32_accumulator = plan_for_grads(T, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens).fp32_accumulator
+    return (x.new_empty((), dtype=torch.float32), x.new_empty((T,), dtype=torch.float32),
+            *g.fake_outputs(x, w, T, fp32_accumulator, g.need_db and b is not None))
 
 
 vp_ce_scalar = define_op("fusedkern::vp_ce_scalar", ["x", "w", "b?", "y", "class_weight?"], ScalarOptions, 6,
@@ -286,20 +272,13 @@ vp_ce_scalar = define_op("fusedkern::vp_ce_scalar", ["x", "w", "b?", "y", "class
 
 @dataclass(frozen=True)
 class PerTokenOptions:
-    """`vp_per_token`'s options (and, with which gradients to form, `vp_per_token_backward`'s): the loss, the shard,
-    the chunk plan's inputs and whether each chunk's dX is all-reduced."""
+    """`vp_per_token`'s and `vp_per_token_backward`'s options: the loss, the shard, the chunks and gradients
+    (`GradOptions`: none asked for in the forward) and whether each chunk's dX is all-reduced."""
 
     loss: LossOptions
     shard: VocabShard
-    weight_grad_accum: str
-    chunk_tokens: int | None
+    grads: GradOptions
     reduce_dx: bool
-    need_dx: bool = False
-    need_dw: bool = False
-    need_db: bool = False
-
-    def gradients(self, need_dx: bool, need_dw: bool, need_db: bool) -> PerTokenOptions:
-        return dataclasses.replace(self, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
 
 
 def _per_token(x, w, b, y, class_weight, o: PerTokenOptions):
@@ -307,7 +286,7 @@ def _per_token(x, w, b, y, class_weight, o: PerTokenOptions):
     the saved statistics (`vp_per_token_backward`)."""
     checks = start_checks(y, o.shard.vocab_size, o.loss.ignore_index, None, None, -1)
     loss_tok, stats = _row_buffers(x)
-    C = plan_for_grads(x.shape[0], w, False, o.weight_grad_accum, o.chunk_tokens).chunk_tokens
+    C = plan_for_grads(x.shape[0], w, False, o.grads.weight_grad_accum, o.grads.chunk_tokens).chunk_tokens
     _shard_chunks(x, w, b, y, class_weight, o.loss, o.shard, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
                   grad=None, per_token_grad=False)
     finish_checks(checks)
@@ -322,9 +301,8 @@ def _fake_per_token(x, w, b, y, class_weight, o: PerTokenOptions):
 def _per_token_backward(x, w, b, y, class_weight, stats, grad_tok, o: PerTokenOptions):
     """Gradients of Σ_t grad_tok[t]·ℓ_t over this rank's shard: (dx [T, H] summed over the shards, dw [V_r, H],
     db [V_r]) in the dtypes of x, w, b; [0] where not wanted."""
-    dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, o.loss, o.shard, (o.need_dx, o.need_dw, o.need_db),
-                                      o.chunk_tokens, o.weight_grad_accum, o.reduce_dx, loss_tok=None, stats=stats,
-                                      compute_stats=False, grad=grad_tok, per_token_grad=True)
+    dx, dw, db, dw_out = _shard_grads(x, w, b, y, class_weight, o.loss, o.shard, o.grads, o.reduce_dx, loss_tok=None,
+                                      stats=stats, compute_stats=False, grad=grad_tok, per_token_grad=True)
     if dw_out is not None:
         dw = dw_out.copy_(dw)
     return or_absent(dx, x), or_absent(dw, w), absent(w) if db is None else db.to(b.dtype)
@@ -332,7 +310,7 @@ def _per_token_backward(x, w, b, y, class_weight, stats, grad_tok, o: PerTokenOp
 
 vp_per_token_backward = define_op(
     "fusedkern::vp_per_token_backward", ["x", "w", "b?", "y", "class_weight?", "stats", "grad_tok"], PerTokenOptions,
-    3, _per_token_backward, lambda x, w, b, y, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o))
+    3, _per_token_backward, lambda x, w, b, y, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o.grads))
 vp_per_token = define_op("fusedkern::vp_per_token", ["x", "w", "b?", "y", "class_weight?"], PerTokenOptions, 2,
                          _per_token, _fake_per_token, *recomputed_in_backward(vp_per_token_backward),
                          tags=CHECKING_OP_TAGS)
@@ -429,16 +407,13 @@ def vocab_parallel_cross_entropy(input: torch.Tensor, linear_weight: torch.Tenso
     class_weight = None if weight is None else weight.float().contiguous()
     opts = LossOptions(ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap))
     reduce_dx = not sequence_parallel  # with sequence parallelism the gather's backward reduce-scatters dX
-    grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and x2d.requires_grad, grad and linear_weight.requires_grad
-    need_db = grad and linear_bias is not None and linear_bias.requires_grad
-    if reduction != "none" and (need_dx or need_dw or need_db):
-        loss, lse, *_ = vp_ce_scalar(x2d, linear_weight, linear_bias, y, class_weight, ScalarOptions(
-            opts, reduction, shard, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-            return_dw_out=not torch.compiler.is_compiling(), reduce_dx=reduce_dx))
+    grads = GradOptions.asked(x2d, linear_weight, linear_bias, weight_grad_accum, chunk_tokens)
+    if reduction != "none" and grads.wanted:
+        loss, lse, *_ = vp_ce_scalar(x2d, linear_weight, linear_bias, y, class_weight,
+                                     ScalarOptions(opts, reduction, shard, grads, reduce_dx))
     else:
-        loss, stats = vp_per_token(x2d, linear_weight, linear_bias, y, class_weight,
-                                   PerTokenOptions(opts, shard, weight_grad_accum, chunk_tokens, reduce_dx))
+        options = PerTokenOptions(opts, shard, GradOptions(weight_grad_accum, chunk_tokens), reduce_dx)
+        loss, stats = vp_per_token(x2d, linear_weight, linear_bias, y, class_weight, options)
         lse = stats[0] + stats[1]
         if reduction == "sum":
             loss = loss.sum()

@@ -25,12 +25,12 @@ from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
+    GradOptions,
     absent,
     define_op,
     differentiable,
     follows_autocast,
     grads_formed_in_forward,
-    or_absent,
 )
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
@@ -311,8 +311,7 @@ def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old
 class GRPOOptions:
     """`grpo_chunked`'s options: the loss's hyperparameters and normalization (`grpo_loss_from_logps`; a Python
     num_items_in_batch here, a tensor one travels as a tensor), the logits' options (softcap, 1/temperature), the
-    entropy, the chunk plan's inputs, which gradients to form and whether dW's own storage comes back
-    (`return_dw_out`: eager, where the backward writes dW into it)."""
+    entropy and the gradients (`GradOptions`)."""
 
     loss_type: str
     beta: float
@@ -324,16 +323,12 @@ class GRPOOptions:
     softcap: float | None
     logit_scale: float
     with_entropy: bool
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
 
 
 def _grpo_plan(x: torch.Tensor, w: torch.Tensor, o: GRPOOptions):
-    return plan_for_grads(x.shape[0] * x.shape[1], w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+    g = o.grads
+    return plan_for_grads(x.shape[0] * x.shape[1], w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
 
 
 def _grpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -379,26 +374,20 @@ def _grpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, targ
     spec = FormulaSpec(formula, loss, token_chunks(x2d.shape[0], plan.chunk_tokens), plan,
                        with_entropy=o.with_entropy)
     opts = LossOptions(o.ignore_index, softcap=o.softcap, logit_scale=o.logit_scale)
-    loss, logp, entropy, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=o.need_dx, need_dw=o.need_dw,
-                                             need_db=o.need_db)
+    loss, logp, entropy, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=o.grads.need_dx,
+                                             need_dw=o.grads.need_dw, need_db=o.grads.need_db)
     finish_checks(checks)
-    dx, dw, db, dw_out = grads.as_tuple()
     entropy = absent(x, torch.float32) if entropy is None else entropy.view(target.shape)
-    return (loss, logp.view(target.shape), entropy, or_absent(dx, x), or_absent(dw, w),
-            or_absent(db, w, torch.float32), or_absent(dw_out if o.return_dw_out else None, w))
+    return (loss, logp.view(target.shape), entropy, *o.grads.outputs(x, w, *grads.as_tuple()))
 
 
 def _fake_grpo_chunked(x, w, b, target, advantages, old_logps, ref_logps, num_items_tensor, o: GRPOOptions):
-    B, T, H = x.shape
-    V = w.shape[0]
+    B, T, _ = x.shape
     fp32_accumulator = _grpo_plan(x, w, o).fp32_accumulator
     f32 = torch.float32
     return (x.new_empty((), dtype=f32), x.new_empty((B, T), dtype=f32),
             x.new_empty((B, T) if o.with_entropy else (0,), dtype=f32),
-            x.new_empty((B * T, H)) if o.need_dx else absent(x),
-            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
-            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+            *o.grads.fake_outputs(x, w, B * T, fp32_accumulator, o.grads.need_db and b is not None))
 
 
 grpo_chunked = define_op(
@@ -411,14 +400,12 @@ grpo_chunked = define_op(
 def _chunked(input, w, b, target, mask, advantages, old_logps, ref_logps, hp, norm, *, ignore_index, softcap,
              temperature, compute_entropy, weight_grad_accum, chunk_tokens):
     """`linear_grpo_loss` through `grpo_chunked`: (loss, metrics) as the generic path gives them."""
-    grad = torch.is_grad_enabled()
     n = norm["num_items_in_batch"]
     o = GRPOOptions(norm["loss_type"], float(hp["beta"]), float(hp["epsilon"]),
                     None if hp["epsilon_high"] is None else float(hp["epsilon_high"]), norm["max_completion_length"],
                     None if n is None or isinstance(n, torch.Tensor) else float(n), ignore_index,
                     None if softcap is None else float(softcap), 1.0 / float(temperature), compute_entropy,
-                    weight_grad_accum, chunk_tokens, grad and input.requires_grad, grad and w.requires_grad,
-                    grad and b is not None and b.requires_grad, return_dw_out=not torch.compiler.is_compiling())
+                    GradOptions.asked(input, w, b, weight_grad_accum, chunk_tokens))
     loss, logps, entropy, *_ = grpo_chunked(input, w, b, target, advantages, old_logps, ref_logps,
                                             n if isinstance(n, torch.Tensor) else None, o)
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float().expand(target.shape)

@@ -36,6 +36,7 @@ from fusedkern._validation import (
 )
 from fusedkern.autograd import (
     CHECKING_OP_TAGS,
+    GradOptions,
     absent,
     cast_or_none,
     define_op,
@@ -44,6 +45,7 @@ from fusedkern.autograd import (
     grads_formed_in_forward,
     or_absent,
     recomputed_in_backward,
+    with_grads,
 )
 from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
@@ -72,19 +74,13 @@ def mean_denominator(target: torch.Tensor, class_weight: torch.Tensor | None, ig
 
 @dataclass(frozen=True)
 class ChunkedScalarOptions:
-    """`ce_chunked_scalar`'s options: the loss, its reduction ("mean"/"sum"), the chunk plan's inputs, which
-    gradients to form, whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW
-    into it), the row-count path (`skip_ignored`, which forms no bias gradient: need_db False) and a host count to
-    check (`count_int`, -1: none)."""
+    """`ce_chunked_scalar`'s options: the loss, its reduction ("mean"/"sum"), the gradients (`GradOptions`), the
+    row-count path (`skip_ignored`, which forms no bias gradient: need_db False) and a host count to check
+    (`count_int`, -1: none)."""
 
     loss: LossOptions
     reduction: str
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
     skip_ignored: bool = False
     count_int: int = -1
 
@@ -105,8 +101,8 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
     lives in dx's storage (`compacted.counted_loss_and_grads`). rows without skip_ignored: the valid rows of
     a host count, target = target[rows]: only those rows are computed (`chunked.chunked_loss_and_grads`),
     dx keeps x's order (no lse)."""
-    opts = o.loss
-    assert not (o.skip_ignored and o.need_db), "the row-count path forms no bias gradient"
+    opts, g = o.loss, o.grads
+    assert not (o.skip_ignored and g.need_db), "the row-count path forms no bias gradient"
     checks = start_checks(target, w.shape[0], opts.ignore_index, check_target, count, o.count_int)
     if o.reduction == "mean":
         denom = mean_denominator(target, class_weight, opts.ignore_index)
@@ -117,33 +113,28 @@ def _chunked_scalar(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ta
         from fusedkern.compacted import counted_loss_and_grads
 
         loss_tok, dx, dw, dw_out = counted_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=o.need_dx, need_dw=o.need_dw,
-            weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens, rows=rows)
+            x, w, b, target, class_weight, opts, grad_scale, count, need_dx=g.need_dx, need_dw=g.need_dw,
+            weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens, rows=rows)
         lse, db = absent(x, torch.float32), None
     else:
         loss_tok, stats, grads = chunked_loss_and_grads(
-            x, w, b, target, class_weight, opts, grad_scale, need_dx=o.need_dx, need_dw=o.need_dw,
-            need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens, rows=rows)
+            x, w, b, target, class_weight, opts, grad_scale, need_dx=g.need_dx, need_dw=g.need_dw,
+            need_db=g.need_db, weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens, rows=rows)
         dx, dw, db, dw_out = grads.as_tuple()
         lse = absent(x, torch.float32) if rows is not None else lse_of(stats)
     loss = loss_tok.sum() / denom if o.reduction == "mean" else loss_tok.sum()
     finish_checks(checks)
-    return (loss, lse, or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
-            or_absent(dw_out if o.return_dw_out else None, w))
+    return (loss, lse, *g.outputs(x, w, dx, dw, db, dw_out))
 
 
 def _fake_chunked_scalar(x, w, b, target, class_weight, check_target, count, rows, o: ChunkedScalarOptions):
-    (T, H), V = x.shape, w.shape[0]
+    T, g = x.shape[0], o.grads
     planned_rows = T if rows is None or o.skip_ignored else rows.shape[0]
-    fp32_accumulator = plan_for_grads(planned_rows, w, o.need_dw, o.weight_grad_accum,
-                                      o.chunk_tokens).fp32_accumulator
+    fp32_accumulator = plan_for_grads(planned_rows, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens).fp32_accumulator
     f32 = torch.float32
     return (x.new_empty((), dtype=f32),
             x.new_empty((0,) if o.skip_ignored or rows is not None else (T,), dtype=f32),
-            x.new_empty((T, H)) if o.need_dx else absent(x),
-            w.new_empty((V, H), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if o.need_db and not o.skip_ignored else absent(w, f32),
-            w.new_empty((V, H)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+            *g.fake_outputs(x, w, T, fp32_accumulator, g.need_db and not o.skip_ignored))
 
 
 ce_chunked_scalar = define_op(
@@ -156,21 +147,17 @@ ce_chunked_scalar = define_op(
 
 @dataclass(frozen=True)
 class PerTokenOptions:
-    """`ce_per_token`'s options: the loss, the strategy of `dispatch.choose` ("chunked", "fused", or "gluon", whose
-    backward recomputes as "chunked"), the backward's chunks (`weight_grad_accum`, `chunk_tokens`), the statistics
-    pass's whole-row chunks (`forward_chunk_tokens`; None: its 64 MiB tiles; the Gluon pass: at most that many
-    tokens a launch) and a host count to check (`count_int`, -1: none)."""
+    """`ce_per_token`'s and `ce_per_token_backward`'s options: the loss, the strategy of `dispatch.choose`
+    ("chunked", "fused", or "gluon", whose backward recomputes as "chunked"), the backward's chunks and gradients
+    (`GradOptions`: none asked for in the forward), the statistics pass's whole-row chunks (`forward_chunk_tokens`;
+    None: its 64 MiB tiles; the Gluon pass: at most that many tokens a launch) and a host count to check
+    (`count_int`, -1: none)."""
 
     loss: LossOptions
     impl: str
-    weight_grad_accum: str
-    chunk_tokens: int | None
+    grads: GradOptions
     forward_chunk_tokens: int | None
     count_int: int = -1
-
-    def gradients(self, need_dx: bool, need_dw: bool, need_db: bool) -> PerTokenGradOptions:
-        return PerTokenGradOptions(self.loss, self.impl, self.weight_grad_accum, self.chunk_tokens, need_dx, need_dw,
-                                   need_db)
 
 
 @dataclass(frozen=True)
@@ -181,20 +168,6 @@ class LogprobsOptions(PerTokenOptions):
 
     with_entropy: bool = False
     with_logit_sum: bool = False
-
-
-@dataclass(frozen=True)
-class PerTokenGradOptions:
-    """The per-token backward operators' options: the loss, the strategy whose gradients recompute the logits, its
-    chunks, and which gradients to form."""
-
-    loss: LossOptions
-    impl: str
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
 
 
 def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -216,20 +189,21 @@ def _fake_per_token(x, w, b, target, class_weight, check_target, count, o: PerTo
 
 def _per_token_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                         class_weight: torch.Tensor | None, stats: torch.Tensor, grad_tok: torch.Tensor,
-                        o: PerTokenGradOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        o: PerTokenOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t (grad_tok [T] fp32), recomputing the logits from the saved
     statistics: (dx [T, H], dw [V, H], db [V]) in the dtypes of x, w, b; empty where not needed."""
+    g = o.grads
     dx, dw, db = strategy(o.impl).gradients(
-        x, w, b, target, class_weight, o.loss, stats, grad_tok, need_dx=o.need_dx, need_dw=o.need_dw,
-        need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens)
+        x, w, b, target, class_weight, o.loss, stats, grad_tok, need_dx=g.need_dx, need_dw=g.need_dw,
+        need_db=g.need_db, weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens)
     return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
             absent(w) if db is None else db.to(b.dtype))
 
 
 ce_per_token_backward = define_op(
     "fusedkern::ce_per_token_backward", ["x", "w", "b?", "target", "class_weight?", "stats", "grad_tok"],
-    PerTokenGradOptions, 3, _per_token_backward,
-    lambda x, w, b, target, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o))
+    PerTokenOptions, 3, _per_token_backward,
+    lambda x, w, b, target, class_weight, stats, grad_tok, o: fake_grads(x, w, b, o.grads))
 ce_per_token = define_op(
     "fusedkern::ce_per_token", ["x", "w", "b?", "target", "class_weight?", "check_target?", "count?"], PerTokenOptions, 2,
     _per_token, _fake_per_token, *recomputed_in_backward(ce_per_token_backward), tags=CHECKING_OP_TAGS)
@@ -282,20 +256,21 @@ def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy, _g
     with_entropy = grad_entropy is not None and entropy.numel() > 0
     grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
     dx, dw, db = logprobs_entropy_backward(x, w, b, target, stats, entropy if with_entropy else grad_h, grad_tok,
-                                           grad_h, ctx.options.gradients(need_dx, need_dw, need_db))
+                                           grad_h, with_grads(ctx.options, need_dx, need_dw, need_db))
     return dx if need_dx else None, dw if need_dw else None, db if need_db else None
 
 
 def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                                stats: torch.Tensor, entropy: torch.Tensor, grad_tok: torch.Tensor,
-                               grad_entropy: torch.Tensor, o: PerTokenGradOptions
+                               grad_entropy: torch.Tensor, o: LogprobsOptions
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ_t grad_tok[t]·ℓ_t + grad_entropy[t]·H_t, recomputing the logits chunk by chunk: one
     in-place gradient per chunk carries both terms, so the entropy costs no GEMM. entropy and grad_entropy
     [0]: no entropy term. Shapes as `_per_token_backward`."""
     with_entropy = grad_entropy.numel() > 0
-    dx, dw, db = chunked_grads(x, w, b, target, None, o.loss, stats, grad_tok, need_dx=o.need_dx, need_dw=o.need_dw,
-                               need_db=o.need_db, weight_grad_accum=o.weight_grad_accum, chunk_tokens=o.chunk_tokens,
+    g = o.grads
+    dx, dw, db = chunked_grads(x, w, b, target, None, o.loss, stats, grad_tok, need_dx=g.need_dx, need_dw=g.need_dw,
+                               need_db=g.need_db, weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens,
                                entropy=entropy if with_entropy else None,
                                grad_entropy=grad_entropy if with_entropy else None)
     return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
@@ -307,8 +282,8 @@ logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "ta
                              _backward_logprobs_entropy, tags=CHECKING_OP_TAGS)
 logprobs_entropy_backward = define_op(
     "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],
-    PerTokenGradOptions, 3, _logprobs_entropy_backward,
-    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: fake_grads(x, w, b, o))
+    LogprobsOptions, 3, _logprobs_entropy_backward,
+    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: fake_grads(x, w, b, o.grads))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,19 +296,15 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     checks: (check_target, count, count_int) of `start_checks`. rows: [n] the only rows of x2d to compute (a
     host `num_valid_tokens`), y already gathered, loss over those n rows: the chunked mean/sum with gradients
     gathers them into dX's own storage (no lse), the other paths a copy that autograd scatters back."""
-    grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
-    need_db = grad and b is not None and b.requires_grad
-    wants_grad = need_dx or need_dw or need_db
+    grads = GradOptions.asked(x2d, w, b, weight_grad_accum, chunk_tokens)
     # these operators take no logit scale (a temperature reaches the kernels through `logprobs_entropy`), so the
     # Gluon pass, which would accept one, must not be handed one here either
     assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
     check_target, count, count_int = checks
-    if wants_grad and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum, chunk_tokens):
-        loss, lse, *_ = ce_chunked_scalar(
-            x2d, w, b, y, class_weight, check_target, count, rows,
-            ChunkedScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, need_db,
-                                 return_dw_out=not torch.compiler.is_compiling(), count_int=count_int))
+    if grads.wanted and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum,
+                                                                      chunk_tokens):
+        loss, lse, *_ = ce_chunked_scalar(x2d, w, b, y, class_weight, check_target, count, rows,
+                                          ChunkedScalarOptions(opts, reduction, grads, count_int=count_int))
         return loss, lse
     if rows is not None:
         x2d = x2d.index_select(0, rows)
@@ -342,7 +313,8 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     impl = choose(impl, Call(x2d, w, b, class_weight, opts), weight_grad_accum=weight_grad_accum,
                   chunk_tokens=chunk_tokens, statistics_only=True).name
     loss_tok, stats = ce_per_token(x2d, w, b, y, class_weight, check_target, count,
-                                   PerTokenOptions(opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, count_int))
+                                   PerTokenOptions(opts, impl, GradOptions(weight_grad_accum, chunk_tokens),
+                                                   chunk_tokens, count_int))
     lse = lse_of(stats)
     if reduction == "none":
         return loss_tok, lse
@@ -388,9 +360,8 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
     if need_lse:
         return dense(count, count_int)
     if on_device:
-        grad = torch.is_grad_enabled()
-        need_dx, need_dw = grad and x2d.requires_grad, grad and w.requires_grad
-        counted = (reduction != "none" and (need_dx or need_dw) and not (b is not None and b.requires_grad and grad)
+        grads = GradOptions.asked(x2d, w, b, weight_grad_accum, chunk_tokens)
+        counted = (reduction != "none" and (grads.need_dx or grads.need_dw) and not grads.need_db
                    and forms_grads_in_forward(impl, x2d, w, weight_grad_accum, chunk_tokens))
         if not counted:
             return dense(count)
@@ -398,8 +369,7 @@ def loss_over_tokens(x2d, w, b, y, class_weight, opts: LossOptions, reduction: s
         # x goes in unsorted with `rows`: the operator sorts it into dX's own storage (no T×H copy beside dX)
         loss, *_ = ce_chunked_scalar(
             x2d, w, b, y.index_select(0, rows), class_weight, None, num_valid_tokens, rows,
-            ChunkedScalarOptions(opts, reduction, weight_grad_accum, chunk_tokens, need_dx, need_dw, False,
-                                 return_dw_out=not torch.compiler.is_compiling(), skip_ignored=True))
+            ChunkedScalarOptions(opts, reduction, grads, skip_ignored=True))
         return loss, None
     if not 0 < num_valid_tokens < y.shape[0]:
         return dense(count_int=count_int)

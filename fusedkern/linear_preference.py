@@ -30,14 +30,7 @@ from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks
 from fusedkern.engine import LossOptions
 from fusedkern.formula import grouped_plan, grouped_tail_spec, run_formula
-from fusedkern.autograd import (
-    CHECKING_OP_TAGS,
-    absent,
-    define_op,
-    follows_autocast,
-    grads_formed_in_forward,
-    or_absent,
-)
+from fusedkern.autograd import CHECKING_OP_TAGS, GradOptions, define_op, follows_autocast, grads_formed_in_forward
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
@@ -46,8 +39,7 @@ from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_a
 @dataclass(frozen=True)
 class PreferenceOptions:
     """`preference_chunked`'s options: the loss's hyperparameters (`preference.preference_loss_from_logps`; alpha
-    resolved by `check_preference_args`), the logits' options, the chunk plan's inputs, which gradients to form and
-    whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes dW into it)."""
+    resolved by `check_preference_args`), the logits' options and the gradients (`GradOptions`)."""
 
     loss_type: str
     beta: float
@@ -59,12 +51,7 @@ class PreferenceOptions:
     alpha: float
     ignore_index: int
     softcap: float | None
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
 
     @property
     def paired(self) -> bool:
@@ -81,7 +68,8 @@ class PreferenceOptions:
 
 def _grouped_plan(x: torch.Tensor, w: torch.Tensor, o: PreferenceOptions):
     n_rows, seq, _ = x.shape
-    return grouped_plan(n_rows, seq, o.paired, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+    g = o.grads
+    return grouped_plan(n_rows, seq, o.paired, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
 
 
 def _preference_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -102,24 +90,17 @@ def _preference_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
                              lambda lp: preference_loss_from_logps(lp, mask, **kw)[0])
     loss, logp, _, grads = run_formula(x.reshape(-1, hidden), w, b, target.reshape(-1).contiguous(),
                                        LossOptions(ignore_index=o.ignore_index, softcap=o.softcap), spec,
-                                       need_dx=o.need_dx, need_dw=o.need_dw, need_db=o.need_db)
+                                       need_dx=o.grads.need_dx, need_dw=o.grads.need_dw, need_db=o.grads.need_db)
     finish_checks(checks)
-    dx, dw, db, dw_out = grads.as_tuple()
-    return (loss, logp.view(n_rows, seq), or_absent(dx, x), or_absent(dw, w), or_absent(db, w, torch.float32),
-            or_absent(dw_out if o.return_dw_out else None, w))
+    return (loss, logp.view(n_rows, seq), *o.grads.outputs(x, w, *grads.as_tuple()))
 
 
 def _fake_preference_chunked(x, w, b, target, ref_chosen_logps, ref_rejected_logps, ref_logps, kto_labels, kl,
                              o: PreferenceOptions):
-    n_rows, seq, hidden = x.shape
-    V = w.shape[0]
+    n_rows, seq, _ = x.shape
     fp32_accumulator = _grouped_plan(x, w, o)[1].fp32_accumulator
-    f32 = torch.float32
-    return (x.new_empty((), dtype=f32), x.new_empty((n_rows, seq), dtype=f32),
-            x.new_empty((n_rows * seq, hidden)) if o.need_dx else absent(x),
-            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if o.need_db and b is not None else absent(w, f32),
-            w.new_empty((V, hidden)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+    return (x.new_empty((), dtype=torch.float32), x.new_empty((n_rows, seq), dtype=torch.float32),
+            *o.grads.fake_outputs(x, w, n_rows * seq, fp32_accumulator, o.grads.need_db and b is not None))
 
 
 preference_chunked = define_op(
@@ -164,9 +145,7 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
         desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     V_.validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
-    grad = torch.is_grad_enabled()
-    need = (grad and input.requires_grad, grad and linear_weight.requires_grad,
-            grad and linear_bias is not None and linear_bias.requires_grad)
+    grads = GradOptions.asked(input, linear_weight, linear_bias, weight_grad_accum, chunk_tokens)
     kw = dict(loss_type=loss_type, beta=beta, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps,
               reference_free=reference_free, ref_logps=ref_logps, kto_labels=kto_labels, kl=kl,
               desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
@@ -175,14 +154,13 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     refs_frozen = not any(t is not None and t.requires_grad for t in (ref_chosen_logps, ref_rejected_logps, ref_logps))
     # three GEMMs (gradient formed in the forward pass, eager and compiled alike) where a chunk holds a whole pair
     # (KTO: a sequence)
-    if any(need) and refs_frozen and input.numel() and \
+    if grads.wanted and refs_frozen and input.numel() and \
             forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
                                    chunk_tokens):
         o = PreferenceOptions(
             loss_type, float(beta), reference_free, float(desirable_weight), float(undesirable_weight),
             float(label_smoothing), float(gamma), resolved_alpha, ignore_index,
-            None if softcap is None else float(softcap), weight_grad_accum, chunk_tokens, *need,
-            return_dw_out=not torch.compiler.is_compiling())
+            None if softcap is None else float(softcap), grads)
         if _grouped_plan(input, linear_weight, o)[0] > 0:
             loss, logps, *_ = preference_chunked(input, linear_weight, linear_bias, target, ref_chosen_logps,
                                                  ref_rejected_logps, ref_logps, kto_labels, kl, o)

@@ -21,7 +21,7 @@ from fusedkern import _validation as V_
 from fusedkern.chunked import LossOptions
 from fusedkern.sharded import full_weights
 from fusedkern._validation import validate_call
-from fusedkern.autograd import follows_autocast
+from fusedkern.autograd import GradOptions, follows_autocast
 from fusedkern.dispatch import Call, choose
 from fusedkern.engine import valid_rows_first
 from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, loss_over_tokens
@@ -109,7 +109,7 @@ def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, we
     without a gradient to follow, so that both give the same log-probs."""
     def options(count_int=-1):
         return LogprobsOptions(LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale), impl,
-                               weight_grad_accum, chunk_tokens, chunk_tokens, count_int, with_entropy)
+                               GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens, count_int, with_entropy)
 
     if isinstance(num_valid_tokens, torch.Tensor):
         nll, _, entropy, _ = logprobs_entropy(x2d, w, b, y, None, num_valid_tokens, options())
@@ -165,8 +165,8 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
                   fused_fallback=False).name
     nll, stats, entropy, logit_sum = logprobs_entropy(
         x2d, linear_weight, linear_bias, y, None, None,
-        LogprobsOptions(call.opts, impl, weight_grad_accum, chunk_tokens, chunk_tokens, with_entropy=return_entropy,
-                        with_logit_sum=return_mean_logits))
+        LogprobsOptions(call.opts, impl, GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens,
+                        with_entropy=return_entropy, with_logit_sum=return_mean_logits))
     lead = input.shape[:-1]
     stats = stats.detach()
     out = (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),

@@ -30,14 +30,7 @@ from fusedkern.engine import Chunk, LossOptions, group_chunks, plan_for_grads
 from fusedkern.formula import FormulaSpec, grouped_plan, grouped_tail_spec, run_formula
 from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
-from fusedkern.autograd import (
-    CHECKING_OP_TAGS,
-    absent,
-    define_op,
-    follows_autocast,
-    grads_formed_in_forward,
-    or_absent,
-)
+from fusedkern.autograd import CHECKING_OP_TAGS, GradOptions, define_op, follows_autocast, grads_formed_in_forward
 from fusedkern.dispatch import forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 
@@ -186,9 +179,7 @@ def simpo_spec(target: torch.Tensor, ignore_index: int, plan: tuple, hp: dict, l
 @dataclass(frozen=True)
 class SimPOOptions:
     """`simpo_chunked`'s options: SimPO's hyperparameters, the softcap (None: `simpo_spec`'s float64 formula in
-    `plan_for`'s modes; a softcap: the grouped-tail formula over whole pairs), the chunk plan's inputs, which
-    gradients to form and whether dW's own storage comes back (`return_dw_out`: eager, where the backward writes
-    dW into it)."""
+    `plan_for`'s modes; a softcap: the grouped-tail formula over whole pairs) and the gradients (`GradOptions`)."""
 
     ignore_index: int
     beta: float
@@ -196,12 +187,7 @@ class SimPOOptions:
     alpha: float
     label_smoothing: float
     softcap: float | None
-    weight_grad_accum: str
-    chunk_tokens: int | None
-    need_dx: bool
-    need_dw: bool
-    need_db: bool
-    return_dw_out: bool
+    grads: GradOptions
 
     @property
     def hyperparameters(self) -> dict:
@@ -221,8 +207,9 @@ def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tar
     opts = LossOptions(ignore_index=o.ignore_index, softcap=o.softcap)
     x2d, y = x.reshape(-1, hidden), target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
     mask = target != o.ignore_index
+    g = o.grads
     if o.softcap is None:
-        plan = plan_for(two_b, seq, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+        plan = plan_for(two_b, seq, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
 
         def rejected_logps():  # the prepass: a loss-only pass over the rejected half; its fp32 −ℓ_t
             rejected = slice(two_b // 2 * seq, two_b * seq)
@@ -231,29 +218,22 @@ def _simpo_chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tar
         spec = simpo_spec(target, o.ignore_index, plan, hp,
                           lambda logp, mask: simpo_loss_from_logps(logp, mask, **hp)[0], rejected_logps)
     else:
-        per_chunk, grad_plan = grouped_plan(two_b, seq, True, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)
+        per_chunk, grad_plan = grouped_plan(two_b, seq, True, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)
         spec = grouped_tail_spec(two_b, seq, True, per_chunk, grad_plan,
                                  lambda lp: simpo_loss_from_logps(lp, mask, **hp)[0])
     # the loss from the log-probabilities (float64 without a softcap), rounded once
-    loss, logp, _, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=o.need_dx, need_dw=o.need_dw,
-                                       need_db=o.need_db)
+    loss, logp, _, grads = run_formula(x2d, w, b, y, opts, spec, need_dx=g.need_dx, need_dw=g.need_dw,
+                                       need_db=g.need_db)
     finish_checks(checks)
-    dx, dw, db, dw_out = grads.as_tuple()
-    return (loss, logp.view(two_b, seq).float(), or_absent(dx, x), or_absent(dw, w),
-            or_absent(db, w, torch.float32), or_absent(dw_out if o.return_dw_out else None, w))
+    return (loss, logp.view(two_b, seq).float(), *g.outputs(x, w, *grads.as_tuple()))
 
 
 def _fake_simpo_chunked(x, w, b, target, o: SimPOOptions):
-    two_b, seq, hidden = x.shape
-    V = w.shape[0]
-    fp32_accumulator = plan_for(two_b, seq, w, o.need_dw, o.weight_grad_accum, o.chunk_tokens)[2].fp32_accumulator
-    f32 = torch.float32
-    need_db = o.need_db and b is not None
-    return (x.new_empty((), dtype=f32), x.new_empty((two_b, seq), dtype=f32),
-            x.new_empty((two_b * seq, hidden)) if o.need_dx else absent(x),
-            w.new_empty((V, hidden), dtype=f32 if fp32_accumulator else w.dtype) if o.need_dw else absent(w),
-            w.new_empty((V,), dtype=f32) if need_db else absent(w, f32),
-            w.new_empty((V, hidden)) if o.need_dw and fp32_accumulator and o.return_dw_out else absent(w))
+    two_b, seq, _ = x.shape
+    g = o.grads
+    fp32_accumulator = plan_for(two_b, seq, w, g.need_dw, g.weight_grad_accum, g.chunk_tokens)[2].fp32_accumulator
+    return (x.new_empty((), dtype=torch.float32), x.new_empty((two_b, seq), dtype=torch.float32),
+            *g.fake_outputs(x, w, two_b * seq, fp32_accumulator, g.need_db and b is not None))
 
 
 simpo_chunked = define_op(
@@ -297,17 +277,15 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     linear_weight, linear_bias, _ = full_weights(input, linear_weight, target, linear_bias)  # DTensors gathered
     _validate_simpo(input, target, beta, gamma, alpha, label_smoothing)
     hp = dict(beta=float(beta), gamma=float(gamma), alpha=float(alpha), label_smoothing=float(label_smoothing))
-    grad = torch.is_grad_enabled()
-    need_dx, need_dw = grad and input.requires_grad, grad and linear_weight.requires_grad
-    need_db = grad and linear_bias is not None and linear_bias.requires_grad
+    grads = GradOptions.asked(input, linear_weight, linear_bias, weight_grad_accum, chunk_tokens)
     # validated once for every path; the operators check the targets' range
     validate_call(input, linear_weight, target, linear_bias, ignore_index=ignore_index, softcap=softcap, impl=impl,
                   weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens)
     softcap = None if softcap is None else float(softcap)
     mask = target != ignore_index
-    if (need_dx or need_dw or need_db) and target.numel() > 0:
+    if grads.wanted and target.numel() > 0:
         two_b, seq, _ = input.shape
-        plan = plan_for(two_b, seq, linear_weight, need_dw, weight_grad_accum, chunk_tokens)
+        plan = plan_for(two_b, seq, linear_weight, grads.need_dw, weight_grad_accum, chunk_tokens)
         chunked = forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
                                          chunk_tokens)
         if chunked and plan[0] == "generic":
@@ -315,12 +293,10 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
         # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`); with a softcap, SimPO's
         # tail as a formula over whole pairs (float32 log-probs)
         if chunked and (plan[0] != "generic" if softcap is None else
-                        grouped_plan(two_b, seq, True, linear_weight, need_dw, weight_grad_accum, chunk_tokens)[0] > 0):
-            loss, logps, *_ = simpo_chunked(
-                input, linear_weight, linear_bias, target,
-                SimPOOptions(ignore_index, **hp, softcap=softcap, weight_grad_accum=weight_grad_accum,
-                             chunk_tokens=chunk_tokens, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
-                             return_dw_out=not torch.compiler.is_compiling()))
+                        grouped_plan(two_b, seq, True, linear_weight, grads.need_dw, weight_grad_accum,
+                                     chunk_tokens)[0] > 0):
+            loss, logps, *_ = simpo_chunked(input, linear_weight, linear_bias, target,
+                                            SimPOOptions(ignore_index, **hp, softcap=softcap, grads=grads))
             _, metrics = simpo_loss_from_logps(logps, mask, **hp)
             return loss, metrics
     logps = logprobs_unchecked(input, linear_weight, target, linear_bias=linear_bias, ignore_index=ignore_index,

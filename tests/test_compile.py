@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fusedkern
+from fusedkern.autograd import GradOptions, with_grads
 from fusedkern.engine import LossOptions, valid_rows_first
 from tests.conftest import DEVICE
 from tests.test_linear_cross_entropy import IMPLS, make_inputs
@@ -316,23 +317,25 @@ def _opcheck_cases():
     n = (y != -100).sum()
 
     def scalar(reduction, chunk_tokens, need_db, return_dw_out, skip_ignored=False, count_int=-1):
-        return lce.ChunkedScalarOptions(loss, reduction, "fp32", chunk_tokens, True, True, need_db, return_dw_out,
-                                        skip_ignored, count_int)
+        grads = GradOptions("fp32", chunk_tokens, True, True, need_db, return_dw_out)
+        return lce.ChunkedScalarOptions(loss, reduction, grads, skip_ignored, count_int)
 
     def per_token(impl):
-        return lce.PerTokenOptions(loss, impl, "fp32", None, None)
+        return lce.PerTokenOptions(loss, impl, GradOptions("fp32", None), None)
+
+    every_grad = GradOptions("fp32", None, True, True, True, True)
 
     stats = lce.ce_per_token(x, w, b, y, cw, None, None, per_token("chunked"))[1]
     simpo_x = x.reshape(4, 3, H)
-    simpo = simpo_mod.SimPOOptions(-100, 2.0, 0.5, 1.0, 0.0, None, "fp32", None, True, True, True, True)
+    simpo = simpo_mod.SimPOOptions(-100, 2.0, 0.5, 1.0, 0.0, None, every_grad)
     extra = _preference_extra("sigmoid", 4)
-    dpo = pref_mod.PreferenceOptions("sigmoid", 0.5, False, 1.0, 1.0, 0.0, 0.5, 0.0, -100, 3.0, "fp32", 6, True, True,
-                                     True, True)
+    dpo = pref_mod.PreferenceOptions("sigmoid", 0.5, False, 1.0, 1.0, 0.0, 0.5, 0.0, -100, 3.0,
+                                     dataclasses.replace(every_grad, chunk_tokens=6))
     kto_extra = _preference_extra("kto", 6)
-    kto = dataclasses.replace(dpo, loss_type="kto", softcap=None, chunk_tokens=2)
+    kto = dataclasses.replace(dpo, loss_type="kto", softcap=None, grads=dataclasses.replace(every_grad, chunk_tokens=2))
     g = torch.Generator().manual_seed(18)
-    grpo = grpo_mod.GRPOOptions("dapo", 0.04, 0.2, 0.28, None, None, -100, 3.0, 1.25, True, "fp32", 4, True, True,
-                                True, True)
+    grpo = grpo_mod.GRPOOptions("dapo", 0.04, 0.2, 0.28, None, None, -100, 3.0, 1.25, True,
+                                dataclasses.replace(every_grad, chunk_tokens=4))
     grpo_tensors = (torch.randn(3, generator=g), -4 * torch.rand(3, 4, generator=g),
                     -4 * torch.rand(3, 4, generator=g), torch.tensor(7.0))
     cases = {
@@ -346,7 +349,7 @@ def _opcheck_cases():
         "per_token_chunked": (lce.ce_per_token, (x, w, b, y, cw, None, n, per_token("chunked"))),
         "per_token_fused": (lce.ce_per_token, (x, w, b, y, cw, None, None, per_token("fused"))),
         "per_token_backward": (lce.ce_per_token_backward, (x, w, b, y, cw, stats, torch.randn(T, device=x.device),
-                                                           per_token("chunked").gradients(True, True, True))),
+                                                           with_grads(per_token("chunked"), True, True, True))),
         "simpo_chunked": (simpo_mod.simpo_chunked, (simpo_x, w, b, y.reshape(4, 3), simpo)),
         "simpo_chunked_softcap": (simpo_mod.simpo_chunked, (simpo_x, w, b, y.reshape(4, 3),
                                                             dataclasses.replace(simpo, softcap=3.0))),

@@ -305,6 +305,7 @@ def test_operators_pass_opcheck(world_of_one):
     whose options name the process group: torch.library.opcheck's schema, autograd registration and fake-tensor
     checks in a one-rank group."""
     import fusedkern.distributed as fd
+    from fusedkern.autograd import GradOptions
     from fusedkern.engine import LossOptions
 
     g = torch.Generator().manual_seed(5)
@@ -313,13 +314,13 @@ def test_operators_pass_opcheck(world_of_one):
     y = torch.randint(0, 9, (6,), generator=g)
     shard = fd.VocabShard(dist.group.WORLD.group_name, rank=0, world=1, start=0, rows=9, vocab_size=9)
     loss = LossOptions(-100, 0.1, 1e-3, 4.0)
-    stats = fd.vp_per_token(x, w, b, y, None, fd.PerTokenOptions(loss, shard, "fp32", 4, True))[1].detach()
+    every_grad = GradOptions("fp32", 4, True, True, True, True)
+    stats = fd.vp_per_token(x, w, b, y, None, fd.PerTokenOptions(loss, shard, GradOptions("fp32", 4), True))[1]
     cases = [
-        (fd.vp_ce_scalar, (x, w, b, y, None, fd.ScalarOptions(loss, "mean", shard, "fp32", 4, True, True, True,
-                                                              True, True))),
-        (fd.vp_per_token, (x, w, b, y, None, fd.PerTokenOptions(loss, shard, "fp32", None, True))),
-        (fd.vp_per_token_backward, (x.detach(), w.detach(), b.detach(), y, None, stats, torch.randn(6, generator=g),
-                                    fd.PerTokenOptions(loss, shard, "fp32", 4, True, True, True, True))),
+        (fd.vp_ce_scalar, (x, w, b, y, None, fd.ScalarOptions(loss, "mean", shard, every_grad, True))),
+        (fd.vp_per_token, (x, w, b, y, None, fd.PerTokenOptions(loss, shard, GradOptions("fp32", None), True))),
+        (fd.vp_per_token_backward, (x.detach(), w.detach(), b.detach(), y, None, stats.detach(),
+                                    torch.randn(6, generator=g), fd.PerTokenOptions(loss, shard, every_grad, True))),
         (fd.gather_tokens, (x, fd.GroupOptions(shard.group_name, 1))),
     ]
     for op, args in cases:

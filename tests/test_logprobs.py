@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import fusedkern
 from fusedkern import reference
+from fusedkern.autograd import GradOptions, with_grads
 from fusedkern.chunked import LossOptions, chunked_loss
 from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, logprobs_entropy_backward
 from tests._accuracy import assert_close_to_ref, rel_err, torch_logprobs_entropy
@@ -186,15 +187,15 @@ def test_entropy_fullgraph_compile_matches_eager_and_opcheck():
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     def options(with_entropy):
-        return LogprobsOptions(LossOptions(-100, softcap=3.0, logit_scale=0.8), "chunked", "fp32", None, None,
-                               with_entropy=with_entropy)
+        return LogprobsOptions(LossOptions(-100, softcap=3.0, logit_scale=0.8), "chunked", GradOptions("fp32", None),
+                               None, with_entropy=with_entropy)
     for with_entropy in (True, False):
         args = logprobs_entropy.flat_args(*_leaves((x, w, b)), y, None, None, options(with_entropy))
         torch.library.opcheck(logprobs_entropy.custom_op, args, test_utils=utils)
     _, stats, ent, _ = logprobs_entropy(x, w, b, y, None, None, options(True))
     up = torch.randn(2, T, device=DEVICE)
     args = logprobs_entropy_backward.flat_args(x, w, b, y, stats, ent, up[0], up[1],
-                                               options(True).gradients(True, True, True))
+                                               with_grads(options(True), True, True, True))
     torch.library.opcheck(logprobs_entropy_backward.custom_op, args, test_utils=utils)
 
 
