@@ -7,7 +7,8 @@ four (logits recomputed in backward from the saved lse) when it is not (`reducti
 log-probabilities). The buffer size does not grow with the number of tokens; `chunk_plan.py` picks
 the largest chunk that the memory contract allows (1024 tokens in lean mode, 4096 — inside dW's own
 storage — with the fp32 accumulator, all tokens at once when they fit the accumulator's allowance).
-A loss-only forward uses [C, Vs] tiles (a vocabulary slice) within 64 MiB and merges row statistics.
+A loss-only forward uses [C, Vs] tiles (a vocabulary slice) within 64 MiB and merges row statistics (the engine's
+loop with `vocab_tile`).
 
 Weight-gradient accumulation over chunks:
 - `"fp32"` (default for bf16/fp16 weights): cuBLAS accumulates Gᵀ X_c straight into one fp32 [V, H]
@@ -26,6 +27,7 @@ from fusedkern import engine
 from fusedkern.chunk_plan import loss_tile
 from fusedkern.engine import (  # noqa: F401  (the strategy's building blocks, named here for its callers)
     CrossEntropyRows,
+    CrossEntropyTiles,
     Grads,
     LossOptions,
     accumulate_weight_grad,
@@ -35,7 +37,6 @@ from fusedkern.engine import (  # noqa: F401  (the strategy's building blocks, n
     row_kernel_args,
     token_chunks,
 )
-from fusedkern.kernels.ce_rows import merge_row_stats, row_stats_tile, tile_partials
 
 
 def lse_of(stats: torch.Tensor) -> torch.Tensor:
@@ -51,29 +52,6 @@ def _run_chunks(x, w, b, target, class_weight, opts: LossOptions, C: int, *, los
                                 compute_stats=compute_stats, grad=grad, per_token_grad=per_token_grad,
                                 entropy=entropy, grad_entropy=grad_entropy, logit_sum=logit_sum)
     engine.run(x, w, b, token_chunks(x.shape[0], C), row_pass, grads=grads, buffer=buffer)
-
-
-def _run_tiles(x, w, b, target, class_weight, opts: LossOptions, C: int, Vs: int, *, loss_tok, stats,
-               entropy=None, logit_sum=None) -> None:
-    """Loss-only pass over [C, Vs] logits tiles: per chunk of C tokens, every vocabulary slice's GEMM
-    and partial statistics, then one merge into lse and loss (`ce_rows.merge_row_stats`)."""
-    T, V = x.shape[0], w.shape[0]
-    buf = torch.empty(min(C, T) * min(Vs, V), device=x.device, dtype=x.dtype)
-    kernel_args = row_kernel_args(class_weight, opts)
-    for c0 in range(0, T, C):
-        c1 = min(c0 + C, T)
-        x_c, y_c = x[c0:c1], target[c0:c1]
-        parts, target_logit, split = tile_partials(c1 - c0, V, Vs, x.device, entropy=entropy is not None)
-        for k, v0 in enumerate(range(0, V, Vs)):
-            v1 = min(v0 + Vs, V)
-            tile = logits_into(buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0), x_c, w[v0:v1],
-                                None if b is None else b[v0:v1])
-            row_stats_tile(tile, y_c, parts, target_logit, tile_index=k, split=split, col_base=v0,
-                           class_weight=class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing,
-                           logit_scale=opts.logit_scale, sum_logits=logit_sum is not None)
-        merge_row_stats(parts, target_logit, y_c, V, loss=loss_tok[c0:c1], stats=stats[:, c0:c1],
-                        entropy=None if entropy is None else entropy[c0:c1],
-                        logit_sum=None if logit_sum is None else logit_sum[c0:c1], **kernel_args)
 
 
 def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens: int | None = None, *,
@@ -98,8 +76,8 @@ def chunked_loss(x, w, b, target, class_weight, opts: LossOptions, chunk_tokens:
         _run_chunks(x, w, b, target, class_weight, opts, C, loss_tok=loss_tok, stats=stats, compute_stats=True,
                     grad=None, per_token_grad=False, entropy=entropy, logit_sum=logit_sum)
     else:
-        _run_tiles(x, w, b, target, class_weight, opts, C, Vs, loss_tok=loss_tok, stats=stats, entropy=entropy,
-                   logit_sum=logit_sum)
+        row_pass = CrossEntropyTiles(target, class_weight, opts, V, Vs, loss_tok, stats, entropy, logit_sum)
+        engine.run(x, w, b, token_chunks(T, C), row_pass, vocab_tile=Vs)
     return loss_tok, stats
 
 

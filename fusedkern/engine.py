@@ -14,6 +14,11 @@ accumulator of `chunk_plan.py`) → dX_c = G W (→ db += Σ G). What differs be
 And what differs between strategies is the GEMMs: `CublasGemms` (cuBLAS, every row), or the row-count GEMMs of
 `kernels/rowcount_gemm.py` that skip the rows past a device-side count (`compacted.py`).
 
+A loss-only pass may also split the vocabulary (`vocab_tile`): each chunk's logits are then formed one [C, Vs]
+tile at a time in a buffer of that size, a *tiled row pass* (`CrossEntropyTiles`) takes each tile's partial row
+statistics, and merges them once the chunk's last tile is done. No gradient is formed there: a tile's ∂L/∂Z needs
+the statistics of every tile of its rows.
+
 A chunk may gather several blocks of rows (a chosen and a rejected response of the same pairs); dX is written back
 block by block, so it keeps x's order. dW's GEMM runs before dX's: a caller may pass x's rows living in dX's own
 storage (`chunked.chunked_loss_and_grads` with `rows`).
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fusedkern.chunk_plan import GradChunkPlan, grad_chunk_plan
-from fusedkern.kernels.ce_rows import ce_rows
+from fusedkern.kernels.ce_rows import ce_rows, merge_row_stats, row_stats_tile, tile_partials
 
 
 @dataclass(frozen=True)
@@ -233,22 +238,45 @@ class CublasGemms:
 RowPass = Callable[[torch.Tensor, torch.Tensor, Chunk], None]
 
 
-def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, chunks: Sequence[Chunk], row_pass: RowPass, *,
+def vocab_tiles(vocab: int, vocab_tile: int) -> list[slice]:
+    """The vocabulary's columns in consecutive slices of `vocab_tile` (the last one narrower)."""
+    return [slice(v0, min(v0 + vocab_tile, vocab)) for v0 in range(0, vocab, vocab_tile)]
+
+
+def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, chunks: Sequence[Chunk], row_pass, *,
         grads: Grads | None = None, gemms=None, buffer: torch.Tensor | None = None,
-        after_chunk: Callable[[Chunk], None] | None = None) -> None:
+        after_chunk: Callable[[Chunk], None] | None = None, vocab_tile: int | None = None) -> None:
     """The chunk loop: logits GEMM → `row_pass(z, x_c, chunk)` (in place: z becomes ∂L/∂Z when gradients are
     formed) → the gradient GEMMs into `grads`. buffer: the reused [≥ C, V] logits buffer (default: sized for the
     largest chunk, in `grads.scratch` when the plan puts it there). after_chunk: called once a chunk's gradients
-    are queued (the vocabulary shards' dX all-reduce)."""
+    are queued (the vocabulary shards' dX all-reduce).
+
+    vocab_tile: Vs < V splits each chunk's logits GEMM over `vocab_tiles` (a loss-only pass: no `grads`) into a
+    buffer of C·Vs elements; `row_pass` is then a tiled row pass: `row_pass.start(chunk)` before the chunk's first
+    tile, `row_pass.tile(z, chunk, k, cols)` for its k-th tile z [n, Vs] of columns `cols`, and
+    `row_pass.merge(chunk)` after its last."""
     gemms = gemms or CUBLAS
+    vocab = w.shape[0]
+    tiles = None if vocab_tile is None or vocab_tile >= vocab else vocab_tiles(vocab, vocab_tile)
+    assert tiles is None or grads is None, "a pass over vocabulary tiles forms no gradient"
     if buffer is None:
         rows = max(c.n_rows for c in chunks)
-        buffer = logits_buffer(rows, w.shape[0], x, None if grads is None else grads.scratch)
+        buffer = (logits_buffer(rows, vocab, x, None if grads is None else grads.scratch) if tiles is None else
+                  torch.empty(rows * vocab_tile, device=x.device, dtype=x.dtype))
     form_grads = grads is not None and grads.wanted
     for i, chunk in enumerate(chunks):
         x_c = chunk.take(x)
-        z = gemms.logits(buffer, x_c, w, b, chunk)
-        row_pass(z, x_c, chunk)
+        if tiles is None:
+            z = gemms.logits(buffer, x_c, w, b, chunk)
+            row_pass(z, x_c, chunk)
+        else:
+            n = chunk.n_rows
+            row_pass.start(chunk)
+            for k, cols in enumerate(tiles):
+                tile = buffer[: n * (cols.stop - cols.start)].view(n, cols.stop - cols.start)
+                z = gemms.logits(tile, x_c, w[cols], None if b is None else b[cols], chunk)
+                row_pass.tile(z, chunk, k, cols)
+            row_pass.merge(chunk)
         if form_grads:
             gemms.grads(grads, z, x_c, w, chunk, first=i == 0)
         if after_chunk is not None:
@@ -309,6 +337,46 @@ class CrossEntropyRows:
                 logit_sum=part(self.logit_sum),
                 **({} if self.row_counts is None else {"row_count": self.row_counts[chunk.index:chunk.index + 1]}),
                 **self.kernel_args)
+
+
+@dataclass
+class CrossEntropyTiles:
+    """The tiled row pass of a loss-only cross-entropy pass (`run` with `vocab_tile`) over single-block chunks: each
+    tile's partial row statistics (`ce_rows.row_stats_tile`), then one merge into the chunk's loss_tok, stats and,
+    when given, entropy and logit_sum ([T] buffers; see `CrossEntropyRows`). class_weight: as `row_kernel_args`
+    holds it (the tiles read their columns of it)."""
+
+    target: torch.Tensor
+    class_weight: torch.Tensor | None
+    opts: LossOptions
+    vocab: int
+    vocab_tile: int
+    loss_tok: torch.Tensor
+    stats: torch.Tensor
+    entropy: torch.Tensor | None = None
+    logit_sum: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.kernel_args = row_kernel_args(self.class_weight, self.opts)
+        self.partials = None  # the chunk being tiled: (parts, target_logit, split)
+
+    def start(self, chunk: Chunk) -> None:
+        self.partials = tile_partials(chunk.n_rows, self.vocab, self.vocab_tile, self.loss_tok.device,
+                                      entropy=self.entropy is not None)
+
+    def tile(self, z, chunk: Chunk, k: int, cols: slice) -> None:
+        r, opts = chunk.rows, self.opts
+        parts, target_logit, split = self.partials
+        row_stats_tile(z, self.target[r], parts, target_logit, tile_index=k, split=split, col_base=cols.start,
+                       class_weight=self.class_weight, softcap=opts.softcap, label_smoothing=opts.label_smoothing,
+                       logit_scale=opts.logit_scale, sum_logits=self.logit_sum is not None)
+
+    def merge(self, chunk: Chunk) -> None:
+        r = chunk.rows
+        (parts, target_logit, _), self.partials = self.partials, None
+        merge_row_stats(parts, target_logit, self.target[r], self.vocab, loss=self.loss_tok[r], stats=self.stats[:, r],
+                        entropy=None if self.entropy is None else self.entropy[r],
+                        logit_sum=None if self.logit_sum is None else self.logit_sum[r], **self.kernel_args)
 
 
 #: formula(chunk, logp) → ∂L/∂logp for the chunk's rows [n_rows] (any float dtype); logp: every row's log-prob

@@ -1,7 +1,7 @@
 """Probe on the H200: the loss-only forward's logits tile shape, within its 64 MiB budget.
 
 The loss-only path (no grad) runs [C, Vs] logits tiles: per tile one cuBLAS GEMM and the partial
-statistics kernel, then one merge per chunk (`chunked._run_tiles`). Shipped: C = 2048 tokens ×
+statistics kernel, then one merge per chunk (`engine.run` with `vocab_tile`). Shipped: C = 2048 tokens ×
 Vs = 16384 columns (8 slices, the last 13568 wide). After the host syncs were removed it measured
 1.02× `cublas_1gemm` at 4096 tokens but 1.11–1.12× at 8192–32768 (`ce_loss_only.csv`).
 
