@@ -13,8 +13,19 @@ import torch
 
 import fusedkern  # noqa: F401  (imports _runtime first)
 from fusedkern._runtime import interpreting
+from tests import _interpreter
 
 DEVICE = "cpu" if interpreting() else "cuda"
+
+if interpreting():
+    # `pytest` runs two workers (addopts: -n 2) on the CI's two cores: torch on one intra-op thread each, and so the
+    # subprocesses the tests start (examples, scripts, notebooks). More threads than cores made tiny ops wait on
+    # thread-pool wake-ups (half the CPU time of the Transformers tests).
+    torch.set_num_threads(1)
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+    if _interpreter.supported():
+        _interpreter.install()
 
 
 #: `--gpu-quick`: one GPU accuracy test of each kernel the library ships, at a realistic bf16 shape, with every
