@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 
 import triton
 import triton.language as tl
@@ -81,3 +82,23 @@ def triton_as_released():
     finally:
         if was:
             install()
+
+
+#: `python -c` program: runs the script `sys.argv[1]` as `python SCRIPT ARGS` would, with this patch installed
+_RUN_SCRIPT = """
+import runpy, sys
+import fusedkern
+from fusedkern._runtime import interpreting
+from tests import _interpreter
+if interpreting() and _interpreter.supported():
+    _interpreter.install()
+sys.argv = sys.argv[1:]
+sys.path[0] = __import__("os").path.dirname(sys.argv[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def script_command(script, *args) -> list[str]:
+    """The command line of `python SCRIPT ARGS` in a fresh process on this patch (run it from the repository's
+    root, which `python -c` puts on sys.path): the script's kernels run as fast as the tests' own."""
+    return [sys.executable, "-c", _RUN_SCRIPT, str(script), *map(str, args)]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import _interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_train_table.py"
 
@@ -24,6 +26,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL (pip install 'fusedkern[trl]')"),
     pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
                        reason="needs Liger-Kernel (pip install -e '.[liger]')"),
+    pytest.mark.xdist_group("train_table"),  # one worker runs the 8B head's rows once for both tests that read them
 ]
 
 
@@ -40,9 +43,10 @@ def load_script(monkeypatch):
 
 
 def run_tiny(tmp_path, *options, timeout=600):
+    """`python scripts/gpu_train_table.py --tiny` (on the tests' interpreter patch, tests/_interpreter.py)."""
     out = tmp_path / "table.csv"
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--csv", str(out), *options], cwd=ROOT,
+    done = subprocess.run(_interpreter.script_command(SCRIPT, "--tiny", "--csv", out, *options), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     with open(out, newline="") as f:
@@ -73,22 +77,29 @@ def check_rows(rows, columns):
     return groups
 
 
-def test_tiny_dpo_rows_of_the_8b_head(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def rows_of_the_8b_head(tmp_path_factory):
+    """--tiny --model llama3-8b-2l: the Llama-3-8B-head model's (DPO) rows, run once for the tests that read them."""
+    return run_tiny(tmp_path_factory.mktemp("table_8b"), "--model", "llama3-8b-2l")
+
+
+def test_tiny_dpo_rows_of_the_8b_head(rows_of_the_8b_head, monkeypatch):
     """The Llama-3-8B-head model's DPO rows, each a TRL trainer with its own head or fusedkern's, with or without
     Liger's layer kernels (on CPU through the interpreter): the CSV's columns, the head each row ran, equal first
     (log 2) and final losses."""
     script = load_script(monkeypatch)
-    rows = run_tiny(tmp_path, "--model", "llama3-8b-2l")
-    assert set(check_rows(rows, script.CSV_COLUMNS)) == {("llama3-8b-2l", "dpo")}
+    assert set(check_rows(rows_of_the_8b_head, script.CSV_COLUMNS)) == {("llama3-8b-2l", "dpo")}
 
 
-@pytest.mark.slow  # about 80 s on two shared cores: 28 runs, the Liger rows through the interpreter
-def test_tiny_table_every_run(tmp_path, monkeypatch):
-    """--tiny: every model, step and row of the GPU table in one process (Liger's process-wide patches undone
-    between runs): SFT, DPO and the GRPO loss step on fixed completions, one CSV row each."""
+@pytest.mark.slow  # about 80 s on two shared cores: 24 runs, the Liger rows through the interpreter
+def test_tiny_table_every_run(tmp_path, monkeypatch, rows_of_the_8b_head):
+    """--tiny: every model, step and row of the GPU table: the two small models' runs in one process (Liger's
+    process-wide patches undone between runs), beside the 8B head's rows: SFT, DPO and the GRPO loss step on fixed
+    completions, one CSV row each."""
     script = load_script(monkeypatch)
-    rows = run_tiny(tmp_path)
-    groups = check_rows(rows, script.CSV_COLUMNS)
+    rows = run_tiny(tmp_path, "--model", "qwen3-0.6b", "llama-3.2-1b")
+    assert len(rows) == 24
+    groups = check_rows(rows + rows_of_the_8b_head, script.CSV_COLUMNS)
     assert set(groups) == {(m, s) for m in ("qwen3-0.6b", "llama-3.2-1b") for s in ("sft", "dpo", "grpo")} | {
         ("llama3-8b-2l", "dpo")}
 
