@@ -45,9 +45,8 @@ from fusedkern.autograd import (
     grads_formed_in_forward,
     or_absent,
     recomputed_in_backward,
-    with_grads,
 )
-from fusedkern.chunked import LossOptions, chunked_grads, chunked_loss_and_grads, lse_of, plan_for_grads
+from fusedkern.chunked import LossOptions, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
 from fusedkern.dispatch import Call, choose, forms_grads_in_forward, strategy
 from fusedkern.sharded import full_weights
@@ -160,22 +159,12 @@ class PerTokenOptions:
     count_int: int = -1
 
 
-@dataclass(frozen=True)
-class LogprobsOptions(PerTokenOptions):
-    """`logprobs_entropy`'s options: `PerTokenOptions` (the loss with ε = z-loss = 0 and the temperature as its
-    logit scale), whether the entropy is formed, and whether each row's logits' sum Σ_v s_v is (the mean logit's
-    numerator; the chunked pass only)."""
-
-    with_entropy: bool = False
-    with_logit_sum: bool = False
-
-
 def _per_token(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
                class_weight: torch.Tensor | None, check_target: torch.Tensor | None, count: torch.Tensor | None,
                o: PerTokenOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss ℓ_t [T] fp32 and row statistics [2, T] fp32 (`chunked.lse_of`); the backward
     recomputes the logits (four GEMMs in all) and accepts any upstream ∂L/∂ℓ_t. Used by reduction='none',
-    by impl='fused', by linear_logprobs, and (no gradient) by every loss-only call."""
+    by impl='fused', and (no gradient) by every loss-only call."""
     checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
     loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, class_weight, o.loss, o.forward_chunk_tokens)
     finish_checks(checks)
@@ -209,83 +198,6 @@ ce_per_token = define_op(
     _per_token, _fake_per_token, *recomputed_in_backward(ce_per_token_backward), tags=CHECKING_OP_TAGS)
 
 
-def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                      check_target: torch.Tensor | None, count: torch.Tensor | None, o: LogprobsOptions
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_per_token` for `linear_logprobs` at a temperature (no class weights, ε = z-loss = 0): s = softcap(z)·
-    logit_scale in fp32 inside the row kernels, and with `with_entropy` each token's entropy H_t of softmax(s) [T]
-    fp32 (0 where ignored; else [0]) from one more row statistic of the same pass; with `with_logit_sum` each row's
-    Σ_v s_v [T] fp32 (else [0]), not differentiable, from the pass's label-smoothing sum. impl: the statistics pass's
-    strategy (`dispatch.choose`: "chunked" or "gluon"); the backward always recomputes the logits with the chunked
-    GEMMs. The backward takes both upstream gradients together (four GEMMs in all, as for `_per_token`)."""
-    checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
-    T = x.shape[0]
-    entropy = torch.empty(T if o.with_entropy else 0, device=x.device, dtype=torch.float32)
-    logit_sum = torch.empty(T if o.with_logit_sum else 0, device=x.device, dtype=torch.float32)
-    loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, None, o.loss, o.forward_chunk_tokens,
-                                                  entropy=entropy if o.with_entropy else None,
-                                                  logit_sum=logit_sum if o.with_logit_sum else None)
-    finish_checks(checks)
-    return loss_tok, stats, entropy, logit_sum
-
-
-def _fake_logprobs_entropy(x, w, b, target, check_target, count, o: LogprobsOptions):
-    T = x.shape[0]
-    f32 = torch.float32
-    return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
-            x.new_empty((T if o.with_entropy else 0,), dtype=f32),
-            x.new_empty((T if o.with_logit_sum else 0,), dtype=f32))
-
-
-def _setup_logprobs_entropy(ctx, tensors, o: LogprobsOptions, output):
-    x, w, b, target = tensors[:4]
-    ctx.save_for_backward(x, w, b, target, output[1], output[2])
-    ctx.options = o
-    ctx.mark_non_differentiable(output[1], output[3])
-
-
-def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy, _grad_logit_sum):
-    x, w, b, target, stats, entropy = ctx.saved_tensors
-    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    need_db = need_db and b is not None
-    if grad_loss_tok is None and grad_entropy is None:
-        return ()
-    # an output nothing flowed into has no gradient (set_materialize_grads(False)): the log-probs' weight is 0,
-    # an entropy used only as a metric passes [0] and the row kernel compiles its term out
-    grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
-    with_entropy = grad_entropy is not None and entropy.numel() > 0
-    grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
-    dx, dw, db = logprobs_entropy_backward(x, w, b, target, stats, entropy if with_entropy else grad_h, grad_tok,
-                                           grad_h, with_grads(ctx.options, need_dx, need_dw, need_db))
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
-
-
-def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                               stats: torch.Tensor, entropy: torch.Tensor, grad_tok: torch.Tensor,
-                               grad_entropy: torch.Tensor, o: LogprobsOptions
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of Σ_t grad_tok[t]·ℓ_t + grad_entropy[t]·H_t, recomputing the logits chunk by chunk: one
-    in-place gradient per chunk carries both terms, so the entropy costs no GEMM. entropy and grad_entropy
-    [0]: no entropy term. Shapes as `_per_token_backward`."""
-    with_entropy = grad_entropy.numel() > 0
-    g = o.grads
-    dx, dw, db = chunked_grads(x, w, b, target, None, o.loss, stats, grad_tok, need_dx=g.need_dx, need_dw=g.need_dw,
-                               need_db=g.need_db, weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens,
-                               entropy=entropy if with_entropy else None,
-                               grad_entropy=grad_entropy if with_entropy else None)
-    return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
-            absent(w) if db is None else db.to(b.dtype))
-
-
-logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "target", "check_target?", "count?"],
-                             LogprobsOptions, 4, _logprobs_entropy, _fake_logprobs_entropy, _setup_logprobs_entropy,
-                             _backward_logprobs_entropy, tags=CHECKING_OP_TAGS)
-logprobs_entropy_backward = define_op(
-    "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],
-    LogprobsOptions, 3, _logprobs_entropy_backward,
-    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: fake_grads(x, w, b, o.grads))
-
-
 # ----------------------------------------------------------------------------------------------
 # the public function
 
@@ -297,8 +209,8 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     host `num_valid_tokens`), y already gathered, loss over those n rows: the chunked mean/sum with gradients
     gathers them into dX's own storage (no lse), the other paths a copy that autograd scatters back."""
     grads = GradOptions.asked(x2d, w, b, weight_grad_accum, chunk_tokens)
-    # these operators take no logit scale (a temperature reaches the kernels through `logprobs_entropy`), so the
-    # Gluon pass, which would accept one, must not be handed one here either
+    # these operators take no logit scale (a temperature reaches the kernels through `logprobs.logprobs_entropy`),
+    # so the Gluon pass, which would accept one, must not be handed one here either
     assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
     check_target, count, count_int = checks
     if grads.wanted and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum,

@@ -11,20 +11,139 @@ out at τ = 1) and their gradient by the same 1/τ. The kernel-free alternative 
 bias/τ with softcap c/τ, since s/τ = (c/τ)·tanh((z/τ)/(c/τ)) — rounds x/τ to bf16 once more, which puts its bf16
 log-probs outside the 2× accuracy rule against float64 at small token counts (docs/design.md); it remains the fused
 strategy's way (no scale in those kernels).
+
+It stands beside cross-entropy on the core, not on top of it: its own custom operator (`logprobs_entropy`, with
+`logprobs_entropy_backward`) runs a strategy's statistics pass (`dispatch.py`) with the temperature as the row
+kernels' logit scale and the entropy and the logits' sum as extra row statistics, and its backward recomputes the
+logits with that strategy's gradients, the entropy's term in the same pass.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fusedkern import _validation as V_
-from fusedkern.chunked import LossOptions
+from fusedkern._validation import finish_checks, start_checks, validate_call
+from fusedkern.autograd import (
+    CHECKING_OP_TAGS,
+    GradOptions,
+    absent,
+    cast_or_none,
+    define_op,
+    fake_grads,
+    follows_autocast,
+    or_absent,
+    with_grads,
+)
+from fusedkern.dispatch import Call, choose, strategy
+from fusedkern.engine import LossOptions, valid_rows_first
 from fusedkern.sharded import full_weights
-from fusedkern._validation import validate_call
-from fusedkern.autograd import GradOptions, follows_autocast
-from fusedkern.dispatch import Call, choose
-from fusedkern.engine import valid_rows_first
-from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, loss_over_tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# the operator: a strategy's statistics pass at a logit scale, with the entropy and the logits' sum where asked
+
+
+@dataclass(frozen=True)
+class LogprobsOptions:
+    """`logprobs_entropy`'s and `logprobs_entropy_backward`'s options: the loss (ε = z-loss = 0, the temperature as
+    its logit scale), the statistics pass's strategy (`dispatch.choose`: "chunked", "gluon", whose backward
+    recomputes as "chunked", or "fused" at logit scale 1), the backward's chunks and gradients (`GradOptions`: none
+    asked for in the forward), the statistics pass's whole-row chunks (`forward_chunk_tokens`; None: its 64 MiB
+    tiles; the Gluon pass: at most that many tokens a launch), a host count to check (`count_int`, -1: none),
+    whether the entropy is formed, and whether each row's logits' sum Σ_v s_v is (the mean logit's numerator; the
+    chunked pass only)."""
+
+    loss: LossOptions
+    impl: str
+    grads: GradOptions
+    forward_chunk_tokens: int | None
+    count_int: int = -1
+    with_entropy: bool = False
+    with_logit_sum: bool = False
+
+
+def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                      check_target: torch.Tensor | None, count: torch.Tensor | None, o: LogprobsOptions
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token −log p_t [T] fp32 (0 where ignored) and row statistics [2, T] fp32 of s = softcap(z)·logit_scale
+    (fp32, inside the row kernels), and with `with_entropy` each token's entropy H_t of softmax(s) [T] fp32 (0 where
+    ignored; else [0]) from one more row statistic of the same pass; with `with_logit_sum` each row's Σ_v s_v [T]
+    fp32 (else [0]), not differentiable, from the pass's label-smoothing sum. The backward takes both upstream
+    gradients together and recomputes the logits (four GEMMs in all)."""
+    checks = start_checks(target, w.shape[0], o.loss.ignore_index, check_target, count, o.count_int)
+    T = x.shape[0]
+    entropy = torch.empty(T if o.with_entropy else 0, device=x.device, dtype=torch.float32)
+    logit_sum = torch.empty(T if o.with_logit_sum else 0, device=x.device, dtype=torch.float32)
+    loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, None, o.loss, o.forward_chunk_tokens,
+                                                  entropy=entropy if o.with_entropy else None,
+                                                  logit_sum=logit_sum if o.with_logit_sum else None)
+    finish_checks(checks)
+    return loss_tok, stats, entropy, logit_sum
+
+
+def _fake_logprobs_entropy(x, w, b, target, check_target, count, o: LogprobsOptions):
+    T = x.shape[0]
+    f32 = torch.float32
+    return (x.new_empty((T,), dtype=f32), x.new_empty((2, T), dtype=f32),
+            x.new_empty((T if o.with_entropy else 0,), dtype=f32),
+            x.new_empty((T if o.with_logit_sum else 0,), dtype=f32))
+
+
+def _setup_logprobs_entropy(ctx, tensors, o: LogprobsOptions, output):
+    x, w, b, target = tensors[:4]
+    ctx.save_for_backward(x, w, b, target, output[1], output[2])
+    ctx.options = o
+    ctx.mark_non_differentiable(output[1], output[3])
+
+
+def _backward_logprobs_entropy(ctx, grad_loss_tok, _grad_stats, grad_entropy, _grad_logit_sum):
+    x, w, b, target, stats, entropy = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and b is not None
+    if grad_loss_tok is None and grad_entropy is None:
+        return ()
+    # an output nothing flowed into has no gradient (set_materialize_grads(False)): the log-probs' weight is 0,
+    # an entropy used only as a metric passes [0] and the row kernel compiles its term out
+    grad_tok = stats.new_zeros(stats.shape[1]) if grad_loss_tok is None else grad_loss_tok.float().contiguous()
+    with_entropy = grad_entropy is not None and entropy.numel() > 0
+    grad_h = grad_entropy.float().contiguous() if with_entropy else absent(entropy)
+    dx, dw, db = logprobs_entropy_backward(x, w, b, target, stats, entropy if with_entropy else grad_h, grad_tok,
+                                           grad_h, with_grads(ctx.options, need_dx, need_dw, need_db))
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
+
+
+def _logprobs_entropy_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+                               stats: torch.Tensor, entropy: torch.Tensor, grad_tok: torch.Tensor,
+                               grad_entropy: torch.Tensor, o: LogprobsOptions
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of Σ_t grad_tok[t]·ℓ_t + grad_entropy[t]·H_t (ℓ = −log p), recomputing the logits with the options'
+    strategy (`Strategy.gradients`: the chunked GEMMs chunk by chunk, one in-place gradient per chunk carrying both
+    terms, so the entropy costs no GEMM; "fused": its own kernels). entropy and grad_entropy [0]: no entropy term.
+    (dx [T, H], dw [V, H], db [V]) in the dtypes of x, w, b; [0] where not wanted."""
+    with_entropy = grad_entropy.numel() > 0
+    g = o.grads
+    dx, dw, db = strategy(o.impl).gradients(
+        x, w, b, target, None, o.loss, stats, grad_tok, need_dx=g.need_dx, need_dw=g.need_dw, need_db=g.need_db,
+        weight_grad_accum=g.weight_grad_accum, chunk_tokens=g.chunk_tokens, entropy=entropy if with_entropy else None,
+        grad_entropy=grad_entropy if with_entropy else None)
+    return (or_absent(cast_or_none(dx, x.dtype), x), or_absent(cast_or_none(dw, w.dtype), w),
+            absent(w) if db is None else db.to(b.dtype))
+
+
+logprobs_entropy_backward = define_op(
+    "fusedkern::logprobs_entropy_backward", ["x", "w", "b?", "target", "stats", "entropy", "grad_tok", "grad_entropy"],
+    LogprobsOptions, 3, _logprobs_entropy_backward,
+    lambda x, w, b, target, stats, entropy, grad_tok, grad_entropy, o: fake_grads(x, w, b, o.grads))
+logprobs_entropy = define_op("fusedkern::logprobs_entropy", ["x", "w", "b?", "target", "check_target?", "count?"],
+                             LogprobsOptions, 4, _logprobs_entropy, _fake_logprobs_entropy, _setup_logprobs_entropy,
+                             _backward_logprobs_entropy, tags=CHECKING_OP_TAGS)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public functions
 
 
 @follows_autocast
@@ -74,7 +193,7 @@ def validate_logprobs_options(temperature, return_entropy, impl: str, entropy_na
 def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_index, softcap, impl, chunk_tokens,
                        weight_grad_accum, num_valid_tokens=None, temperature: float = 1.0,
                        return_entropy: bool = False):
-    """`linear_logprobs` after its arguments were validated by the caller (`linear_cross_entropy.validate_call`,
+    """`linear_logprobs` after its arguments were validated by the caller (`_validation.validate_call`,
     `validate_logprobs_options`); the operator it calls checks the targets' range (and the count)."""
     x2d = input.reshape(-1, input.shape[-1])
     if x2d.stride(-1) != 1:
@@ -85,44 +204,57 @@ def logprobs_unchecked(input, linear_weight, target, *, linear_bias, ignore_inde
     call = Call(x2d, linear_weight, linear_bias, None, LossOptions(ignore_index, softcap=softcap,
                                                                    logit_scale=logit_scale), return_entropy)
     chosen = choose(impl, call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True)
-    if chosen.scales_logits and (return_entropy or temperature != 1.0):
-        logps, entropy = _tempered(x2d, linear_weight, linear_bias, y, ignore_index, softcap, logit_scale,
-                                   return_entropy, weight_grad_accum, chunk_tokens, num_valid_tokens, chosen.name)
-        lead = input.shape[:-1]
-        return (logps.reshape(lead), entropy.reshape(lead)) if return_entropy else logps.reshape(lead)
-    if temperature != 1.0:  # kernels without a scale: s/τ = (c/τ)·tanh((z/τ)/(c/τ)) on input/τ, bias/τ
-        x2d = x2d * logit_scale
-        linear_bias = None if linear_bias is None else linear_bias * logit_scale
-        softcap = None if softcap is None else softcap * logit_scale
-    opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
-    nll_tok, _ = loss_over_tokens(x2d, linear_weight, linear_bias, y, None, opts, "none", chosen.name,
-                                  weight_grad_accum, chunk_tokens, num_valid_tokens, need_lse=False)
-    return (-nll_tok).reshape(input.shape[:-1])
+    if chosen.scales_logits and (return_entropy or temperature != 1.0):  # 1/τ in the row kernels, in fp32
+        opts = call.opts
+
+        def strategy_for(x_rows):
+            return chosen.name
+    else:
+        if temperature != 1.0:  # kernels without a scale: s/τ = (c/τ)·tanh((z/τ)/(c/τ)) on input/τ, bias/τ
+            x2d = x2d * logit_scale
+            linear_bias = None if linear_bias is None else linear_bias * logit_scale
+            softcap = None if softcap is None else softcap * logit_scale
+        opts = LossOptions(ignore_index=ignore_index, softcap=softcap)
+
+        def strategy_for(x_rows):  # the plain per-token pass: chosen for the rows it computes
+            return choose(impl, Call(x_rows, linear_weight, linear_bias, None, opts),
+                          weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True).name
+    logps, entropy = _over_tokens(x2d, linear_weight, linear_bias, y, opts, strategy_for, return_entropy,
+                                  weight_grad_accum, chunk_tokens, num_valid_tokens)
+    lead = input.shape[:-1]
+    return (logps.reshape(lead), entropy.reshape(lead)) if return_entropy else logps.reshape(lead)
 
 
-def _tempered(x2d, w, b, y, ignore_index, softcap, logit_scale, with_entropy, weight_grad_accum, chunk_tokens,
-              num_valid_tokens, impl: str):
-    """(logps [T], entropy [T] or [0]) through the `logprobs_entropy` operator (fp32 scale 1/τ in the row
-    kernels, or in the Gluon pass's epilogue: impl, `dispatch.choose`'s strategy for the statistics). A host count
-    gathers the valid rows (as `loss_over_tokens` does) and scatters the outputs back among zeros; a device count
-    is checked and the rows computed densely. The statistics pass runs in the caller's chunks when given, with or
-    without a gradient to follow, so that both give the same log-probs."""
-    def options(count_int=-1):
-        return LogprobsOptions(LossOptions(ignore_index, softcap=softcap, logit_scale=logit_scale), impl,
-                               GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens, count_int, with_entropy)
+def _over_tokens(x2d, w, b, y, opts: LossOptions, strategy_for, with_entropy: bool, weight_grad_accum, chunk_tokens,
+                 num_valid_tokens):
+    """(logps [T], entropy [T] or [0]) of flat inputs through the `logprobs_entropy` operator; strategy_for(x_rows)
+    names the statistics pass's strategy for the rows computed. A host count gathers the valid rows and scatters
+    the outputs back among zeros; a device count is checked and the rows computed densely. The statistics pass runs
+    in the caller's chunks when given, with or without a gradient to follow, so that both give the same
+    log-probs. A batch with no token launches no kernel (a grid of zero rows is not a launch Triton accepts): its
+    outputs are empty, and its gradients zeros through the [0, V] logits, which cost nothing to form."""
+    if y.numel() == 0:
+        logps = torch.nn.functional.linear(x2d, w, b).float().sum(-1)
+        return logps, logps if with_entropy else absent(logps)
+
+    def nll_and_entropy(x_rows, y_rows, check_target, count, count_int):
+        options = LogprobsOptions(opts, strategy_for(x_rows), GradOptions(weight_grad_accum, chunk_tokens),
+                                  chunk_tokens, count_int, with_entropy)
+        nll, _, entropy, _ = logprobs_entropy(x_rows, w, b, y_rows, check_target, count, options)
+        return nll, entropy
 
     if isinstance(num_valid_tokens, torch.Tensor):
-        nll, _, entropy, _ = logprobs_entropy(x2d, w, b, y, None, num_valid_tokens, options())
+        nll, entropy = nll_and_entropy(x2d, y, None, num_valid_tokens, -1)
         return -nll, entropy
     count_int = -1 if num_valid_tokens is None else num_valid_tokens
     if num_valid_tokens is None or not 0 < num_valid_tokens < y.shape[0]:
-        nll, _, entropy, _ = logprobs_entropy(x2d, w, b, y, None, None, options(count_int))
+        nll, entropy = nll_and_entropy(x2d, y, None, None, count_int)
         return -nll, entropy
-    rows = valid_rows_first(y, ignore_index)[:num_valid_tokens]
-    x_valid = x2d.index_select(0, rows)
-    nll, _, entropy, _ = logprobs_entropy(x_valid, w, b, y.index_select(0, rows), y, None, options(count_int))
+    rows = valid_rows_first(y, opts.ignore_index)[:num_valid_tokens]
+    y_valid = y.index_select(0, rows)
+    nll, entropy = nll_and_entropy(x2d.index_select(0, rows), y_valid, y, None, count_int)
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
-    return -scatter(nll), scatter(entropy) if with_entropy else entropy
+    return -scatter(nll), scatter(entropy) if with_entropy else entropy  # −0.0 where ignored, as the dense pass gives
 
 
 @follows_autocast

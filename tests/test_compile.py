@@ -241,7 +241,7 @@ def test_one_graph_with_the_operators_in_it():
     explained = torch._dynamo.explain(step)(x, w.clone().requires_grad_(), y)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     code = explained.graphs[0].code
-    for op in ("ce_chunked_scalar", "ce_per_token", "simpo_chunked"):
+    for op in ("ce_chunked_scalar", "logprobs_entropy", "simpo_chunked"):
         assert f"fusedkern.{op}" in code
         # they read host flags behind an event: CUDA graphs (mode="reduce-overhead") must leave them out
         assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.fusedkern, op).default.tags

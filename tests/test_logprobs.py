@@ -16,7 +16,7 @@ import fusedkern
 from fusedkern import reference
 from fusedkern.autograd import GradOptions, with_grads
 from fusedkern.chunked import LossOptions, chunked_loss
-from fusedkern.linear_cross_entropy import LogprobsOptions, logprobs_entropy, logprobs_entropy_backward
+from fusedkern.logprobs import LogprobsOptions, logprobs_entropy, logprobs_entropy_backward
 from tests._accuracy import assert_close_to_ref, rel_err, torch_logprobs_entropy
 from tests.conftest import DEVICE
 
@@ -369,3 +369,17 @@ def test_gpu_mean_logits_bf16_realistic(softcap):
         plain = linear_logprobs_with_stats(x, w, y, **kw)
         assert torch.equal(out[0].detach(), plain[0]) or softcap is None  # without a softcap `plain` may take Gluon
         assert_close_to_ref("mean_logits", out[4], ref, tch, atol=1e-3)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(return_entropy=True), dict(num_valid_tokens=0)])
+def test_a_batch_without_tokens(kw):
+    """No token: empty log-probs (and entropy) whose gradients are zeros of the inputs' shapes, at any temperature
+    and with the entropy (no kernel launches: a grid of zero rows is not a launch Triton accepts)."""
+    x = torch.randn(2, 0, 8, device=DEVICE).requires_grad_()
+    w = torch.randn(11, 8, device=DEVICE).requires_grad_()
+    y = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    out = fusedkern.linear_logprobs(x, w, y, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    assert all(o.shape == (2, 0) and o.dtype == torch.float32 for o in outs)
+    dx, dw = torch.autograd.grad(sum(o.sum() for o in outs), (x, w))
+    assert dx.shape == x.shape and dw.shape == w.shape and not dw.any()
