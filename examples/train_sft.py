@@ -69,7 +69,7 @@ PRESETS = {
     # Llama-3-8B's head and layer shapes with a few decoder layers: the LM head dominates the memory
     "llama3-head": Preset(vocab=128256, hidden=4096, intermediate=14336, layers=2, heads=32, kv_heads=8,
                           seq_len=4096, batch_size=1),
-    # the training-step table (scripts/h200_train_table.sh): Llama-3-8B's shapes with 2 decoder layers
+    # the training-step table (data/measured/h100/train_table.csv): Llama-3-8B's shapes with 2 decoder layers
     # (--layers), 8192 tokens a sequence. Parameters: embedding and head 128256 × 4096 = 525.3 M each,
     # a layer 218.1 M (attention 41.9 M, MLP 3 × 4096 × 14336 = 176.2 M), 1486.8 M with 2 layers; fp32
     # weights + fp32 grads + AdamW's two fp32 states = 16 B a parameter = 23.8 GB (22.2 GiB), plus the

@@ -252,7 +252,7 @@ display(plans.pivot_table(index=["mode", "loss"], columns="batch", values=["chun
 df = results.load_measured(csv_path)
 have = df is not None
 if not have:
-    print("run_all.py does not measure this sweep: it comes from `scripts/h200_preference.sh OUT` "
+    print("run_all.py does not measure this sweep: it comes from `scripts/gpu_calls.sh OUT preference` "
           "(`python -m fusedkern.bench preference ...`, data/measured/h100/README.md). Sections 3 and 4 are skipped.")
 if have:
     meta = df.attrs["meta"]

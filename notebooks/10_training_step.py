@@ -20,9 +20,9 @@
 # | `cce` | cut-cross-entropy 25.1.1's `linear_cross_entropy`; the 25.1.1 wheel has no `cce_patch`, so the model's forward calls the function as `cce_patch` would (column `head_patch`) |
 #
 # The table was measured on an **H100 80GB**, not on the H200 of the other notebooks
-# (`data/measured/h100/README.md`), by `scripts/h200_train_table.sh`: one process per implementation
-# (protocol `sequential`, so each peak memory is its own), in a shuffled order, 3 warm-up and 8 timed
-# optimizer steps each. The model states alone — fp32 weights, fp32 gradients and AdamW's two fp32
+# (`data/measured/h100/README.md`), by `scripts/h200_train_table.sh` (retired; git history keeps it): one
+# process per implementation (protocol `sequential`, so each peak memory is its own), in a shuffled order, 3 warm-up
+# and 8 timed optimizer steps each. The model states alone — fp32 weights, fp32 gradients and AdamW's two fp32
 # moments, 16 B a parameter — are computed below from the shapes; everything above them is
 # activations, the head's working memory and the allocator.
 
@@ -33,7 +33,7 @@ figures_dir = "../figures"
 gpu = "h200"  # the study's GPU: its folder is read first, if it holds a training table
 train_gpu = "h100"  # where the training table was measured (data/measured/h100/README.md)
 train_table = "train_table.csv"
-warmup_steps = 3  # the run's --warmup-steps (scripts/h200_train_table.sh's WARMUP; not a CSV column)
+warmup_steps = 3  # the run's --warmup-steps (not a CSV column)
 shapes = {"vocab": 128256, "hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}  # the llama3-8b-2l preset
 impl_order = ["fusedkern", "liger", "cce", "hf"]
 trl_table = "train_trl_table.csv"  # TRL's trainers on small models (scripts/gpu_train_table.sh, issue 43)
@@ -67,8 +67,8 @@ train = pd.read_csv(csv_path) if csv_path is not None else None
 have = train is not None and len(train) > 0
 if not have:
     print(f"Not measured yet: no {train_table} in " + " or ".join(p.parent.as_posix() for p in candidates)
-          + ", so the table, the figure and the observations below are skipped (scripts/h200_train_table.sh "
-          "OUTDIR writes it).")
+          + ", so the table, the figure and the observations below are skipped (examples/train_sft.py --preset "
+          "llama3-8b-2l writes its rows, one process per implementation).")
 else:
     order = [i for i in impl_order if i in set(train.loss_impl)] + sorted(set(train.loss_impl) - set(impl_order))
     train = train.set_index("loss_impl").loc[order]

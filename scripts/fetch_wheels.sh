@@ -3,7 +3,7 @@
 # so that they travel with the working tree (the GPU machine has no package index). Competitors are benchmarked at the versions the reference
 # anchors were measured with: liger-kernel 0.8.5 (current) and 0.4.2 (the seed pages' version),
 # cut-cross-entropy 25.1.1. The two liger versions go to separate folders because they cannot be
-# installed side by side; scripts/h200_measure.sh installs each into its own --target.
+# installed side by side; device_common.sh's install_wheels puts each into its own --target.
 # --no-deps on purpose: their declared dependencies (torch, triton, transformers) are already on the
 # GPU machine, and resolving them here would download multi-GB CUDA builds of torch.
 # Usage: scripts/fetch_wheels.sh            (run from anywhere; writes <repo>/.whl/)

@@ -29,15 +29,20 @@
 #                                       # cold suite is measured): the whole suite on the carried cache, Gemma-2's
 #                                       # counted memory, the loss-only pass at 4096 tokens (and the Gluon probe's
 #                                       # GLUON_CONFIGS when set); table follows it on the same warm machine
+#   scripts/gpu_calls.sh OUTDIR preference  # carry .whl/liger085: every loss type of linear_preference_loss against
+#                                       # TRL's materialized fp32 computation and Liger 0.8.5's chunked losses, the
+#                                       # cuBLAS floors in the same shuffled rounds (Llama 3's head, bf16, seq 1024,
+#                                       # dense; PREF_BATCHES, default "2 4 8 16"; PREF_MODES, default "full";
+#                                       # PREF_LIGER_REF_MODEL=1 adds Liger's DPO/KTO with a reference model)
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
 # in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile}"
+part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile|preference}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile}"
+device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile|preference}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -158,6 +163,17 @@ elif [ "$part" = profile ]; then
     step ce_dense_16384 150 python3 -m fusedkern.bench ce --head llama3 --tokens 16384 $timing --modes full \
         --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c8192 $peers \
         --append --out "$res/ce_llama3_dense.csv"
+elif [ "$part" = preference ]; then
+    # (data/measured/h100/preference_shuffled.csv); warm-up 2: the last warm-up rep, which sets the rep count, runs
+    # after Liger's torch.compile and Triton's JIT
+    pref_providers="cublas_1gemm cublas_3gemm fusedkern_chunked fusedkern_chunked_lean trl_fp32 liger"
+    [ "${PREF_LIGER_REF_MODEL:-0}" = 1 ] && pref_providers="$pref_providers liger_ref_model"
+    # shellcheck disable=SC2086
+    step preference 540 python3 -m fusedkern.bench preference --batch ${PREF_BATCHES:-2 4 8 16} --seq 1024 \
+        --head llama3 --dtype bfloat16 --workload dense --loss-types sigmoid ipo hinge robust cpo simpo orpo kto \
+        --providers $pref_providers --modes ${PREF_MODES:-full} --warmup 2 --reps 6 --min-reps 4 --max-case-s 0.6 \
+        --protocol shuffled --no-progress --out "$res/preference_shuffled.csv"
+    grep -h "CROSS-CHECK FAILED" "$res/preference.log" && echo "fusedkern and trl_fp32 losses disagree (above)"
 elif [ "$part" != warm ] && [ -d "${TMPDIR:-/tmp}/tc_suite" ]; then
     # table and rest on the machine cold left warm: the suite's cache is still there
     export TRITON_CACHE_DIR="${TMPDIR:-/tmp}/tc_suite" TRITON_CACHE_AUTOTUNING=1
