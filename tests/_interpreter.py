@@ -1,24 +1,34 @@
-"""A faster Triton 3.6 interpreter for the CPU tests: a kernel launch patches `triton.language` once, not again at
-every call of a `@triton.jit` helper inside it.
+"""A faster Triton 3.6 interpreter for the CPU tests, giving the same bits: a kernel launch patches
+`triton.language` once, not again at every call of a `@triton.jit` helper inside it, and runs on a thread of its own.
 
-Why: the interpreter (`triton/runtime/interpreter.py`) swaps every builtin of `tl`, `tl.core`, `tl.math` and
-`tl.tensor` for its NumPy version (found with `inspect.getmembers`) when a kernel starts, and does it again at every
-call of a jit function from the kernel (`tl.sum`'s combine function, `tl.max`, fusedkern's own helpers): about 1 ms a
-call, 40% of a row kernel's time at the tests' shapes. The repeat changes nothing: the builtins it looks for were
-already swapped by the launch (a swapped one is no longer a builtin, so it is skipped), and the other attributes it
-sets (`range`, `reduce`, tensor properties) get closures equal to the ones in place. The launch's own patch, and its
-undoing when the kernel returns, are Triton's. A helper that sees a language module the kernel does not (`tl.core`
-from Triton's `standard.py`) is still patched by Triton on its first call in a launch. `tests/test_runtime.py` checks
-that kernels give bitwise the same outputs with and without this.
+Patching once. The interpreter (`triton/runtime/interpreter.py`) swaps every builtin of `tl`, `tl.core`, `tl.math`
+and `tl.tensor` for its NumPy version (found with `inspect.getmembers`) when a kernel starts, and does it again at
+every call of a jit function from the kernel (`tl.sum`'s combine function, `tl.max`, fusedkern's own helpers): about
+1 ms a call, 40% of a row kernel's time at the tests' shapes. The repeat changes nothing: the builtins it looks for
+were already swapped by the launch (a swapped one is no longer a builtin, so it is skipped), and the other attributes
+it sets (`range`, `reduce`, tensor properties) get closures equal to the ones in place. The launch's own patch, and
+its undoing when the kernel returns, are Triton's. A helper that sees a language module the kernel does not
+(`tl.core` from Triton's `standard.py`) is still patched by Triton on its first call in a launch.
 
-Installed by `tests/conftest.py` when the kernels run in the interpreter under Triton 3.6.x (the release whose
-interpreter this follows); with another Triton the tests run on Triton's interpreter unchanged."""
+A thread of its own. CPython keeps a thread's frames in 16 KiB chunks, mapped when a call needs a new chunk and
+unmapped when it returns out of it. A kernel launched from deep in a training step (Trainer, model, fusedkern, the
+interpreter) whose per-operation calls straddle a chunk boundary maps and unmaps one on nearly every operation: a
+million mmap/munmap pairs and their page faults in the Liger tests, a third of their time in the kernel. One
+long-lived thread per process runs every launch from the bottom of its own stack, the caller waiting. A launch only
+moves tensor storages and runs NumPy, so the torch state that is per thread (grad mode, autocast, dispatch modes)
+does not enter it; an exception reaches the caller unchanged.
+
+`tests/test_interpreter_patch.py` checks that kernels give bitwise the same outputs with and without this. Installed
+by `tests/conftest.py` when the kernels run in the interpreter under Triton 3.6.x (the release whose interpreter this
+follows); with another Triton the tests run on Triton's interpreter unchanged."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import inspect
+import os
 import sys
 
 import triton
@@ -51,12 +61,22 @@ def _patch_lang(fn):
     return scope
 
 
-def _launch(self, *args, **kwargs):
+def _launch_here(self, args, kwargs):
     _covered.append(set())
     try:
         return _REAL_LAUNCH(self, *args, **kwargs)
     finally:
         _covered.pop()
+
+
+_launcher: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (process id, its launch thread)
+
+
+def _launch(self, *args, **kwargs):
+    global _launcher
+    if _launcher is None or _launcher[0] != os.getpid():  # a forked child has no copy of its parent's thread
+        _launcher = os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="triton-interpreter")
+    return _launcher[1].submit(_launch_here, self, args, kwargs).result()
 
 
 def supported() -> bool:

@@ -58,6 +58,14 @@ def pytest_addoption(parser):
                      help="run only GPU_QUICK (tests/conftest.py): each shipped kernel's GPU accuracy test")
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, Transformers, TRL: millions of objects) goes into the collector's permanent
+    generation: Accelerate calls gc.collect() whenever a Trainer is built or freed (0.2 s a call over all of it),
+    and the TRL tests build a hundred."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--gpu-quick"):
         keep = [item for item in items if item.nodeid in GPU_QUICK]

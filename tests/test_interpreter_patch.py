@@ -1,13 +1,17 @@
 """`tests/_interpreter.py`, the tests' faster Triton interpreter: installed where it applies, the same outputs bit for
-bit as Triton's own interpreter on kernels that call jit helpers, fewer patches of `triton.language`, and the language
-left as Triton leaves it after a launch."""
+bit as Triton's own interpreter on kernels that call jit helpers, fewer patches of `triton.language`, launches on
+their own thread, the language left as Triton leaves it after a launch, and a kernel's error reaching the caller."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime import interpreter
+from triton.runtime.errors import InterpreterError
 
 import fusedkern
 from fusedkern._runtime import interpreting
@@ -47,11 +51,12 @@ def _calls():
 
 
 def _count_language_patches(monkeypatch) -> list:
+    """Records the thread of every patch of `triton.language` Triton makes (at least one a launch)."""
     calls = []
     real = _interpreter._REAL_PATCH_LANG
 
     def counting(fn):
-        calls.append(fn.__name__)
+        calls.append(threading.get_ident())
         return real(fn)
 
     monkeypatch.setattr(_interpreter, "_REAL_PATCH_LANG", counting)
@@ -75,6 +80,7 @@ def test_same_bits_as_tritons_interpreter_with_fewer_patches(monkeypatch):
     for i, (a, b) in enumerate(zip(want, got)):
         assert a is not None and a.dtype == b.dtype and torch.equal(a, b), i
     assert 0 < len(patches) < triton_patches / 10, (len(patches), triton_patches)
+    assert threading.get_ident() not in patches  # every launch ran on the launch thread
 
 
 def test_language_restored_after_a_launch_as_by_triton():
@@ -84,3 +90,18 @@ def test_language_restored_after_a_launch_as_by_triton():
     after = vars(tl)
     assert [k for k in before if after.get(k) is not before[k]] == []
     assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.tensor.__add__)
+
+
+
+@triton.jit
+def _refusing_kernel(out_ptr, N: tl.constexpr):
+    tl.static_assert(N > 4, "N must exceed 4")
+    tl.store(out_ptr, N)
+
+
+def test_a_kernels_error_reaches_the_caller():
+    out = torch.zeros(1, dtype=torch.int32)
+    _refusing_kernel[(1,)](out, 5)
+    assert out.item() == 5
+    with pytest.raises(InterpreterError, match="N must exceed 4"):
+        _refusing_kernel[(1,)](out, 3)
