@@ -142,7 +142,7 @@ def check_section(out_dir: str, gpu: str) -> bool:
     from fusedkern.kernels.anchored_rows import SUMS, SUMS_AND_E, column_tiles, producer_reference, target_anchors
 
     writer = Writer(os.path.join(out_dir, "check.csv"), ("case", "quantity", "err", "err_torch", "ratio", "ok",
-                                                         "gpu"))
+                                                         "protocol", "workload", "gpu"))
     ok_all = True
 
     def record(case, quantity, err, err_torch, limit_ratio=2.0, atol=1e-6):
@@ -151,7 +151,8 @@ def check_section(out_dir: str, gpu: str) -> bool:
         ok = bool(err <= limit_ratio * err_torch + atol) if not math.isnan(err) else False
         ok_all &= ok
         writer.rows([dict(case=case, quantity=quantity, err=f"{err:.4e}", err_torch=f"{err_torch:.4e}",
-                          ratio=f"{ratio:.3f}", ok=ok, gpu=gpu)])
+                          ratio=f"{ratio:.3f}", ok=ok, protocol="accuracy_vs_fp64",
+                          workload="per_case_random_inputs", gpu=gpu)])
         print(f"check {case:34s} {quantity:8s} err={err:.3e} torch={err_torch:.3e} ratio={ratio:.2f} "
               f"{'ok' if ok else 'FAIL'}", flush=True)
 
