@@ -30,6 +30,7 @@ import functools
 import inspect
 import os
 import sys
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -104,14 +105,27 @@ def triton_as_released():
             install()
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])
+#: installs this patch in a fresh process, leaving no name behind (a notebook's namespace stays its own) and sys.path
+#: as it was
+_INSTALL = f"""
+def _install_the_tests_interpreter_patch():
+    import sys
+    sys.path.insert(0, {_ROOT!r})
+    try:
+        import fusedkern
+        from fusedkern._runtime import interpreting
+        from tests import _interpreter
+        if interpreting() and _interpreter.supported():
+            _interpreter.install()
+    finally:
+        sys.path.remove({_ROOT!r})
+_install_the_tests_interpreter_patch()
+del _install_the_tests_interpreter_patch
+"""
 #: `python -c` program: runs the script `sys.argv[1]` as `python SCRIPT ARGS` would, with this patch installed
-_RUN_SCRIPT = """
+_RUN_SCRIPT = _INSTALL + """
 import runpy, sys
-import fusedkern
-from fusedkern._runtime import interpreting
-from tests import _interpreter
-if interpreting() and _interpreter.supported():
-    _interpreter.install()
 sys.argv = sys.argv[1:]
 sys.path[0] = __import__("os").path.dirname(sys.argv[0])
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -119,6 +133,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def script_command(script, *args) -> list[str]:
-    """The command line of `python SCRIPT ARGS` in a fresh process on this patch (run it from the repository's
-    root, which `python -c` puts on sys.path): the script's kernels run as fast as the tests' own."""
+    """The command line of `python SCRIPT ARGS` in a fresh process on this patch: the script's kernels run as fast
+    as the tests' own."""
     return [sys.executable, "-c", _RUN_SCRIPT, str(script), *map(str, args)]
+
+
+def notebook_env(folder, env=None) -> dict:
+    """The environment (os.environ or `env`, plus IPYTHONDIR) under which run_all.py's notebook kernels start on this
+    patch: an IPython folder under `folder` whose startup file installs it (IPython runs startup files silently,
+    before the first cell)."""
+    startup = Path(folder) / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-fusedkern-tests-interpreter.py").write_text(_INSTALL)
+    return dict(os.environ if env is None else env, IPYTHONDIR=str(Path(folder) / "ipython"))

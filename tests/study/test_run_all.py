@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import _interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ALL = ROOT / "run_all.py"
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
@@ -83,13 +85,17 @@ def write_fake_measurements(data_dir: Path, gpu: str = "h200") -> Path:
     return out
 
 
-def _run(*args: str, timeout: int = 900, tmp: Path | None = None) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 900, tmp: Path | None = None,
+         patched_kernels: bool = False) -> subprocess.CompletedProcess:
     """run_all.py in a subprocess; with `tmp`, its temporary folders (staged figures, the partial
-    render of a failed notebook) go under tmp too."""
+    render of a failed notebook) go under tmp too; with `patched_kernels` (and `tmp`), the notebooks' kernels
+    run on the tests' interpreter patch (tests/_interpreter.py)."""
     env = dict(os.environ)
     if tmp is not None:
         (tmp / "tmp").mkdir(exist_ok=True)
         env["TMPDIR"] = str(tmp / "tmp")
+        if patched_kernels:
+            env = _interpreter.notebook_env(tmp, env)
     return subprocess.run([sys.executable, str(RUN_ALL), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -125,7 +131,7 @@ def test_quick_run_renders_every_notebook_and_figure(tmp_path):
     out, figs = tmp_path / "rendered", tmp_path / "figures"
     start = time.perf_counter()
     done = _run("--quick", "--jobs", "2", "--measure", "no", "--output-dir", str(out), "--figures-dir", str(figs),
-                "--data-dir", str(data))
+                "--data-dir", str(data), tmp=tmp_path, patched_kernels=True)
     elapsed = time.perf_counter() - start
     assert done.returncode == 0, done.stderr[-6000:]
     assert sorted(p.stem for p in out.glob("*.ipynb")) == NOTEBOOKS

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import _interpreter
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 
@@ -27,7 +29,9 @@ def test_main_job_renders_every_notebook_and_figure_as_committed(tmp_path):
     out, figs = tmp_path / "rendered", tmp_path / "figures"
     shutil.copytree(ROOT / "figures", figs)
     committed_figures = {p.name: p.read_bytes() for p in (ROOT / "figures").iterdir() if p.is_file()}
-    env = dict(os.environ, TMPDIR=str(tmp_path))  # run_all's staging folders stay under tmp_path
+    # run_all's staging folders stay under tmp_path; the kernels run on the tests' interpreter patch, which gives
+    # the same bits (tests/_interpreter.py)
+    env = _interpreter.notebook_env(tmp_path, dict(os.environ, TMPDIR=str(tmp_path)))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, str(ROOT / "run_all.py"), "--measure", "no", "--jobs", "2",
                            "--output-dir", str(out), "--figures-dir", str(figs)],
