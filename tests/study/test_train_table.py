@@ -43,10 +43,12 @@ def load_script(monkeypatch):
 
 
 def run_tiny(tmp_path, *options, timeout=600):
-    """`python scripts/gpu_train_table.py --tiny` (on the tests' interpreter patch, tests/_interpreter.py)."""
+    """`python scripts/gpu_train_table.py --tiny --seq 4` (on the tests' interpreter patch, tests/_interpreter.py):
+    4 tokens a sequence (DPO: a 2-token prompt and completion; GRPO: completions of 1-2 tokens), every path of the
+    default 8 at a quarter less CPU (the Liger rows' RoPE kernel runs a program per token)."""
     out = tmp_path / "table.csv"
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    done = subprocess.run(_interpreter.script_command(SCRIPT, "--tiny", "--csv", out, *options), cwd=ROOT,
+    done = subprocess.run(_interpreter.script_command(SCRIPT, "--tiny", "--seq", 4, "--csv", out, *options), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     with open(out, newline="") as f:
