@@ -137,7 +137,8 @@ def release_gpu_memory(request):
 @pytest.fixture(scope="module")
 def one_cpu_thread():
     """Torch on one intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`): tiny
-    ops on a busy CPU turn 0.2 ms into ~200 ms of thread-pool wake-ups."""
+    ops on a busy CPU turn 0.2 ms into ~200 ms of thread-pool wake-ups. (In the interpreter the whole session is on
+    one thread already; this keeps such a module on one where the kernels run on a GPU.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
