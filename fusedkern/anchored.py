@@ -28,7 +28,10 @@ Two uses:
 
 Options: no bias, class weights, label smoothing, z-loss or softcap (those calls take the chunked strategy); a
 temperature (logit scale k = 1/τ) is fine. stats: the pair (s_y, ℓ) with lse = stats[0] + stats[1], the same sum as
-the chunked strategy's (max, log Σ) but stats[0] is not the row max.
+the chunked strategy's (max, log Σ) but stats[0] is not the row max. with_row_max: the producer also keeps each
+(row, tile)'s max of the fp32 accumulator x·w_v (one more partial plane, one FMNMX an element), and `row_max` =
+k·max_v x·w_v is the chunked strategy's row max of its fp32 logits (TRL's is_top1 reads it); the flagged rows' from
+the exact pass.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from fusedkern.kernels.anchored_rows import (
     column_tiles,
     e_row_stride,
     finish_rows,
+    part_planes,
     producer_reference,
     scale_rows,
     target_anchors,
@@ -68,7 +72,7 @@ CHUNK_MULTIPLE = 128
 ROWS_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "EPI_SLICES": 2},
                             num_warps=8, num_stages=4)
 
-#: producer(x [C, H], w [V, H], anchor [C], parts [planes, C, P], e [C, V] | None, *, logit_scale, epilogue)
+#: producer(x [C, H], w [V, H], anchor [C], parts [planes, C, P], e [C, V] | None, *, logit_scale, epilogue, row_max)
 Producer = Callable[..., None]
 
 
@@ -149,13 +153,13 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
 def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: torch.Tensor | None, *,
                per_token_grad: bool, loss: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                dx: torch.Tensor | None, dw: torch.Tensor | None, chunk_tokens: int, buffer: torch.Tensor,
-               rows_buffer: torch.Tensor) -> None:
+               rows_buffer: torch.Tensor, row_max: torch.Tensor | None = None) -> None:
     """The rows the anchor could not hold, computed exactly with no host sync: flagged [T] int8 rows are sorted
     first and counted on the device; per chunk of `chunk_tokens` sorted rows, the row-count GEMMs and row kernels
-    work on the counted rows only (a chunk past the count returns at once). Their loss, lse (and entropy) replace the
-    anchored ones; with grad (∂L/∂ℓ: [1] shared, or [T] with per_token_grad) their dW adds into `dw` (the
-    accumulator or dW itself) and their dX rows are written into `dx`. buffer: a [≥ C, V] logits buffer (E's, idle by
-    now; any row stride); rows_buffer: [≥ C, H] in x's dtype."""
+    work on the counted rows only (a chunk past the count returns at once). Their loss, lse (and entropy, and row_max:
+    the row kernel's max of the tempered logits) replace the anchored ones; with grad (∂L/∂ℓ: [1] shared, or [T]
+    with per_token_grad) their dW adds into `dw` (the accumulator or dW itself) and their dX rows are written into
+    `dx`. buffer: a [≥ C, V] logits buffer (E's, idle by now; any row stride); rows_buffer: [≥ C, H] in x's dtype."""
     T = x.shape[0]
     flag = flagged.bool()
     order = torch.argsort((~flag).to(torch.uint8), stable=True)
@@ -192,6 +196,8 @@ def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: tor
     lse.copy_(torch.where(flag, (stats_s[0] + stats_s[1]).index_select(0, inverse), lse))
     if entropy is not None:
         entropy.copy_(torch.where(flag, entropy_s.index_select(0, inverse), entropy))
+    if row_max is not None:
+        row_max.copy_(torch.where(flag, stats_s[0].index_select(0, inverse), row_max))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +207,8 @@ def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: tor
 @dataclass
 class AnchoredResult:
     """loss [T] fp32 (ℓ_t, 0 where ignored) · lse [T] fp32 · s_y [T] fp32 · entropy [T] fp32 or None · flagged [T]
-    int8 · sums [T] fp32 (S_t) · grads: the engine's `Grads` (dx, dw: the fp32 accumulator or dW, dw_out), or None."""
+    int8 · sums [T] fp32 (S_t) · grads: the engine's `Grads` (dx, dw: the fp32 accumulator or dW, dw_out), or None ·
+    row_max [T] fp32 (max_v s_v of the tempered logits, 0 where ignored) when asked for (with_row_max), else None."""
 
     loss: torch.Tensor
     lse: torch.Tensor
@@ -210,19 +217,22 @@ class AnchoredResult:
     flagged: torch.Tensor
     sums: torch.Tensor
     grads: Grads | None
+    row_max: torch.Tensor | None = None
 
 
-def _row_vectors(T: int, device, with_entropy: bool):
+def _row_vectors(T: int, device, with_entropy: bool, with_row_max: bool):
+    """loss, lse, r, entropy (or None), flagged (int8), row_max (or None): [T] each."""
     def f32():
         return torch.empty(T, device=device, dtype=torch.float32)
 
-    return f32(), f32(), f32(), (f32() if with_entropy else None), torch.empty(T, device=device, dtype=torch.int8)
+    return (f32(), f32(), f32(), (f32() if with_entropy else None), torch.empty(T, device=device, dtype=torch.int8),
+            f32() if with_row_max else None)
 
 
 def anchored_loss_and_grads(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: LossOptions,
                             grad: torch.Tensor, *, per_token_grad: bool = False, need_dx: bool, need_dw: bool,
                             plan: AnchoredPlan, producer: Producer | None = None,
-                            with_entropy: bool = False) -> AnchoredResult:
+                            with_entropy: bool = False, with_row_max: bool = False) -> AnchoredResult:
     """Loss, statistics and the gradients of Σ_t g_t·ℓ_t in one pass (three GEMMs), g = grad ([1] shared or [T] with
     per_token_grad, fp32 on x's device), chunked by `plan`. x [T, H], w [V, H] bf16 (fp16/fp32 on the reference
     producer), target [T]. The caller casts an fp32 accumulator into dW (`Grads.weight_grad`) and rescales."""
@@ -233,28 +243,31 @@ def anchored_loss_and_grads(x: torch.Tensor, w: torch.Tensor, target: torch.Tens
     grads = Grads.allocate(x, w, None, need_dx, need_dw, False, plan.grad_plan())
     C = plan.chunk_tokens
     e_all = e_buffer(C, V, x, grads.scratch)
-    parts = torch.empty((2 if with_entropy else 1, C, column_tiles(V)), device=x.device, dtype=torch.float32)
+    parts = torch.empty((part_planes(entropy=with_entropy, row_max=with_row_max), C, column_tiles(V)), device=x.device,
+                        dtype=torch.float32)
     sums = torch.empty(T, device=x.device, dtype=torch.float32)
-    loss, lse, r, entropy, flagged = _row_vectors(T, x.device, with_entropy)
+    loss, lse, r, entropy, flagged, row_max = _row_vectors(T, x.device, with_entropy, with_row_max)
     sx = torch.empty((C, H), device=x.device, dtype=x.dtype)
     tmp = torch.empty((C, H), device=x.device, dtype=torch.float32) if need_dx else None
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         n = c1 - c0
         e = e_all[:n]
-        producer(x[c0:c1], w, anchor[c0:c1], parts[:, :n], e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E)
+        producer(x[c0:c1], w, anchor[c0:c1], parts[:, :n], e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E,
+                 row_max=with_row_max)
         finish_rows(parts[:, :n], s_y[c0:c1], target[c0:c1], V, ignore_index=opts.ignore_index, sums=sums[c0:c1],
                     loss=loss[c0:c1], lse=lse[c0:c1], flagged=flagged[c0:c1],
                     entropy=None if entropy is None else entropy[c0:c1],
                     grad=grad[c0:c1] if per_token_grad else grad, r=r[c0:c1], e=e, x=x[c0:c1],
-                    sx=sx[:n] if need_dw else None, logit_scale=opts.logit_scale)
+                    sx=sx[:n] if need_dw else None, logit_scale=opts.logit_scale,
+                    row_max=None if row_max is None else row_max[c0:c1])
         if need_dw:
             accumulate_weight_grad(grads.dw, e, sx[:n], first=i == 0)
         if need_dx:
             scale_rows(mm_fp32_out(e, w, tmp[:n]), r[c0:c1], grads.dx[c0:c1])
     exact_rows(x, w, target, opts, flagged, grad, per_token_grad=per_token_grad, loss=loss, lse=lse, entropy=entropy,
-               dx=grads.dx, dw=grads.dw, chunk_tokens=C, buffer=e_all, rows_buffer=sx)
-    return AnchoredResult(loss, lse, s_y, entropy, flagged, sums, grads)
+               dx=grads.dx, dw=grads.dw, chunk_tokens=C, buffer=e_all, rows_buffer=sx, row_max=row_max)
+    return AnchoredResult(loss, lse, s_y, entropy, flagged, sums, grads, row_max)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +276,7 @@ def anchored_loss_and_grads(x: torch.Tensor, w: torch.Tensor, target: torch.Tens
 
 def loss_only(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: LossOptions, *,
               producer: Producer | None = None, with_entropy: bool = False,
-              chunk_tokens: int | None = None) -> AnchoredResult:
+              chunk_tokens: int | None = None, with_row_max: bool = False) -> AnchoredResult:
     """Loss, lse (and the entropy) with no gradient: the producer's epilogue keeps its partial sums and writes no E
     (one GEMM's work beside a gather-dot and a row kernel), in launches whose partials stay within the loss-only
     pass's 64 MiB; the flagged rows by the exact pass over a logits buffer within the chunked strategy's 256 MiB."""
@@ -271,25 +284,26 @@ def loss_only(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: Loss
     V = w.shape[0]
     producer = producer or default_producer(x, w)
     s_y, anchor = target_anchors(x, w, target, ignore_index=opts.ignore_index, logit_scale=opts.logit_scale)
-    planes = 2 if with_entropy else 1
+    planes = part_planes(entropy=with_entropy, row_max=with_row_max)
     C = chunk_tokens or max(CHUNK_MULTIPLE, LOSS_CHUNK_BUDGET_BYTES // (column_tiles(V) * 4 * planes))
     C = min(T, C)
     parts = torch.empty((planes, C, column_tiles(V)), device=x.device, dtype=torch.float32)
     sums = torch.empty(T, device=x.device, dtype=torch.float32)
-    loss, lse, _, entropy, flagged = _row_vectors(T, x.device, with_entropy)
+    loss, lse, _, entropy, flagged, row_max = _row_vectors(T, x.device, with_entropy, with_row_max)
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
         producer(x[c0:c1], w, anchor[c0:c1], parts[:, : c1 - c0], None, logit_scale=opts.logit_scale,
-                 epilogue=SUMS)
+                 epilogue=SUMS, row_max=with_row_max)
         finish_rows(parts[:, : c1 - c0], s_y[c0:c1], target[c0:c1], V, ignore_index=opts.ignore_index,
                     sums=sums[c0:c1], loss=loss[c0:c1], lse=lse[c0:c1], flagged=flagged[c0:c1],
-                    entropy=None if entropy is None else entropy[c0:c1], logit_scale=opts.logit_scale)
+                    entropy=None if entropy is None else entropy[c0:c1], logit_scale=opts.logit_scale,
+                    row_max=None if row_max is None else row_max[c0:c1])
     del parts
     Cf = min(T, max(CHUNK_MULTIPLE, GRAD_CHUNK_BUDGET_BYTES // (e_row_stride(V) * 2)))
     exact_rows(x, w, target, opts, flagged, None, per_token_grad=False, loss=loss, lse=lse, entropy=entropy, dx=None,
                dw=None, chunk_tokens=Cf, buffer=e_buffer(Cf, V, x),
-               rows_buffer=torch.empty((Cf, H), device=x.device, dtype=x.dtype))
-    return AnchoredResult(loss, lse, s_y, entropy, flagged, sums, None)
+               rows_buffer=torch.empty((Cf, H), device=x.device, dtype=x.dtype), row_max=row_max)
+    return AnchoredResult(loss, lse, s_y, entropy, flagged, sums, None, row_max)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +311,7 @@ def loss_only(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: Loss
 
 
 def logprobs_forward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: LossOptions, *,
-                     producer: Producer | None = None, with_entropy: bool = False):
+                     producer: Producer | None = None, with_entropy: bool = False, with_row_max: bool = False):
     """The forward of `AnchoredLogprobs`: E of every token [T, V] (kept), and an `AnchoredResult` without gradients
     (the flagged rows' statistics from the counted exact pass)."""
     T, H = x.shape
@@ -305,19 +319,20 @@ def logprobs_forward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opt
     producer = producer or default_producer(x, w)
     s_y, anchor = target_anchors(x, w, target, ignore_index=opts.ignore_index, logit_scale=opts.logit_scale)
     e = e_buffer(T, V, x)
-    parts = torch.empty((2 if with_entropy else 1, T, column_tiles(V)), device=x.device, dtype=torch.float32)
+    parts = torch.empty((part_planes(entropy=with_entropy, row_max=with_row_max), T, column_tiles(V)), device=x.device,
+                        dtype=torch.float32)
     sums = torch.empty(T, device=x.device, dtype=torch.float32)
-    loss, lse, _, entropy, flagged = _row_vectors(T, x.device, with_entropy)
-    producer(x, w, anchor, parts, e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E)
+    loss, lse, _, entropy, flagged, row_max = _row_vectors(T, x.device, with_entropy, with_row_max)
+    producer(x, w, anchor, parts, e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E, row_max=with_row_max)
     finish_rows(parts, s_y, target, V, ignore_index=opts.ignore_index, sums=sums, loss=loss, lse=lse,
-                flagged=flagged, entropy=entropy, logit_scale=opts.logit_scale)
+                flagged=flagged, entropy=entropy, logit_scale=opts.logit_scale, row_max=row_max)
     del parts
     # E is kept: the exact pass gets a logits buffer of its own, within the chunked strategy's 256 MiB
     C = min(T, max(CHUNK_MULTIPLE, GRAD_CHUNK_BUDGET_BYTES // (e_row_stride(V) * 2)))
     exact_rows(x, w, target, opts, flagged, None, per_token_grad=False, loss=loss, lse=lse, entropy=entropy, dx=None,
                dw=None, chunk_tokens=C, buffer=e_buffer(C, V, x),
-               rows_buffer=torch.empty((C, H), device=x.device, dtype=x.dtype))
-    return e, AnchoredResult(loss, lse, s_y, entropy, flagged, sums, None)
+               rows_buffer=torch.empty((C, H), device=x.device, dtype=x.dtype), row_max=row_max)
+    return e, AnchoredResult(loss, lse, s_y, entropy, flagged, sums, None, row_max)
 
 
 def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: LossOptions, e: torch.Tensor,

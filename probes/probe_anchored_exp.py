@@ -39,8 +39,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fusedkern, without an install
 
 HEADS = {"qwen3": (151936, 1024), "llama1b": (128256, 2048), "llama8b": (128256, 4096)}
-VARIANTS = {"none": (0, False), "sums": (1, False), "sums_entropy": (1, True), "sums_and_e": (2, False),
-            "sums_and_e_entropy": (2, True)}
+#: name → (EPILOGUE, ENTROPY, ROW_MAX)
+VARIANTS = {"none": (0, False, False), "sums": (1, False, False), "sums_entropy": (1, True, False),
+            "sums_and_e": (2, False, False), "sums_and_e_entropy": (2, True, False),
+            "sums_row_max": (1, False, True), "sums_entropy_row_max": (1, True, True),
+            "sums_and_e_row_max": (2, False, True), "sums_and_e_entropy_row_max": (2, True, True)}
 COLUMNS = ("section", "provider", "head", "vocab", "hidden", "tokens", "ms_p20", "ms_p50", "ms_p80", "n_reps",
            "floor", "ratio_p50", "peak_extra_mib", "protocol", "workload", "gpu")
 
@@ -48,7 +51,7 @@ COLUMNS = ("section", "provider", "head", "vocab", "hidden", "tokens", "ms_p20",
 # ------------------------------------------------------------------------------------------------ compile
 
 
-def compile_variant(epilogue: int, entropy: bool):
+def compile_variant(epilogue: int, entropy: bool, row_max: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -64,7 +67,7 @@ def compile_variant(epilogue: int, entropy: bool):
         "anchor_ptr": "*fp32", "part_ptr": "*fp32", "T": "i32", "V": "i32", "H": "i32", "part_stride": "i32",
         "plane_stride": "i32", "scale2": "fp32"}
     constexprs = dict(GROUP_M=k.GROUP_M, STAGES=k.stages_for(epilogue), EPILOGUE=epilogue, ENTROPY=entropy,
-                      CONSUMER_REGS=k.CONSUMER_REGS, PRODUCER_REGS=k.PRODUCER_REGS)
+                      ROW_MAX=row_max, CONSUMER_REGS=k.CONSUMER_REGS, PRODUCER_REGS=k.PRODUCER_REGS)
     signature.update({n: "constexpr" for n in constexprs})
     names = k._anchored_exp_kernel.arg_names
     attrs = {(names.index(n), ): [["tt.divisibility", 16]]
@@ -94,9 +97,8 @@ def resources(compiled) -> str:
 def compile_main(variants: list[str]) -> int:
     failed = 0
     for name in variants:
-        epilogue, entropy = VARIANTS[name]
         try:
-            compiled = compile_variant(epilogue, entropy)
+            compiled = compile_variant(*VARIANTS[name])
         except Exception as error:  # noqa: BLE001  (report which variant, go on with the others)
             print(f"FAILED anchored {name}: {type(error).__name__}: {str(error)[-2000:]}", flush=True)
             failed += 1

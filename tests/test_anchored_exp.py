@@ -4,8 +4,10 @@ CPU (Triton's interpreter for the row kernels, the torch reference for the logit
 (mean, sum, none) and per-token log-probs at a temperature with an upstream gradient, against float64 within 2×
 torch's own bf16 error; ragged shapes and several chunks (the fp32 accumulator, E in dW's storage); ignored and
 all-ignored rows; rows whose log-sum-exp lies past the anchor's reach, which the counted exact pass recomputes;
-poisoned allocations; the identity r ⊙ E' = ∂L/∂z; the plan at the study's heads; bad arguments. The Gluon producer:
-its sm_90a compile (no spill) and, on an sm_90 GPU, its outputs against the torch reference."""
+poisoned allocations; the identity r ⊙ E' = ∂L/∂z; the plan at the study's heads; bad arguments; the row max (the
+producer's max plane, the merged row max against float64 within 2× torch's fp32 error, is_top1 from it against the
+float64 argmax, flagged rows from the exact pass, ignored rows 0). The Gluon producer: its sm_90a compile (no spill,
+with and without the row max's plane) and, on an sm_90 GPU, its outputs against the torch reference."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from fusedkern.anchored import (
     anchored_logprobs,
     anchored_loss_and_grads,
     anchored_plan,
+    logprobs_forward,
+    loss_only,
 )
 from fusedkern.engine import LossOptions
 from fusedkern.kernels.anchored_rows import (
@@ -32,12 +36,15 @@ from fusedkern.kernels.anchored_rows import (
     IGNORED,
     SUMS,
     SUMS_AND_E,
+    TILE_N,
     column_tiles,
     e_row_stride,
     finish_rows,
+    part_planes,
     producer_reference,
     target_anchors,
 )
+from fusedkern.logprobs import is_top1
 from tests._accuracy import assert_close_to_ref, torch_linear_cross_entropy, torch_logprobs_entropy
 from tests.conftest import DEVICE
 from tests.test_gluon_loss_only import make_inputs
@@ -254,20 +261,123 @@ def test_bad_arguments_raise():
         anchored_cross_entropy(x, w, bad)
 
 
+def negative_last_tile(x, w):
+    """Every logit of the last (ragged) column tile negative, below the 0 that its columns past V would give: x's
+    first coordinate 1 and those classes' weights (−1, 0, …). A tile max taken over the padding would read 0."""
+    x, w = x.clone(), w.clone()
+    first = (column_tiles(w.shape[0]) - 1) * TILE_N
+    x[:, 0] = 1.0
+    w[first:] = 0.0
+    w[first:, 0] = -1.0
+    return x, w
+
+
+def tile_max_fp64(x, w, T, V):
+    """[T, tiles] float64: each row's max of x·w_v over each column tile's columns below V."""
+    n = column_tiles(V)
+    acc = torch.nn.functional.pad(x.double() @ w.double().t(), (0, n * TILE_N - V), value=float("-inf"))
+    return acc.view(T, n, TILE_N).amax(-1)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_reference_producer_max_plane(entropy):
+    """The max plane is parts' last: each tile's max of the fp32 accumulator x·w_v (not tempered, no anchor) against
+    float64 to fp32 rounding, the ragged tail's padding excluded (its logits all −1 here); the other planes the same
+    bits as without it."""
+    T, H, V = 6, 32, 600  # three column tiles, the last 88 columns wide
+    x, w, y = make_inputs(T, H, V, seed=21, dtype=torch.float32)
+    x, w = negative_last_tile(x, w)
+    _, anchor = target_anchors(x, w, y, ignore_index=-100, logit_scale=1.3)
+    planes = part_planes(entropy=entropy, row_max=True)
+    parts = torch.full((planes, T, column_tiles(V)), float("nan"), device=x.device)
+    plain = torch.full((planes - 1, T, column_tiles(V)), float("nan"), device=x.device)
+    producer_reference(x, w, anchor, parts, None, logit_scale=1.3, epilogue=SUMS, row_max=True)
+    producer_reference(x, w, anchor, plain, None, logit_scale=1.3, epilogue=SUMS)
+    assert torch.equal(parts[:-1], plain)
+    ref = tile_max_fp64(x, w, T, V)
+    assert (ref[:, -1] < 0).all()
+    torch.testing.assert_close(parts[-1].double(), ref, rtol=4e-7, atol=1e-6)
+    with pytest.raises(AssertionError, match="planes"):
+        producer_reference(x, w, anchor, parts[:1], None, epilogue=SUMS, row_max=True)
+
+
+def row_max_case(seed):
+    """bf16 inputs (T 40, H 32, V 600, τ 0.7, a fifth of the rows ignored) whose first 16 targets are the float64
+    argmax; the float64 tempered logits s."""
+    x, w, y = make_inputs(40, 32, 600, seed=seed)
+    s = (x.double() @ w.double().t()) / 0.7
+    y[:16] = s[:16].argmax(-1)
+    return x, w, y, s
+
+
+def check_row_max(res, x, w, y, s):
+    """row_max within 2× torch's fp32 error of float64's, 0 on ignored rows; is_top1 from it equals the float64
+    argmax test on every valid row that holds no near-tie (another logit within 1e-3 of the target's)."""
+    valid = y != -100
+    ref = s.max(-1).values
+    tch = ((x.float() @ w.float().t()) / 0.7).max(-1).values
+    assert res.row_max.dtype == torch.float32 and torch.equal(res.row_max[~valid], torch.zeros_like(ref[~valid]))
+    assert_close_to_ref("row_max", res.row_max[valid], ref[valid], tch[valid], atol=1e-6)
+    logp = -res.loss
+    top1 = is_top1(logp, res.row_max, res.lse)
+    target_logit = s.gather(1, torch.where(valid, y, 0)[:, None])[:, 0]
+    near = ((s - target_logit[:, None]).abs() < 1e-3).sum(-1) > 1  # the target itself is one
+    clear = valid & ~near
+    assert clear[:16].sum() >= 10 and clear[16:].sum() >= 10
+    assert torch.equal(top1[clear], (s.argmax(-1) == y)[clear])
+    assert top1[:16][clear[:16]].all()
+
+
+def test_row_max_of_each_entry_point_matches_fp64_and_is_top1():
+    """loss_only (several launches), logprobs_forward (E kept, with the entropy's plane) and anchored_loss_and_grads
+    (chunks of 16) with with_row_max: each row max within the rule; without it, None."""
+    x, w, y, s = row_max_case(22)
+    opts = LossOptions(logit_scale=1 / 0.7)
+    res = loss_only(x, w, y, opts, with_row_max=True, chunk_tokens=16)
+    check_row_max(res, x, w, y, s)
+    _, kept = logprobs_forward(x, w, y, opts, with_row_max=True, with_entropy=True)
+    check_row_max(kept, x, w, y, s)
+    grads = anchored_loss_and_grads(x, w, y, opts, torch.ones(1, device=x.device), need_dx=True, need_dw=False,
+                                    plan=AnchoredPlan(16, False, False), with_row_max=True)
+    check_row_max(grads, x, w, y, s)
+    assert loss_only(x, w, y, opts).row_max is None
+
+
+def test_row_max_of_flagged_rows_from_the_exact_pass():
+    """Rows 3 and 9 have a class 100 nats above their target (flagged): their row max is that class's logit, from
+    the exact pass's bf16 logits (the anchored pass writes 0 there), and is_top1 is False; the other rows as in the
+    rule."""
+    x, w, y, _ = row_max_case(23)
+    y[3] = 5 if y[3] == -100 else y[3]
+    x, w, hot = extreme_rows(x, w, y, [3, 9], 100.0)
+    s = (x.double() @ w.double().t()) / 0.7
+    y[:16] = torch.where(torch.arange(16, device=y.device) % 6 == 3, y[:16], s[:16].argmax(-1))
+    y[9] = 7
+    res = loss_only(x, w, y, LossOptions(logit_scale=1 / 0.7), with_row_max=True)
+    assert res.flagged.nonzero().flatten().tolist() == [3, 9]
+    torch.testing.assert_close(res.row_max[[3, 9]].double(), s[[3, 9]].max(-1).values, rtol=4e-3, atol=0)
+    assert res.row_max[3].item() > 100.0 and not is_top1(-res.loss, res.row_max, res.lse)[[3, 9]].any()
+    keep = torch.ones_like(y, dtype=torch.bool)
+    keep[[3, 9]] = False
+    sub = loss_only(x[keep], w, y[keep], LossOptions(logit_scale=1 / 0.7), with_row_max=True)
+    assert torch.equal(res.row_max[keep], sub.row_max)
+
+
 # ------------------------------------------------------------------------------------------- the Gluon kernel
 
 
 def test_producer_compiles_for_sm90a_without_spills():
-    """probes/probe_anchored_exp.py --compile: the kernel's launch variants (sums and E with the entropy; the main
-    loop alone) lowered to sm_90a cubins with no stack frame or spill, in the H100's 227 KiB of shared memory."""
+    """probes/probe_anchored_exp.py --compile: the kernel's launch variants (sums and E with the entropy, without
+    and with the row max's plane; the main loop alone) lowered to sm_90a cubins with no stack frame or spill, in the
+    H100's 227 KiB of shared memory."""
     pytest.importorskip("triton.experimental.gluon")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "probes" / "probe_anchored_exp.py"), "--compile",
-                           "--variants", "sums_and_e_entropy,none"], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--variants", "sums_and_e_entropy,sums_and_e_entropy_row_max,none"], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("sm_90a ok: anchored")]
-    assert len(lines) == 2, done.stdout
+    assert len(lines) == 3, done.stdout
     assert all(" stack=0 " in line and " spill=0 " in line for line in lines), lines
     assert all(int(line.split(" smem=")[1].split()[0]) <= 232448 for line in lines), lines
 
@@ -294,6 +404,41 @@ def test_gpu_producer_matches_the_reference(epilogue, poison_allocations):
     if epilogue == SUMS_AND_E:
         torch.testing.assert_close(e.float(), ref_e.float(), rtol=8e-3, atol=1e-30)
         assert not e[y == -100].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon producer needs an sm_90 (H100/H200) GPU")
+@pytest.mark.parametrize("epilogue,entropy", [(SUMS, False), (SUMS, True), (SUMS_AND_E, True)])
+def test_gpu_producer_row_max_plane_matches_the_reference(epilogue, entropy, poison_allocations):
+    """ROW_MAX: ragged T and V (300 × 5000, the last tile's logits all negative) on a capped grid of 7 CTAs and on
+    the full grid: the max plane within fp32 rounding of the reference's (and of float64's), the other planes and E
+    as without it (the reference's), the rows and row max of loss_only on the GPU as on the reference producer."""
+    from fusedkern.kernels import gluon_anchored_exp as g
+
+    T, V = 300, 5000
+    x, w, y = make_inputs(T, 512, V, seed=13)
+    x, w = negative_last_tile(x, w)
+    poison_allocations()
+    _, anchor = target_anchors(x, w, y, ignore_index=-100)
+    planes = part_planes(entropy=entropy, row_max=True)
+    ref_parts = torch.empty((planes, T, column_tiles(V)), device=x.device)
+    ref_e = torch.empty((T, V), device=x.device, dtype=torch.bfloat16)
+    producer_reference(x, w, anchor, ref_parts, ref_e, epilogue=epilogue, row_max=True)
+    for max_ctas in (7, 0):
+        parts = torch.full_like(ref_parts, float("nan"))
+        e = torch.empty((T, e_row_stride(V)), device=x.device, dtype=torch.bfloat16)[:, :V]
+        g.launch(x, w, anchor, parts, e, epilogue=epilogue, max_ctas=max_ctas, row_max=True)
+        torch.testing.assert_close(parts[:-1], ref_parts[:-1], rtol=2e-5, atol=1e-30)
+        torch.testing.assert_close(parts[-1], ref_parts[-1], rtol=2e-5, atol=1e-5)
+        torch.testing.assert_close(parts[-1].double(), tile_max_fp64(x, w, T, V), rtol=2e-5, atol=1e-5)
+        if epilogue == SUMS_AND_E:
+            torch.testing.assert_close(e.float(), ref_e.float(), rtol=8e-3, atol=1e-30)
+    opts = LossOptions(logit_scale=1 / 0.7)
+    gpu = loss_only(x, w, y, opts, with_row_max=True, with_entropy=entropy, producer=g.launch)
+    ref = loss_only(x, w, y, opts, with_row_max=True, with_entropy=entropy, producer=producer_reference)
+    assert torch.equal(gpu.flagged, ref.flagged)
+    torch.testing.assert_close(gpu.row_max, ref.row_max, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(gpu.lse, ref.lse, rtol=2e-5, atol=1e-5)
 
 
 def test_no_grad_pass_keeps_sums_only_and_matches_fp64():

@@ -6,8 +6,9 @@
                                          order, no atomics): S, the loss ℓ = log(S·2^A2) = lse − s_y (log1p of
                                          S·2^A2 − 1, exact to fp32 for a confident row), lse, the entropy from Σ e·arg,
                                          the flag of a row the anchor cannot hold (S ≥ 2^CLAMP2: an element was
-                                         clamped); with a gradient g_t (∂L/∂ℓ_t): the row scale r_t = k·g_t/S_t, the
-                                         target's element of E replaced by 2^-A2 − S_t and x's row scaled, sx = r_t·x_t
+                                         clamped), with the producer's max plane the row max k·max_v x·w_v; with a
+                                         gradient g_t (∂L/∂ℓ_t): the row scale r_t = k·g_t/S_t, the target's element
+                                         of E replaced by 2^-A2 − S_t and x's row scaled, sx = r_t·x_t
     scale_rows(src, r, out)            → out = r ⊙ src (fp32 [C, H] → out's dtype), dX's row scale
 
 Why these are exact: with E[t, v] = exp(s_v − s_y)·2^-A2 (the GEMM's epilogue) and S_t = Σ_v E[t, v] (in fp32,
@@ -38,6 +39,19 @@ TILE_N = 256
 NONE, SUMS, SUMS_AND_E = 0, 1, 2
 
 
+def part_planes(*, entropy: bool, row_max: bool) -> int:
+    """fp32 planes of the producer's partials: Σ e, then Σ e·arg with the entropy, then the tile max of the
+    accumulator x·w_v with the row max (the last plane)."""
+    return 1 + bool(entropy) + bool(row_max)
+
+
+def entropy_plane(parts: torch.Tensor, row_max: bool) -> bool:
+    """Whether `parts` holds the entropy's plane, from its plane count and whether it holds the row max's."""
+    planes = parts.shape[0]
+    assert planes in (1 + row_max, 2 + row_max), f"{planes} planes of partials with row_max={row_max}"
+    return planes == 2 + row_max
+
+
 def column_tiles(vocab: int) -> int:
     """Partials per row: one per TILE_N-wide column tile."""
     return -(-vocab // TILE_N)
@@ -49,21 +63,28 @@ def e_row_stride(vocab: int) -> int:
 
 
 def producer_reference(x2d: torch.Tensor, w: torch.Tensor, anchor: torch.Tensor, parts: torch.Tensor,
-                       e: torch.Tensor | None, *, logit_scale: float = 1.0, epilogue: int = SUMS_AND_E) -> None:
+                       e: torch.Tensor | None, *, logit_scale: float = 1.0, epilogue: int = SUMS_AND_E,
+                       row_max: bool = False) -> None:
     """`gluon_anchored_exp.launch` in torch (any device): the same outputs from fp32 logits, exp2 in fp32 with results
     below 2^-126 flushed to 0 as the kernel's ex2.approx.ftz does. What the CPU tests and the GPU probe compare the
-    kernel with, and the producer of the pipeline where the kernel cannot run (`fusedkern/anchored.py`)."""
+    kernel with, and the producer of the pipeline where the kernel cannot run (`fusedkern/anchored.py`). row_max:
+    parts' last plane gets each tile's max of the fp32 accumulator x·w_v over its columns below V."""
     (T, _), V = x2d.shape, w.shape[0]
     n = column_tiles(V)
-    arg = torch.clamp_max((x2d.float() @ w.float().t()) * (logit_scale * LOG2E) - anchor[:, None], CLAMP2)
+    entropy = entropy_plane(parts, row_max)
+    acc = x2d.float() @ w.float().t()
+    arg = torch.clamp_max(acc * (logit_scale * LOG2E) - anchor[:, None], CLAMP2)
     val = torch.exp2(arg)
     val = torch.where(val < 2.0 ** -126, 0.0, val)
     pad = n * TILE_N - V
     tiles = torch.nn.functional.pad(val, (0, pad)).view(T, n, TILE_N)
     parts[0, :, :n] = tiles.sum(-1)
-    if parts.shape[0] == 2:
+    if entropy:
         prod = torch.where(val > 0, val * arg, 0.0)
         parts[1, :, :n] = torch.nn.functional.pad(prod, (0, pad)).view(T, n, TILE_N).sum(-1)
+    if row_max:
+        padded = torch.nn.functional.pad(acc, (0, pad), value=float("-inf"))
+        parts[-1, :, :n] = padded.view(T, n, TILE_N).amax(-1)
     if epilogue == SUMS_AND_E:
         e.copy_(val.to(torch.bfloat16))
 
@@ -106,18 +127,20 @@ def target_anchors(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, *, ig
 
 @triton.jit
 def _finish_rows_kernel(
-    part_ptr,  # (planes, C, P) fp32: Σ e per column tile (plane 0), Σ e·arg (plane 1, HAS_ENTROPY)
+    part_ptr,  # (planes, C, P) fp32: Σ e per column tile (plane 0), Σ e·arg (plane 1, HAS_ENTROPY), the tile's
+    #            max of x·w_v (the last plane, at max_plane_offset; ROW_MAX)
     s_y_ptr, target_ptr,  # (C,) the target's logit k·x·w_y (fp32) and class
     sum_ptr,  # (C,) fp32: S, written (COMPUTE_STATS) or read
     loss_ptr, lse_ptr, flag_ptr, entropy_ptr,  # (C,) out when COMPUTE_STATS: ℓ, lse, int8 flag, entropy
+    max_ptr,  # (C,) fp32 out when ROW_MAX: k·max_v x·w_v
     grad_ptr,  # (C,) or (1,) fp32 ∂L/∂ℓ (HAS_GRAD)
     r_ptr,  # (C,) fp32 out: the row scale k·g/S (0 on ignored and flagged rows) (HAS_GRAD)
     e_ptr,  # E [C, *] bf16: the target's element replaced (HAS_GRAD)
     x_ptr, sx_ptr,  # x [C, H] and sx [C, H] = r·x (HAS_SX)
-    n_tiles, part_stride, plane_stride, V, H, stride_e, stride_x, stride_sx, ignore_index, logit_scale,
-    A2: tl.constexpr, CLAMP2: tl.constexpr, LN2: tl.constexpr,
-    COMPUTE_STATS: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_GRAD: tl.constexpr, PER_TOKEN_GRAD: tl.constexpr,
-    HAS_SX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    n_tiles, part_stride, plane_stride, max_plane_offset, V, H, stride_e, stride_x, stride_sx, ignore_index,
+    logit_scale, A2: tl.constexpr, CLAMP2: tl.constexpr, LN2: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr, HAS_ENTROPY: tl.constexpr, ROW_MAX: tl.constexpr, HAS_GRAD: tl.constexpr,
+    PER_TOKEN_GRAD: tl.constexpr, HAS_SX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + t).to(tl.int64)
@@ -125,12 +148,16 @@ def _finish_rows_kernel(
     if COMPUTE_STATS:
         acc = tl.zeros([BLOCK_P], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_P], dtype=tl.float32)
+        acc_m = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
         for p0 in range(0, n_tiles, BLOCK_P):  # fixed order: the same bits on every run
             idx = p0 + tl.arange(0, BLOCK_P)
             mask = idx < n_tiles
             acc += tl.load(part_ptr + t * part_stride + idx, mask=mask, other=0.0)
             if HAS_ENTROPY:
                 acc_b += tl.load(part_ptr + plane_stride + t * part_stride + idx, mask=mask, other=0.0)
+            if ROW_MAX:  # a max is exact in any order
+                acc_m = tl.maximum(acc_m, tl.load(part_ptr + max_plane_offset + t * part_stride + idx, mask=mask,
+                                                  other=float("-inf")))
         S = tl.sum(acc, axis=0)
         tl.store(sum_ptr + t, S)
         # ℓ = log Σ_v exp(s_v − s_y) = log1p(S·2^A2 − 1): the 2^A2 scale is exact, and the target's own term is the 1
@@ -146,6 +173,10 @@ def _finish_rows_kernel(
             # H = lse − Σ p·s = ℓ − Σ_v p_v (s_v − s_y), and arg = log2(e)·(s − s_y) − A2
             mean_gap = (tl.sum(acc_b, axis=0) / tl.where(S > 0, S, 1.0) + A2) * LN2
             tl.store(entropy_ptr + t, tl.where(ok, loss - mean_gap, 0.0))
+        if ROW_MAX:
+            # the max of the accumulator, scaled as the chunked strategy scales its fp32 logits (k > 0): no anchor in
+            # it, so it carries the logits' own rounding only; flagged rows get the exact pass's
+            tl.store(max_ptr + t, tl.where(ok, tl.max(acc_m, axis=0) * logit_scale, 0.0))
     else:
         S = tl.load(sum_ptr + t)
         flagged = valid & ~(S < tl.exp2(CLAMP2))
@@ -172,20 +203,26 @@ def finish_rows(parts: torch.Tensor | None, s_y: torch.Tensor, target: torch.Ten
                 sums: torch.Tensor, loss: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                 flagged: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                 grad: torch.Tensor | None = None, r: torch.Tensor | None = None, e: torch.Tensor | None = None,
-                x: torch.Tensor | None = None, sx: torch.Tensor | None = None, logit_scale: float = 1.0) -> None:
+                x: torch.Tensor | None = None, sx: torch.Tensor | None = None, logit_scale: float = 1.0,
+                row_max: torch.Tensor | None = None) -> None:
     """One program per row of a chunk of C rows (module docstring).
 
-    parts: [1 or 2, C, P] fp32 (the producer's; None to read `sums` instead, a backward) · s_y, target: [C] · sums:
-    [C] fp32, S, written from parts or read · loss, lse, flagged (int8), entropy: [C] outputs when parts are given
-    (entropy needs parts' second plane) · grad: None, [1] (shared) or [C] fp32 ∂L/∂ℓ · with grad: r [C] fp32 out, e the
-    chunk's E [C, V] (bf16 view, unit column stride) whose target elements are replaced, and x / sx [C, H] to form
-    sx = r ⊙ x (or None)."""
+    parts: [planes, C, P] fp32 (the producer's, `part_planes`; None to read `sums` instead, a backward) · s_y,
+    target: [C] · sums: [C] fp32, S, written from parts or read · loss, lse, flagged (int8), entropy, row_max: [C]
+    outputs when parts are given (entropy needs parts' entropy plane; row_max, k·max_v x·w_v on rows neither ignored
+    nor flagged and 0 on those, needs the max plane, parts' last) · grad: None, [1] (shared) or [C] fp32 ∂L/∂ℓ ·
+    with grad: r [C] fp32 out, e the chunk's E [C, V] (bf16 view, unit column stride) whose target elements are
+    replaced, and x / sx [C, H] to form sx = r ⊙ x (or None)."""
     C = target.shape[0]
     if C == 0:
         return
     compute = parts is not None
     has_entropy = compute and entropy is not None
-    assert not compute or (parts.shape[1] == C and parts.stride(2) == 1 and (parts.shape[0] == 2 or not has_entropy))
+    has_max = compute and row_max is not None
+    assert not compute or (parts.shape[1] == C and parts.stride(2) == 1)
+    assert not has_entropy or entropy_plane(parts, has_max)
+    assert not has_max or (row_max.shape == (C, ) and row_max.dtype == torch.float32 and parts.shape[0] >= 2)
+    assert row_max is None or compute, "the row max is formed from the producer's partials"
     assert not compute or all(t is not None for t in (loss, lse, flagged))
     has_grad = grad is not None
     assert not has_grad or (r is not None and e is not None and e.stride(1) == 1)
@@ -199,12 +236,13 @@ def finish_rows(parts: torch.Tensor | None, s_y: torch.Tensor, target: torch.Ten
     block_p = min(triton.next_power_of_2(n_tiles), 16 if interpreting() else 1024)
     _finish_rows_kernel[(C, )](
         parts if compute else dummy, s_y, target, sums, loss if compute else dummy, lse if compute else dummy,
-        flagged if compute else dummy, entropy if has_entropy else dummy, grad if has_grad else dummy,
-        r if has_grad else dummy, e if has_grad else dummy, x if has_sx else dummy, sx if has_sx else dummy,
-        n_tiles, parts.stride(1) if compute else 0, parts.stride(0) if compute else 0, vocab, H,
-        e.stride(0) if has_grad else 0, x.stride(0) if has_sx else 0, sx.stride(0) if has_sx else 0, ignore_index,
-        float(logit_scale), A2=A2, CLAMP2=CLAMP2, LN2=LN2, COMPUTE_STATS=compute, HAS_ENTROPY=has_entropy,
-        HAS_GRAD=has_grad, PER_TOKEN_GRAD=per_token, HAS_SX=has_sx, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4)
+        flagged if compute else dummy, entropy if has_entropy else dummy, row_max if has_max else dummy,
+        grad if has_grad else dummy, r if has_grad else dummy, e if has_grad else dummy, x if has_sx else dummy,
+        sx if has_sx else dummy, n_tiles, parts.stride(1) if compute else 0, parts.stride(0) if compute else 0,
+        (parts.shape[0] - 1) * parts.stride(0) if has_max else 0, vocab, H, e.stride(0) if has_grad else 0,
+        x.stride(0) if has_sx else 0, sx.stride(0) if has_sx else 0, ignore_index, float(logit_scale), A2=A2,
+        CLAMP2=CLAMP2, LN2=LN2, COMPUTE_STATS=compute, HAS_ENTROPY=has_entropy, ROW_MAX=has_max, HAS_GRAD=has_grad,
+        PER_TOKEN_GRAD=per_token, HAS_SX=has_sx, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4)
 
 
 @triton.jit

@@ -7,8 +7,10 @@ tile computes, from the fp32 accumulator,
     arg = min(log2(e)·s − a_t, CLAMP2)          e = 2^arg          (fp32)
 
 and writes (EPILOGUE = SUMS_AND_E) E = bf16(e) into a [C, V] buffer through shared memory and TMA, plus one fp32 partial
-per (row, column tile): Σ e (plane 0), and with ENTROPY Σ e·arg (plane 1). Rows whose anchor is IGNORED (a huge value)
-get e = 0: zero rows of E and zero partials.
+per (row, column tile): Σ e (plane 0), with ENTROPY Σ e·arg (plane 1), and with ROW_MAX the tile's max of the
+accumulator x·w_v over its columns below V (the last plane: the row max TRL's is_top1 reads, taken before the anchor
+is subtracted so that it keeps the logits' own fp32 rounding). Rows whose anchor is IGNORED (a huge value) get e = 0:
+zero rows of E and zero sums.
 
 Why an anchor: bf16 has fp32's exponent range, so exp(s − s_y) / 2^A2 never needs a per-tile offset (QuACK's scheme)
 as long as the row's log-sum-exp stays under s_y + (A2 + CLAMP2)·ln 2 (about 86 nats): no max is reduced, no offset is
@@ -47,6 +49,7 @@ from fusedkern.kernels.anchored_rows import (  # noqa: F401  (the producer's con
     TILE_N,
     column_tiles,
     e_row_stride,
+    entropy_plane,
 )
 from fusedkern.kernels.gluon_logits_stats import (
     BLOCK_K,
@@ -70,12 +73,13 @@ STAGES_SUMS, STAGES_E = 4, 3
 #: E's TMA box: one consumer's rows, half the tile's columns (the accumulator's column halves split for free)
 E_BOX = (BLOCK_M // 2, BLOCK_N // 2)
 CONSUMER_REGS = 232
-#: fp32 partial planes: Σ e, and Σ e·arg with the entropy
+#: fp32 partial planes: Σ e, and Σ e·arg with the entropy (the row max's plane comes after: `part_planes`)
 PLANES_SUMS, PLANES_ENTROPY = 1, 2
 
 assert TILE_N == BLOCK_N, "the row kernels merge one partial per column tile of this kernel"
 _CLAMP2 = gl.constexpr(CLAMP2)
 _IGNORED = gl.constexpr(IGNORED)
+_NEG_INF = gl.constexpr(float("-inf"))
 
 
 @gluon.jit
@@ -88,7 +92,7 @@ def _exp2_ftz(x):
 @gluon.jit
 def _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anchor_ptr, part_ptr, T, V,
               part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              EPILOGUE: gl.constexpr, ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
+              EPILOGUE: gl.constexpr, ENTROPY: gl.constexpr, ROW_MAX: gl.constexpr, CONSUMER: gl.constexpr):
     """Consumer CONSUMER (0 or 1): rows [CONSUMER·BM/2, (CONSUMER+1)·BM/2) of each of the CTA's tiles, main loop then
     the anchored epilogue of those rows."""
     TILE_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -98,6 +102,7 @@ def _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anch
     acc_layout: gl.constexpr = accumulator_layout(BN)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    MAX_PLANE: gl.constexpr = 2 if ENTROPY else 1
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     i = 0
@@ -115,6 +120,14 @@ def _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anch
             # nothing but a row sum whose store never happens (T ≥ 0): the accumulator stays live
             gl.store(part_ptr + part, gl.sum(acc, axis=1), mask=row_ok & (T < 0))
         else:
+            if ROW_MAX:
+                # before arg: the accumulator and arg both live would not fit the consumer's registers (they spill)
+                if off_n + BN > V:  # the ragged last column tile's columns past V: an accumulator of 0, not a logit
+                    col_ok = gl.arange(0, BN, layout=col_layout) < V - off_n
+                    tile_max = gl.max(gl.where(gl.expand_dims(col_ok, 0), acc, _NEG_INF), axis=1)
+                else:
+                    tile_max = gl.max(acc, axis=1)
+                gl.store(part_ptr + MAX_PLANE * plane_stride + part, tile_max, mask=row_ok)
             anchor = gl.load(anchor_ptr + rows, mask=row_ok, other=_IGNORED)
             arg = gl.minimum(acc * scale2 - gl.expand_dims(anchor, 1), _CLAMP2)
             if off_n + BN > V:  # the ragged last column tile: TMA zero-filled W there, those columns carry nothing
@@ -143,9 +156,9 @@ def _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anch
 @gluon.jit
 def _consumer_worker(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anchor_ptr, part_ptr, T, V,
                      part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, EPILOGUE: gl.constexpr, ENTROPY: gl.constexpr):
+                     STAGES: gl.constexpr, EPILOGUE: gl.constexpr, ENTROPY: gl.constexpr, ROW_MAX: gl.constexpr):
     _consumer(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-              plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, EPILOGUE, ENTROPY, 1)
+              plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, EPILOGUE, ENTROPY, ROW_MAX, 1)
 
 
 @gluon.jit
@@ -157,7 +170,7 @@ def _anchored_exp_kernel(
     T, V, H, part_stride, plane_stride,
     scale2,  # fp32: log2(e)·k, k = 1/τ
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, EPILOGUE: gl.constexpr, ENTROPY: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ROW_MAX: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -173,10 +186,11 @@ def _anchored_exp_kernel(
     k_tiles = gl.cdiv(H, BK)
     gl.warp_specialize([
         (_consumer, (x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anchor_ptr, part_ptr, T, V,
-                     part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, EPILOGUE, ENTROPY, 0)),
+                     part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, EPILOGUE, ENTROPY,
+                     ROW_MAX, 0)),
         (_consumer_worker, (x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empty, anchor_ptr, part_ptr, T,
                             V, part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, EPILOGUE,
-                            ENTROPY)),
+                            ENTROPY, ROW_MAX)),
         (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -203,15 +217,19 @@ def unsupported_reason(x2d: torch.Tensor, w: torch.Tensor) -> str | None:
 
 
 def launch(x2d: torch.Tensor, w: torch.Tensor, anchor: torch.Tensor, parts: torch.Tensor, e: torch.Tensor | None, *,
-           logit_scale: float = 1.0, epilogue: int = SUMS_AND_E, group_m: int = GROUP_M, max_ctas: int = 0) -> None:
-    """One launch over the C rows of x2d: parts[0][t, j] = Σ_{v in tile j} e[t, v] and, with two planes,
-    parts[1][t, j] = Σ e·arg; e[t, v] = 2^min(log2(e)·k·(x_t·w_v) − anchor[t], CLAMP2) written to `e` ([C, V] bf16
-    view of a buffer whose row stride is `e_row_stride(V)`) when epilogue == SUMS_AND_E. parts: [1 or 2, C, P] fp32,
-    P ≥ `column_tiles(V)`, rows contiguous. Caller: `unsupported_reason(x2d, w)` is None."""
+           logit_scale: float = 1.0, epilogue: int = SUMS_AND_E, group_m: int = GROUP_M, max_ctas: int = 0,
+           row_max: bool = False) -> None:
+    """One launch over the C rows of x2d: parts[0][t, j] = Σ_{v in tile j} e[t, v], with the entropy's plane
+    parts[1][t, j] = Σ e·arg, with row_max parts[-1][t, j] = max_{v in tile j} x_t·w_v (fp32, unscaled);
+    e[t, v] = 2^min(log2(e)·k·(x_t·w_v) − anchor[t], CLAMP2) written to `e` ([C, V] bf16 view of a buffer whose row
+    stride is `e_row_stride(V)`) when epilogue == SUMS_AND_E. parts: [`part_planes(entropy=, row_max=)`, C, P] fp32
+    (the plane count says whether the entropy's is there), P ≥ `column_tiles(V)`, rows contiguous. Caller:
+    `unsupported_reason(x2d, w)` is None."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     (T, H), V = x2d.shape, w.shape[0]
-    assert parts.dtype == torch.float32 and parts.shape[0] in (1, 2) and parts.shape[1] == T
+    entropy = entropy_plane(parts, row_max)
+    assert parts.dtype == torch.float32 and parts.shape[1] == T
     assert parts.stride(2) == 1 and parts.shape[2] >= column_tiles(V)
     assert anchor.shape == (T, ) and anchor.dtype == torch.float32 and anchor.is_contiguous()
     assert logit_scale > 0
@@ -229,7 +247,7 @@ def launch(x2d: torch.Tensor, w: torch.Tensor, anchor: torch.Tensor, parts: torc
     grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
     _anchored_exp_kernel[grid](
         x_desc, w_desc, e_desc, anchor, parts, T, V, H, parts.stride(1), parts.stride(0), float(logit_scale) * LOG2E,
-        GROUP_M=group_m, STAGES=stages_for(epilogue), EPILOGUE=epilogue, ENTROPY=parts.shape[0] == 2,
+        GROUP_M=group_m, STAGES=stages_for(epilogue), EPILOGUE=epilogue, ENTROPY=entropy, ROW_MAX=bool(row_max),
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
 
 
