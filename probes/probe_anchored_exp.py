@@ -9,7 +9,8 @@ stack= spill= smem=" (tests/test_anchored_exp.py runs it).
    accumulator), per-token log-probs at τ 0.7 with an upstream and the entropy, the no-grad pass, and rows past the
    anchor's reach, each against float64 with torch's same-dtype error beside it (the 2× rule) -> check.csv.
 2. producer (item 2): at each head and token count, cuBLAS's bf16 logits GEMM (torch.mm into a buffer), the
-   producer's epilogues NONE (main loop only), SUMS (the no-grad pass's), SUMS_AND_E, SUMS_AND_E with the entropy,
+   producer's epilogues NONE (main loop only), SUMS (the no-grad pass's; also with the row max's plane, and with the
+   entropy's and the row max's: TRL's statistics with is_top1), SUMS_AND_E, SUMS_AND_E with the entropy,
    SUMS_AND_E in the grouped order's GROUP_M 8 (16 elsewhere), and the library's Gluon statistics kernel (tile max,
    Σ exp, target logit), in shuffled rounds -> producer.csv.
 3. pass (item 1): the 3-GEMM floor (cuBLAS logits, dX = G·W, dW = Gᵀ·X on a pre-made G, allocated per call),
@@ -325,6 +326,7 @@ def producer_section(writer, head, V, H, T, rounds, gpu):
     e = torch.empty((T, g.e_row_stride(V)), device="cuda", dtype=torch.bfloat16)[:, :V]
     parts1 = torch.empty((1, T, column_tiles(V)), device="cuda")
     parts2 = torch.empty((2, T, column_tiles(V)), device="cuda")
+    parts3 = torch.empty((3, T, column_tiles(V)), device="cuda")
     sparts = stats.empty_partials(T, V, x.device)
     tl = torch.empty(T, device="cuda")
     providers = {
@@ -332,6 +334,8 @@ def producer_section(writer, head, V, H, T, rounds, gpu):
         "anchored_none": lambda: g.launch(x, w, anchor, parts1, None, epilogue=NONE),
         "anchored_sums": lambda: g.launch(x, w, anchor, parts1, None, epilogue=SUMS),
         "anchored_sums_entropy": lambda: g.launch(x, w, anchor, parts2, None, epilogue=SUMS),
+        "anchored_sums_row_max": lambda: g.launch(x, w, anchor, parts2, None, epilogue=SUMS, row_max=True),
+        "anchored_sums_entropy_row_max": lambda: g.launch(x, w, anchor, parts3, None, epilogue=SUMS, row_max=True),
         "anchored_sums_and_e": lambda: g.launch(x, w, anchor, parts1, e, epilogue=SUMS_AND_E),
         "anchored_sums_and_e_entropy": lambda: g.launch(x, w, anchor, parts2, e, epilogue=SUMS_AND_E),
         "anchored_sums_and_e_g8": lambda: g.launch(x, w, anchor, parts1, e, epilogue=SUMS_AND_E, group_m=8),
