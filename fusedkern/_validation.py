@@ -203,7 +203,7 @@ def normalize_count(num_valid_tokens, target: torch.Tensor):
 # fusedkern.distributed)
 
 
-IMPLS = ("auto", "chunked", "fused", "gluon")  # `dispatch.py` says what each runs
+IMPLS = ("auto", "anchored", "chunked", "fused", "gluon")  # `dispatch.py` says what each runs
 
 
 REDUCTIONS = ("mean", "sum", "none")

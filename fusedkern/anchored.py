@@ -361,32 +361,56 @@ def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, op
 
 
 class AnchoredLogprobs(torch.autograd.Function):
-    """forward(x [T, H], w [V, H], target [T], opts, with_entropy, producer) → (logp [T] fp32, entropy [T] fp32 or
-    [0], lse [T] fp32, not differentiable). The entropy is a value only: no gradient flows through it."""
+    """forward(x [T, H], w [V, H], target [T], opts, with_entropy, producer, with_row_max=False) → (logp [T] fp32,
+    entropy [T] fp32 or [0], stats [2, T] fp32, not differentiable: `row_stats`). E of every token is kept to the
+    backward (three GEMMs in all). A gradient that flows into the entropy is not formed on E: such a backward
+    recomputes the logits with the chunked strategy's GEMMs from the saved statistics (both terms in one pass), as
+    `linear_logprobs` does on every strategy."""
 
     @staticmethod
-    def forward(ctx, x, w, target, opts: LossOptions, with_entropy: bool, producer):
-        e, res = logprobs_forward(x, w, target, opts, producer=producer, with_entropy=with_entropy)
-        ctx.save_for_backward(x, w, target, e)
-        ctx.res, ctx.opts, ctx.used = res, opts, False
-        ctx.mark_non_differentiable(res.lse)
+    def forward(ctx, x, w, target, opts: LossOptions, with_entropy: bool, producer, with_row_max: bool = False):
+        e, res = logprobs_forward(x, w, target, opts, producer=producer, with_entropy=with_entropy,
+                                  with_row_max=with_row_max)
+        stats = row_stats(res)
         entropy = res.entropy if with_entropy else res.loss.new_empty(0)
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return -res.loss, entropy, res.lse
+        ctx.save_for_backward(x, w, target, e, stats, entropy)
+        ctx.res, ctx.opts, ctx.used = res, opts, False
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)
+        return -res.loss, entropy, stats
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy, _grad_lse):
+    @first_order_only
+    def backward(ctx, grad_logp, grad_entropy, _grad_stats):
         if ctx.used:
             raise RuntimeError("AnchoredLogprobs supports one backward pass (its kept E is rewritten in place)")
         ctx.used = True
-        x, w, target, e = ctx.saved_tensors
-        if grad_logp is None:
-            return None, None, None, None, None, None
+        x, w, target, e, stats, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        dx, dw = logprobs_backward(x, w, target, ctx.opts, e, ctx.res, -grad_logp.float().contiguous(),
-                                   need_dx=need_dx, need_dw=need_dw)
-        return dx, dw, None, None, None, None
+        grad_loss = stats.new_zeros(stats.shape[1]) if grad_logp is None else -grad_logp.float().contiguous()
+        if grad_entropy is not None and entropy.numel():
+            from fusedkern.chunked import chunked_grads
+
+            del e  # the chunked recomputation needs none of it
+            dx, dw, _ = chunked_grads(x, w, None, target, None, ctx.opts, stats, grad_loss, need_dx=need_dx,
+                                      need_dw=need_dw, need_db=False, weight_grad_accum="fp32", chunk_tokens=None,
+                                      entropy=entropy, grad_entropy=grad_entropy.float().contiguous())
+            dx = None if dx is None else dx.to(x.dtype)
+            dw = None if dw is None else dw.to(w.dtype)
+        else:
+            dx, dw = logprobs_backward(x, w, target, ctx.opts, e, ctx.res, grad_loss, need_dx=need_dx,
+                                       need_dw=need_dw)
+        return dx, dw, None, None, None, None, None
+
+
+def row_stats(res: AnchoredResult) -> torch.Tensor:
+    """[2, T] fp32 row statistics whose sum is the lse, shaped as the chunked strategy's (max, log Σ exp(s − max)):
+    (max, lse − max) when the row max was formed, else (s_y, ℓ). Either way p_v = exp((s_v − stats[0]) − stats[1])
+    to fp32 rounding, which is what a recomputed gradient reads."""
+    first = res.s_y if res.row_max is None else res.row_max
+    return torch.stack((first, res.lse - first))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,13 +419,15 @@ class AnchoredLogprobs(torch.autograd.Function):
 
 class AnchoredCrossEntropy(torch.autograd.Function):
     """forward(x [T, H], w [V, H], target [T], opts, reduction ("mean" / "sum"), weight_grad_accum, chunk_tokens,
-    producer) → (loss 0-d fp32, lse [T] fp32, not differentiable): the gradients formed in the forward for an
-    upstream of 1, rescaled in backward."""
+    producer, checks) → (loss 0-d fp32, lse [T] fp32, not differentiable): the gradients formed in the forward for
+    an upstream of 1, rescaled in backward. checks: `start_checks`' (whole_target, count, count_int) for a call
+    whose rows were gathered or counted by the caller; None: the target's own range check. The mean is Σℓ / N as
+    every strategy forms it, so a call with and one without gradients give the same bits."""
 
     @staticmethod
     def forward(ctx, x, w, target, opts: LossOptions, reduction: str, weight_grad_accum: str, chunk_tokens,
-                producer):
-        checks = start_checks(target, w.shape[0], opts.ignore_index, None, None, -1)
+                producer, checks=None):
+        checks = start_checks(target, w.shape[0], opts.ignore_index, *(checks or (None, None, -1)))
         valid = (target != opts.ignore_index).sum(dtype=torch.float32).reshape(1)
         grad = 1.0 / valid if reduction == "mean" else torch.ones(1, device=x.device, dtype=torch.float32)
         need_dx, need_dw = ctx.needs_input_grad[:2]
@@ -414,14 +440,14 @@ class AnchoredCrossEntropy(torch.autograd.Function):
         save_precomputed_grads(ctx, x, w, None, grads.dx, grads.dw, None, grads.dw_out)
         finish_checks(checks)
         ctx.mark_non_differentiable(res.lse)
-        loss = res.loss.sum() * (grad[0] if reduction == "mean" else 1.0)
+        loss = res.loss.sum() / valid[0] if reduction == "mean" else res.loss.sum()
         return loss, res.lse
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_loss, _grad_lse):
         dx, dw, _ = rescaled_grads(ctx, grad_loss, "anchored_cross_entropy")
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def _validated(input, linear_weight, target, *, reduction, ignore_index, temperature, weight_grad_accum,
@@ -456,7 +482,8 @@ def anchored_cross_entropy(input: torch.Tensor, linear_weight: torch.Tensor, tar
         return (loss, res.lse.reshape(target.shape)) if return_lse else loss
     if reduction == "none":
         checks = start_checks(y, w.shape[0], ignore_index, None, None, -1)
-        logp, _, lse = AnchoredLogprobs.apply(x2d, w, y, opts, False, producer)
+        logp, _, stats = AnchoredLogprobs.apply(x2d, w, y, opts, False, producer)
+        lse = stats[0] + stats[1]
         finish_checks(checks)
         loss = (-logp).reshape(target.shape)
     else:
@@ -477,7 +504,8 @@ def anchored_logprobs(input: torch.Tensor, linear_weight: torch.Tensor, target: 
     checks = start_checks(y, w.shape[0], ignore_index, None, None, -1)
     opts = LossOptions(ignore_index, logit_scale=1.0 / float(temperature))
     if torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad):
-        logp, entropy, lse = AnchoredLogprobs.apply(x2d, w, y, opts, return_entropy, producer)
+        logp, entropy, stats = AnchoredLogprobs.apply(x2d, w, y, opts, return_entropy, producer)
+        lse = stats[0] + stats[1]
     else:  # no gradient: no E
         res = loss_only(x2d, w, y, opts, producer=producer, with_entropy=return_entropy)
         logp, entropy, lse = -res.loss, res.entropy, res.lse

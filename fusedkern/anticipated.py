@@ -51,7 +51,8 @@ from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern.kernels.counted_rows import gather_rows, scatter_rows
 from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows
 from fusedkern.kernels.scale import scale_into, scale_unless_one_
-from fusedkern.logprobs import linear_logprobs_with_stats, validate_logprobs_options
+from fusedkern.dispatch import Call, anchored_for
+from fusedkern.logprobs import keeps_anchored_e_for, linear_logprobs_with_stats, validate_logprobs_options
 from fusedkern.sharded import full_weights
 
 #: the upstream patterns a forward may anticipate: SFTTrainer's loss types
@@ -280,17 +281,20 @@ def linear_logprobs_anticipated(input: torch.Tensor, linear_weight: torch.Tensor
     validate_logprobs_options(temperature, return_entropy, "chunked")
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, linear_weight, linear_bias))
-    if not wants_grad or target.numel() == 0 or is_traced(input, linear_weight):
+    x2d = input.reshape(-1, input.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    opts = LossOptions(ignore_index, softcap=None if softcap is None else float(softcap),
+                       logit_scale=1.0 / float(temperature))
+    # the anchored pass with E kept takes any upstream at three GEMMs: nothing to anticipate
+    if not wants_grad or target.numel() == 0 or is_traced(input, linear_weight) or (
+            anchored_for("auto", Call(x2d, linear_weight, linear_bias, None, opts, return_entropy, with_row_max=True))
+            and keeps_anchored_e_for(x2d, linear_weight)):
         return linear_logprobs_with_stats(input, linear_weight, target, linear_bias=linear_bias,
                                           ignore_index=ignore_index, softcap=softcap, temperature=temperature,
                                           return_entropy=return_entropy, weight_grad_accum=weight_grad_accum,
                                           chunk_tokens=chunk_tokens)
-    x2d = input.reshape(-1, input.shape[-1])
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
     y = target.reshape(-1).contiguous()  # the kernels index target[row] with no stride
-    opts = LossOptions(ignore_index, softcap=None if softcap is None else float(softcap),
-                       logit_scale=1.0 / float(temperature))
     plan = plan_for_grads(x2d.shape[0], linear_weight, linear_weight.requires_grad, weight_grad_accum, chunk_tokens)
     logp, entropy, stats = AnticipatedLogprobs.apply(x2d, linear_weight, linear_bias, y, opts, anticipate, plan,
                                                      return_entropy)

@@ -10,14 +10,24 @@ entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from th
   bf16, no bias, class weights, label smoothing, z-loss or softcap; a temperature and the entropy are fine; no logits'
   sum: a call that asks for TRL's mean_logits takes the chunked pass). It has no backward of its own: a gradient
   recomputes the logits with the chunked strategy's GEMMs.
+- `ANCHORED` (`anchored.py`): anchored exponentials: the logits GEMM's epilogue (`kernels/gluon_anchored_exp.py`)
+  writes E = exp(s − s_y − A) in bf16 and per-tile sums, a row kernel finishes each row, and dX, dW are two cuBLAS
+  GEMMs over E: no row pass over [C, V] in HBM. No bias, class weights, label smoothing, z-loss, softcap or logits'
+  sum; the entropy is a value, whose gradient (when one flows) recomputes the logits as the chunked strategy does.
+  Its statistics are the pair (s_y, ℓ), or (max, lse − max) when the row max is asked for (`Call.with_row_max`).
 - `FUSED` (`kernels/fused_ce.py`): Triton GEMM with an online log-sum-exp, logits recomputed in backward; O(T + V)
   extra memory. No logit scale, no entropy and no logits' sum. Its backward adds into dX, dW and db with fp32
   atomics: the one strategy whose gradients are not bitwise reproducible (docs/usage.md, "Determinism").
 
-`impl="auto"` takes the chunked GEMMs unless their buffers do not fit the free GPU memory (then fused, except under
-`torch.use_deterministic_algorithms(True)`), and runs a statistics-only forward on Gluon wherever it applies, so that
-a forward with gradient and one without compute the same statistics with the same kernel (a policy and its reference
-model see equal log-probs). An explicit `impl` that cannot take the call raises ValueError saying why; the fused
+`impl="auto"` takes the anchored pass wherever its Gluon producer runs (sm_90, bf16, aligned operands, not under
+torch.compile tracing), its options allow it and its buffers fit the free GPU memory (`anchored_for`), with and
+without a gradient, so that a forward with gradient and one without compute the same statistics with the same kernel
+(a policy and its reference model see equal log-probs). Elsewhere it takes the chunked GEMMs unless their buffers do
+not fit the free GPU memory (then fused, except under `torch.use_deterministic_algorithms(True)`), and runs a
+statistics-only forward on Gluon wherever it applies, for the same reason. The three-GEMM uses of the anchored pass
+(cross-entropy's gradient formed in the forward, per-token log-probs with E kept to the backward) are routed by their
+callers (`linear_cross_entropy`, `logprobs`); the formula losses (preference, GRPO, SimPO) still take the chunked
+engine. An explicit `impl` that cannot take the call raises ValueError saying why; the fused
 backward under deterministic algorithms raises RuntimeError (a warning with `warn_only=True`), as torch's own
 non-deterministic operations do.
 """
@@ -36,8 +46,8 @@ from fusedkern.autograd import is_traced
 from fusedkern.chunked import chunked_grads, chunked_loss, plan_for_grads
 from fusedkern.engine import LossOptions
 
-AUTO, CHUNKED, FUSED, GLUON = "auto", "chunked", "fused", "gluon"
-IMPLS = (AUTO, CHUNKED, FUSED, GLUON)
+AUTO, ANCHORED, CHUNKED, FUSED, GLUON = "auto", "anchored", "chunked", "fused", "gluon"
+IMPLS = (AUTO, ANCHORED, CHUNKED, FUSED, GLUON)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Call:
     opts: LossOptions
     with_entropy: bool = False
     with_logit_sum: bool = False  # each row's Σ_v s_v (the mean logit of TRL's logits/* metrics)
+    with_row_max: bool = False  # stats[0] must be each row's max (TRL's is_top1), not only a term of the lse
 
 
 class Strategy(abc.ABC):
@@ -70,8 +81,9 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def statistics(self, x, w, b, target, class_weight, opts: LossOptions, chunk_tokens, entropy=None,
-                   logit_sum=None):
-        """(loss_tok [T] fp32, stats [2, T] fp32) of every row; entropy / logit_sum: [T] buffers to fill, or None."""
+                   logit_sum=None, row_max=False):
+        """(loss_tok [T] fp32, stats [2, T] fp32) of every row; entropy / logit_sum: [T] buffers to fill, or None;
+        row_max: stats[0] must be the row max (every strategy but the anchored one gives it always)."""
 
     def gradients(self, x, w, b, target, class_weight, opts: LossOptions, stats, grad_tok, *, need_dx, need_dw,
                   need_db, weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
@@ -84,7 +96,8 @@ class Chunked(Strategy):
     name = CHUNKED
     forms_grads_in_forward = True
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
+                   row_max=False):
         return chunked_loss(x, w, b, target, class_weight, opts, chunk_tokens, entropy=entropy, logit_sum=logit_sum)
 
 
@@ -99,7 +112,8 @@ class Fused(Strategy):
             return "the fused strategy has no logits' sum (mean_logits)"
         return None
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
+                   row_max=False):
         assert opts.logit_scale == 1.0 and entropy is None and logit_sum is None, \
             "the fused kernels take no logit scale, no entropy and no logits' sum"
         return _fused_kernels().fused_ce_forward(
@@ -115,16 +129,24 @@ class Fused(Strategy):
             need_dw=need_dw, need_db=need_db)
 
 
+def plain_options_reason(what: str, call: Call) -> str | None:
+    """Why a pass that computes plain cross-entropy statistics only (at a temperature, with the entropy) cannot take
+    the call's options, or None."""
+    opts = call.opts
+    if call.b is not None or call.class_weight is not None or opts.label_smoothing or opts.z_loss \
+            or opts.softcap is not None:
+        return f"{what} takes no bias, class weights, label smoothing, z-loss or softcap"
+    if call.with_logit_sum:
+        return f"{what} has no logits' sum (mean_logits)"
+    return None
+
+
 class Gluon(Strategy):
     name = GLUON
 
     def unsupported(self, call: Call) -> str | None:
-        opts = call.opts
-        if call.b is not None or call.class_weight is not None or opts.label_smoothing or opts.z_loss \
-                or opts.softcap is not None:
-            return "the Gluon pass takes no bias, class weights, label smoothing, z-loss or softcap"
-        if call.with_logit_sum:  # such calls take the chunked pass, whose row kernels carry the sum
-            return "the Gluon pass has no logits' sum (mean_logits)"
+        if (reason := plain_options_reason("the Gluon pass", call)) is not None:
+            return reason  # a logits' sum takes the chunked pass, whose row kernels carry it
         if not call.x2d.is_cuda:
             return f"the Gluon pass runs on a CUDA GPU, not on {call.x2d.device.type} tensors"
         if is_traced(call.x2d, call.w):  # fake tensors have no address to check TMA's alignment on
@@ -134,14 +156,59 @@ class Gluon(Strategy):
             return "this Triton has no Gluon API the kernel was written for"
         return kernels.unsupported_reason(call.x2d, call.w)
 
-    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None):
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
+                   row_max=False):
         assert logit_sum is None, "the Gluon pass has no logits' sum"
         return _gluon_kernels().loss_only(x, w, target, opts.ignore_index, chunk_tokens, logit_scale=opts.logit_scale,
                                           entropy=entropy)
 
 
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Chunked(), Fused(), Gluon())}
+class Anchored(Strategy):
+    """The anchored pass as a strategy: its statistics pass keeps the partial sums only (`anchored.loss_only`), and a
+    gradient recomputes E with the producer (four GEMMs, ~6 bytes of HBM a logit); the three-GEMM uses (the
+    gradient formed in the forward, E kept to the backward) are routed by their callers through `anchored_for`."""
+
+    name = ANCHORED
+
+    def unsupported(self, call: Call) -> str | None:
+        if (reason := plain_options_reason("the anchored pass", call)) is not None:
+            return reason
+        if is_traced(call.x2d, call.w):
+            return "the anchored pass does not run under torch.compile tracing"
+        return None
+
+    def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
+                   row_max=False):
+        assert b is None and class_weight is None and logit_sum is None
+        res = _anchored().loss_only(x, w, target, opts, with_entropy=entropy is not None, chunk_tokens=chunk_tokens,
+                                    with_row_max=row_max)
+        if entropy is not None:
+            entropy.copy_(res.entropy)
+        return res.loss, _anchored().row_stats(res)
+
+    def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
+                  weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
+        if grad_entropy is not None:  # the entropy's gradient is not formed on E: the chunked recomputation
+            return super().gradients(x, w, b, target, class_weight, opts, stats, grad_tok, need_dx=need_dx,
+                                     need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+                                     chunk_tokens=chunk_tokens, entropy=entropy, grad_entropy=grad_entropy)
+        anchored = _anchored()
+        plan = anchored.anchored_plan(x.shape[0], w.shape[0], w.shape[1], need_dw=need_dw,
+                                      fp32_accum=weight_grad_accum == "fp32" and w.dtype != torch.float32,
+                                      chunk_tokens=chunk_tokens)
+        res = anchored.anchored_loss_and_grads(x, w, target, opts, grad_tok, per_token_grad=True, need_dx=need_dx,
+                                               need_dw=need_dw, plan=plan)
+        return res.grads.dx, (res.grads.weight_grad() if need_dw else None), None
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Anchored(), Chunked(), Fused(), Gluon())}
 assert set(IMPLS) == {AUTO, *STRATEGIES} == set(VALID_IMPLS), "a strategy is registered here and validated there"
+
+
+def _anchored():
+    from fusedkern import anchored
+
+    return anchored
 
 
 def _fused_kernels():
@@ -172,20 +239,62 @@ def check_supported(impl: str, call: Call) -> None:
 
 def choose(impl: str, call: Call, *, weight_grad_accum: str = "fp32", chunk_tokens: int | None = None,
            statistics_only: bool = False, fused_fallback: bool = True) -> Strategy:
-    """The strategy for a call. impl "auto": "fused" when the chunked buffers (at the caller's `chunk_tokens` when
-    given) do not fit the free GPU memory and `fused_fallback` allows it; else, for a statistics-only forward
-    (`statistics_only`: no gradient is formed in this pass; a backward may recompute the logits), "gluon" wherever
-    it applies; else "chunked". Never "fused" under deterministic algorithms (`fused_fallback_allowed`). An explicit
-    impl is checked (`check_supported`) and kept."""
+    """The strategy for a call. impl "auto": "anchored" where `anchored_for` says; else "fused" when the chunked
+    buffers (at the caller's `chunk_tokens` when given) do not fit the free GPU memory and `fused_fallback` allows
+    it; else, for a statistics-only forward (`statistics_only`: no gradient is formed in this pass; a backward may
+    recompute the logits), "gluon" wherever it applies; else "chunked". Never "fused" under deterministic
+    algorithms (`fused_fallback_allowed`). An explicit impl is checked (`check_supported`) and kept."""
     if impl != AUTO:
         check_supported(impl, call)
         return STRATEGIES[impl]
+    if anchored_for(impl, call):
+        return STRATEGIES[ANCHORED]
     if fused_fallback and fused_fallback_allowed() and STRATEGIES[FUSED].unsupported(call) is None \
             and _chunked_needs_more_than_free(call.x2d, call.w, weight_grad_accum, chunk_tokens):
         return STRATEGIES[FUSED]
     if statistics_only and STRATEGIES[GLUON].unsupported(call) is None:
         return STRATEGIES[GLUON]
     return STRATEGIES[CHUNKED]
+
+
+def anchored_for(impl: str, call: Call) -> bool:
+    """Whether a call runs on the anchored pass: impl "anchored" (checked: ValueError where it cannot), or "auto"
+    where the strategy takes the call's options, its Gluon producer runs on these operands (sm_90, bf16, aligned; the
+    torch reference producer, which an explicit impl="anchored" falls back to elsewhere, is a test oracle, not a
+    path "auto" takes) and the pass's buffers (≤ 2 GiB) fit the free GPU memory."""
+    if impl == ANCHORED:
+        check_supported(impl, call)
+        return True
+    if impl != AUTO or STRATEGIES[ANCHORED].unsupported(call) is not None:
+        return False
+    if anchored_producer_reason(call.x2d, call.w) is not None:
+        return False
+    return not call.x2d.is_cuda or fits_free_memory(_anchored().ANCHORED_EXTRA_BUDGET_BYTES, call.x2d.device)
+
+
+def keeps_anchored_e(x2d: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the anchored log-probs may keep E of every token from the forward to the backward (three GEMMs; else
+    the backward recomputes it, four): E [T, V] bf16 and the backward's r ⊙ x and fp32 dX scratch [T, H], beside the
+    pass's own ≤ 2 GiB, fit the free memory (always, off CUDA)."""
+    (T, H), V = x2d.shape, w.shape[0]
+    kept = T * _anchored().e_row_stride(V) * 2 + T * H * 6
+    return not x2d.is_cuda or fits_free_memory(kept + _anchored().ANCHORED_EXTRA_BUDGET_BYTES, x2d.device)
+
+
+def fits_free_memory(need: int, device: torch.device) -> bool:
+    """Whether `need` bytes are free on a CUDA device: in the caching allocator's reserve, else per the driver."""
+    return _cached_bytes_cover(need, device) or torch.cuda.mem_get_info(device)[0] >= need
+
+
+def anchored_producer_reason(x2d: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why the anchored pass's Gluon producer cannot take these operands (None when it can)."""
+    if not x2d.is_cuda:
+        return f"the anchored pass's Gluon producer runs on a CUDA GPU, not on {x2d.device.type} tensors"
+    try:  # Gluon is imported only on CUDA, and only a Triton with its 3.6 API has it
+        from fusedkern.kernels import gluon_anchored_exp
+    except (ImportError, AttributeError):
+        return "this Triton has no Gluon API the kernel was written for"
+    return gluon_anchored_exp.unsupported_reason(x2d, w)
 
 
 def resolve_impl(impl: str, x2d: torch.Tensor, w: torch.Tensor, weight_grad_accum: str,

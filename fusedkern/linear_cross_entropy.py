@@ -48,7 +48,8 @@ from fusedkern.autograd import (
 )
 from fusedkern.chunked import LossOptions, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
-from fusedkern.dispatch import Call, choose, forms_grads_in_forward, strategy
+from fusedkern.anchored import AnchoredCrossEntropy
+from fusedkern.dispatch import Call, anchored_for, choose, forms_grads_in_forward, strategy
 from fusedkern.sharded import full_weights
 
 
@@ -213,6 +214,13 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
     # so the Gluon pass, which would accept one, must not be handed one here either
     assert opts.logit_scale == 1.0, "cross-entropy's operators take no logit scale"
     check_target, count, count_int = checks
+    if grads.wanted and reduction != "none" and not grads.need_db and count is None \
+            and anchored_for(impl, Call(x2d, w, b, class_weight, opts)):
+        # the anchored pass forms the gradients in the forward (three GEMMs, no row pass over the logits); a
+        # host count's rows are gathered here and autograd scatters their dX back
+        x_rows = x2d if rows is None else x2d.index_select(0, rows)
+        return AnchoredCrossEntropy.apply(x_rows, w, y, opts, reduction, weight_grad_accum, chunk_tokens, None,
+                                          checks if rows is not None else None)
     if grads.wanted and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum,
                                                                       chunk_tokens):
         loss, lse, *_ = ce_chunked_scalar(x2d, w, b, y, class_weight, check_target, count, rows,

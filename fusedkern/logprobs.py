@@ -34,10 +34,12 @@ from fusedkern.autograd import (
     define_op,
     fake_grads,
     follows_autocast,
+    is_traced,
     or_absent,
     with_grads,
 )
-from fusedkern.dispatch import Call, choose, strategy
+from fusedkern.anchored import AnchoredLogprobs
+from fusedkern.dispatch import ANCHORED, Call, choose, keeps_anchored_e, strategy
 from fusedkern.engine import LossOptions, valid_rows_first
 from fusedkern.sharded import full_weights
 
@@ -63,6 +65,7 @@ class LogprobsOptions:
     count_int: int = -1
     with_entropy: bool = False
     with_logit_sum: bool = False
+    with_row_max: bool = False
 
 
 def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
@@ -79,7 +82,8 @@ def _logprobs_entropy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, 
     logit_sum = torch.empty(T if o.with_logit_sum else 0, device=x.device, dtype=torch.float32)
     loss_tok, stats = strategy(o.impl).statistics(x, w, b, target, None, o.loss, o.forward_chunk_tokens,
                                                   entropy=entropy if o.with_entropy else None,
-                                                  logit_sum=logit_sum if o.with_logit_sum else None)
+                                                  logit_sum=logit_sum if o.with_logit_sum else None,
+                                                  row_max=o.with_row_max)
     finish_checks(checks)
     return loss_tok, stats, entropy, logit_sum
 
@@ -238,8 +242,12 @@ def _over_tokens(x2d, w, b, y, opts: LossOptions, strategy_for, with_entropy: bo
         return logps, logps if with_entropy else absent(logps)
 
     def nll_and_entropy(x_rows, y_rows, check_target, count, count_int):
-        options = LogprobsOptions(opts, strategy_for(x_rows), GradOptions(weight_grad_accum, chunk_tokens),
-                                  chunk_tokens, count_int, with_entropy)
+        name = strategy_for(x_rows)
+        if name == ANCHORED and keeps_anchored_e_for(x_rows, w):
+            nll, entropy, _ = anchored_kept(x_rows, w, y_rows, opts, with_entropy, (check_target, count, count_int))
+            return nll, entropy
+        options = LogprobsOptions(opts, name, GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens, count_int,
+                                  with_entropy)
         nll, _, entropy, _ = logprobs_entropy(x_rows, w, b, y_rows, check_target, count, options)
         return nll, entropy
 
@@ -255,6 +263,24 @@ def _over_tokens(x2d, w, b, y, opts: LossOptions, strategy_for, with_entropy: bo
     nll, entropy = nll_and_entropy(x2d.index_select(0, rows), y_valid, y, None, count_int)
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy  # −0.0 where ignored, as the dense pass gives
+
+
+def keeps_anchored_e_for(x2d: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether an anchored call keeps E from its forward to its backward (`anchored.AnchoredLogprobs`: three GEMMs):
+    a gradient will follow, the call is not being traced (the kept E lives outside the custom operators), and E fits
+    the free memory (`dispatch.keeps_anchored_e`); else the `logprobs_entropy` operator on the anchored strategy,
+    whose backward recomputes E."""
+    return (torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad) and not is_traced(x2d, w)
+            and keeps_anchored_e(x2d, w))
+
+
+def anchored_kept(x2d, w, y, opts: LossOptions, with_entropy: bool, checks, with_row_max: bool = False):
+    """(−log p [T], entropy [T] or [0], stats [2, T]) of the anchored pass with E kept to the backward; checks:
+    `start_checks`' (whole_target, count, count_int)."""
+    started = start_checks(y, w.shape[0], opts.ignore_index, *checks)
+    logp, entropy, stats = AnchoredLogprobs.apply(x2d, w, y, opts, with_entropy, None, with_row_max)
+    finish_checks(started)
+    return -logp, entropy, stats
 
 
 @follows_autocast
@@ -290,15 +316,19 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
     logit_scale = 1.0 / float(temperature)
     call = Call(x2d, linear_weight, linear_bias, None, LossOptions(ignore_index, softcap=softcap,
                                                                    logit_scale=logit_scale), return_entropy,
-                with_logit_sum=return_mean_logits)
+                with_logit_sum=return_mean_logits, with_row_max=True)
     # the statistics pass is the same with and without a gradient to follow: a policy and its reference model
     # (the same weights, one under no_grad) get equal log-probs
     impl = choose("auto", call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True,
                   fused_fallback=False).name
-    nll, stats, entropy, logit_sum = logprobs_entropy(
-        x2d, linear_weight, linear_bias, y, None, None,
-        LogprobsOptions(call.opts, impl, GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens,
-                        with_entropy=return_entropy, with_logit_sum=return_mean_logits))
+    if impl == ANCHORED and keeps_anchored_e_for(x2d, linear_weight):
+        nll, entropy, stats = anchored_kept(x2d, linear_weight, y, call.opts, return_entropy, (None, None, -1),
+                                            with_row_max=True)
+    else:
+        nll, stats, entropy, logit_sum = logprobs_entropy(
+            x2d, linear_weight, linear_bias, y, None, None,
+            LogprobsOptions(call.opts, impl, GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens,
+                            with_entropy=return_entropy, with_logit_sum=return_mean_logits, with_row_max=True))
     lead = input.shape[:-1]
     stats = stats.detach()
     out = (-nll.reshape(lead), entropy.reshape(lead) if return_entropy else None, stats[0].reshape(lead),

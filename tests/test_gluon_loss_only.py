@@ -102,8 +102,10 @@ def emulated_gluon(monkeypatch):
 
 
 def _stub_cuda_gluon(monkeypatch):
-    """The Gluon kernel's own checks passing on CPU tensors seen as CUDA ones (this is CPU)."""
+    """The Gluon kernel's own checks passing on CPU tensors seen as CUDA ones (this is CPU), and the anchored pass,
+    which "auto" prefers wherever its producer runs, out of the way."""
     stub = type("Stub", (), {"unsupported_reason": staticmethod(lambda x, w: None)})
+    monkeypatch.setattr(dispatch, "anchored_producer_reason", lambda x, w: "out of this test's way")
     monkeypatch.setattr(dispatch, "_gluon_kernels", lambda: stub)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(dispatch, "_chunked_needs_more_than_free", lambda *args: False)

@@ -1,0 +1,159 @@
+"""The anchored pass behind the public functions (`dispatch.py`: impl="anchored", and what impl="auto" takes where
+the Gluon producer runs).
+
+CPU: the producer is the torch reference and the row kernels run in Triton's interpreter; "auto" is made to take the
+anchored pass by reporting its producer as available (`dispatch.anchored_producer_reason`). Each route is checked
+against float64 within 2× torch's own error and shown to be the route taken: cross-entropy's gradient formed in the
+forward (mean, sum, a host count's gathered rows), the per-token log-probs with E kept to the backward, their
+entropy's gradient (the chunked recomputation), the recomputing backward when E does not fit, and the statistics pass
+without a gradient, whose log-probs are the same bits as the pass with one (a policy and its reference model).
+Bad combinations raise ValueError naming the option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedkern
+from fusedkern import anchored, dispatch, logprobs, reference
+from fusedkern.logprobs import is_top1, linear_logprobs_with_stats
+from tests._accuracy import assert_close_to_ref, torch_linear_cross_entropy, torch_logprobs_entropy
+from tests.conftest import DEVICE
+from tests.test_gluon_loss_only import make_inputs
+
+
+@pytest.fixture
+def auto_is_anchored(monkeypatch):
+    """impl="auto" takes the anchored pass here (on the torch reference producer), and every anchored entry point's
+    calls are counted: {name: calls}."""
+    monkeypatch.setattr(dispatch, "anchored_producer_reason", lambda x2d, w: None)
+    calls = {}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("anchored_loss_and_grads", "loss_only", "logprobs_forward", "logprobs_backward"):
+        monkeypatch.setattr(anchored, name, counting(name, getattr(anchored, name)))
+    return calls
+
+
+def grads_of(fn, x, w, y, upstream=None, **kwargs):
+    xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = fn(xl, wl, y, **kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    (first * (1.0 if upstream is None else upstream)).sum().backward()
+    return out, xl.grad, wl.grad
+
+
+def check_ce(x, w, y, reduction, **kwargs):
+    out, dx, dw = grads_of(fusedkern.linear_cross_entropy, x, w, y, reduction=reduction, **kwargs)
+    ref, rdx, rdw = grads_of(reference.linear_cross_entropy_fp64, x.double(), w.double(), y, reduction=reduction)
+    tch, tdx, tdw = grads_of(torch_linear_cross_entropy, x, w, y, reduction=reduction, upcast_logits=True)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert_close_to_ref("loss", out, ref, tch.detach(), atol=1e-5)
+    assert_close_to_ref("dX", dx, rdx, tdx, atol=1e-3)
+    assert_close_to_ref("dW", dw, rdw, tdw, atol=1e-3)
+    return out, dx, dw
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_auto_cross_entropy_forms_its_gradient_in_the_anchored_forward(reduction, auto_is_anchored,
+                                                                       poison_allocations):
+    x, w, y = make_inputs(37, 48, 1000)
+    poison_allocations()
+    out, _, _ = check_ce(x, w, y, reduction)
+    assert auto_is_anchored == {"anchored_loss_and_grads": 1}
+    with torch.no_grad():  # the same kernel without a gradient: the same bits
+        assert torch.equal(fusedkern.linear_cross_entropy(x, w, y, reduction=reduction), out.detach())
+    assert auto_is_anchored["loss_only"] == 1
+
+
+def test_explicit_anchored_with_a_host_count_computes_the_valid_rows_only(auto_is_anchored):
+    x, w, y = make_inputs(30, 32, 300, seed=3, ignore_frac=0.5)
+    count = int((y != -100).sum())
+    _, dx, _ = check_ce(x, w, y, "mean", impl="anchored", num_valid_tokens=count)
+    assert auto_is_anchored == {"anchored_loss_and_grads": 1}
+    assert not dx[y == -100].any()
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        fusedkern.linear_cross_entropy(x, w, y, impl="anchored", num_valid_tokens=count + 1)
+
+
+def logprobs_references(x, w, y, temperature, up, up_entropy):
+    """fp64 (logp, entropy, dX, dW) and torch's same-dtype ones for Σ up·logp + up_entropy·H."""
+    f64 = [t.detach().double().requires_grad_() for t in (x, w)]
+    ref_logp, ref_entropy = reference.linear_logprobs_entropy_fp64(f64[0], f64[1], y, temperature=temperature)
+    (ref_logp * up.double() + ref_entropy * up_entropy.double()).sum().backward()
+    same = [t.detach().clone().requires_grad_() for t in (x, w)]
+    tch_logp, tch_entropy = torch_logprobs_entropy(same[0], same[1], y, None, softcap=None, temperature=temperature,
+                                                   upcast=True)
+    (tch_logp * up + tch_entropy * up_entropy).sum().backward()
+    return (ref_logp, ref_entropy, f64[0].grad, f64[1].grad), (tch_logp, tch_entropy, same[0].grad, same[1].grad)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp_grad", "logp_and_entropy_grads"])
+@pytest.mark.parametrize("keep_e", [True, False], ids=["E_kept", "E_recomputed"])
+def test_auto_logprobs_on_the_anchored_pass(entropy_grad, keep_e, auto_is_anchored, monkeypatch):
+    """τ 0.7 with the entropy: E kept to the backward (three GEMMs) or, when it does not fit, recomputed there by the
+    producer (four); a gradient into the entropy recomputes the logits with the chunked GEMMs."""
+    if not keep_e:
+        monkeypatch.setattr(logprobs, "keeps_anchored_e", lambda x2d, w: False)
+    x, w, y = make_inputs(29, 64, 700, seed=6)
+    gen = torch.Generator().manual_seed(1)
+    up = torch.randn(29, generator=gen).to(x.device)
+    up_entropy = torch.randn(29, generator=gen).to(x.device) if entropy_grad else torch.zeros(29, device=x.device)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=0.7, return_entropy=True)
+    ((logp * up).sum() + ((entropy * up_entropy).sum() if entropy_grad else 0)).backward()
+    (ref_logp, ref_entropy, rdx, rdw), (t_logp, t_entropy, tdx, tdw) = logprobs_references(x, w, y, 0.7, up,
+                                                                                           up_entropy)
+    assert_close_to_ref("logp", logp, ref_logp, t_logp.detach(), atol=1e-4)
+    assert_close_to_ref("entropy", entropy, ref_entropy, t_entropy.detach(), atol=1e-4)
+    assert_close_to_ref("dX", xl.grad, rdx, tdx, atol=1e-3)
+    assert_close_to_ref("dW", wl.grad, rdw, tdw, atol=1e-3)
+    kept = {"logprobs_forward": 1} | ({} if entropy_grad else {"logprobs_backward": 1})
+    recomputed = {"loss_only": 1} | ({} if entropy_grad else {"anchored_loss_and_grads": 1})
+    assert auto_is_anchored == (kept if keep_e else recomputed)
+    with torch.no_grad():  # a reference model's pass: the same log-probs and entropy, bit for bit
+        same_logp, same_entropy = fusedkern.linear_logprobs(x, w, y, temperature=0.7, return_entropy=True)
+    assert torch.equal(same_logp, logp.detach()) and torch.equal(same_entropy, entropy.detach())
+
+
+def test_logprobs_with_stats_gives_the_row_max_for_is_top1(auto_is_anchored):
+    """TRL's head: the anchored pass's row max and lse give is_top1 as the float64 argmax does (rows made confident
+    in their target included), with a gradient (E kept) and without."""
+    x, w, y = make_inputs(40, 32, 300, seed=11, ignore_frac=0.1)
+    valid = y != -100
+    x[5:20] = x[5:20] + 4.0 * w[torch.where(valid, y, 0)[5:20]].float().to(x.dtype) * 8  # target is the argmax
+    f64 = x.double() @ w.double().t()
+    expected = (f64.argmax(-1) == y) & valid
+    for grad in (True, False):
+        xl = x.clone().requires_grad_(grad)
+        logps, _, row_max, row_lse = linear_logprobs_with_stats(xl, w, y)
+        top1 = is_top1(logps.detach(), row_max, row_lse) & valid
+        assert torch.equal(top1, expected), (grad, top1.nonzero().flatten(), expected.nonzero().flatten())
+        torch.testing.assert_close(row_max[valid].double(), f64.max(-1).values[valid], rtol=1e-5, atol=1e-4)
+        if grad:
+            logps.sum().backward()
+    assert auto_is_anchored["logprobs_forward"] == 1 and auto_is_anchored["loss_only"] == 1
+
+
+def test_auto_stays_off_the_anchored_pass_where_its_producer_does_not_run():
+    x, w, y = make_inputs(8, 32, 64, seed=2)
+    call = dispatch.Call(x, w, None, None, dispatch.LossOptions())
+    assert dispatch.choose("auto", call).name == ("anchored" if dispatch.anchored_producer_reason(x, w) is None
+                                                   else "chunked")
+    if DEVICE == "cpu":
+        assert "CUDA" in dispatch.anchored_producer_reason(x, w)
+
+
+@pytest.mark.parametrize("option,match", [({"linear_bias": "bias"}, "bias"), ({"label_smoothing": 0.1}, "smoothing"),
+                                          ({"z_loss": 1e-4}, "z-loss"), ({"softcap": 30.0}, "softcap")])
+def test_explicit_anchored_refuses_what_it_cannot_compute(option, match):
+    x, w, y = make_inputs(8, 32, 64, seed=2)
+    if "linear_bias" in option:
+        option = {"linear_bias": torch.zeros(64, device=x.device, dtype=x.dtype)}
+    with pytest.raises(ValueError, match=f"impl='anchored'.*{match}"):
+        fusedkern.linear_cross_entropy(x, w, y, impl="anchored", **option)
