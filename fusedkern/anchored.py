@@ -405,6 +405,16 @@ class AnchoredLogprobs(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+def kept_logprobs(x2d, w, y, opts: LossOptions, with_entropy: bool, checks=(None, None, -1),
+                  with_row_max: bool = False):
+    """(−log p [T], entropy [T] or [0], stats [2, T]: `row_stats`) through `AnchoredLogprobs` (E kept to the
+    backward); checks: `start_checks`' (whole_target, count, count_int)."""
+    started = start_checks(y, w.shape[0], opts.ignore_index, *checks)
+    logp, entropy, stats = AnchoredLogprobs.apply(x2d, w, y, opts, with_entropy, None, with_row_max)
+    finish_checks(started)
+    return -logp, entropy, stats
+
+
 def row_stats(res: AnchoredResult) -> torch.Tensor:
     """[2, T] fp32 row statistics whose sum is the lse, shaped as the chunked strategy's (max, log Σ exp(s − max)):
     (max, lse − max) when the row max was formed, else (s_y, ℓ). Either way p_v = exp((s_v − stats[0]) − stats[1])

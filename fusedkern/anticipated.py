@@ -51,8 +51,8 @@ from fusedkern.kernels.ce_rows import ce_rows
 from fusedkern.kernels.counted_rows import gather_rows, scatter_rows
 from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows
 from fusedkern.kernels.scale import scale_into, scale_unless_one_
-from fusedkern.dispatch import Call, anchored_for
-from fusedkern.logprobs import keeps_anchored_e_for, linear_logprobs_with_stats, validate_logprobs_options
+from fusedkern.dispatch import Call, anchored_for, keeps_anchored_e
+from fusedkern.logprobs import linear_logprobs_with_stats, validate_logprobs_options
 from fusedkern.sharded import full_weights
 
 #: the upstream patterns a forward may anticipate: SFTTrainer's loss types
@@ -289,7 +289,7 @@ def linear_logprobs_anticipated(input: torch.Tensor, linear_weight: torch.Tensor
     # the anchored pass with E kept takes any upstream at three GEMMs: nothing to anticipate
     if not wants_grad or target.numel() == 0 or is_traced(input, linear_weight) or (
             anchored_for("auto", Call(x2d, linear_weight, linear_bias, None, opts, return_entropy, with_row_max=True))
-            and keeps_anchored_e_for(x2d, linear_weight)):
+            and keeps_anchored_e(x2d, linear_weight)):
         return linear_logprobs_with_stats(input, linear_weight, target, linear_bias=linear_bias,
                                           ignore_index=ignore_index, softcap=softcap, temperature=temperature,
                                           return_entropy=return_entropy, weight_grad_accum=weight_grad_accum,

@@ -48,8 +48,8 @@ from fusedkern.autograd import (
 )
 from fusedkern.chunked import LossOptions, chunked_loss_and_grads, lse_of, plan_for_grads
 from fusedkern.engine import valid_rows_first
-from fusedkern.anchored import AnchoredCrossEntropy
-from fusedkern.dispatch import Call, anchored_for, choose, forms_grads_in_forward, strategy
+from fusedkern.anchored import AnchoredCrossEntropy, kept_logprobs
+from fusedkern.dispatch import Call, anchored_for, choose, forms_grads_in_forward, keeps_anchored_e, strategy
 from fusedkern.sharded import full_weights
 
 
@@ -221,6 +221,11 @@ def _loss_and_lse(x2d, w, b, y, class_weight, opts: LossOptions, reduction: str,
         x_rows = x2d if rows is None else x2d.index_select(0, rows)
         return AnchoredCrossEntropy.apply(x_rows, w, y, opts, reduction, weight_grad_accum, chunk_tokens, None,
                                           checks if rows is not None else None)
+    if reduction == "none" and grads.wanted and not grads.need_db and keeps_anchored_e(x2d, w) \
+            and anchored_for(impl, Call(x2d, w, b, class_weight, opts)):
+        # per-token losses whose upstream arrives in backward: E kept to it (three GEMMs)
+        nll, _, stats = kept_logprobs(x2d if rows is None else x2d.index_select(0, rows), w, y, opts, False, checks)
+        return nll, lse_of(stats)
     if grads.wanted and reduction != "none" and forms_grads_in_forward(impl, x2d, w, weight_grad_accum,
                                                                       chunk_tokens):
         loss, lse, *_ = ce_chunked_scalar(x2d, w, b, y, class_weight, check_target, count, rows,

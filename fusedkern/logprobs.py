@@ -34,11 +34,10 @@ from fusedkern.autograd import (
     define_op,
     fake_grads,
     follows_autocast,
-    is_traced,
     or_absent,
     with_grads,
 )
-from fusedkern.anchored import AnchoredLogprobs
+from fusedkern.anchored import kept_logprobs
 from fusedkern.dispatch import ANCHORED, Call, choose, keeps_anchored_e, strategy
 from fusedkern.engine import LossOptions, valid_rows_first
 from fusedkern.sharded import full_weights
@@ -243,8 +242,8 @@ def _over_tokens(x2d, w, b, y, opts: LossOptions, strategy_for, with_entropy: bo
 
     def nll_and_entropy(x_rows, y_rows, check_target, count, count_int):
         name = strategy_for(x_rows)
-        if name == ANCHORED and keeps_anchored_e_for(x_rows, w):
-            nll, entropy, _ = anchored_kept(x_rows, w, y_rows, opts, with_entropy, (check_target, count, count_int))
+        if name == ANCHORED and keeps_anchored_e(x_rows, w):
+            nll, entropy, _ = kept_logprobs(x_rows, w, y_rows, opts, with_entropy, (check_target, count, count_int))
             return nll, entropy
         options = LogprobsOptions(opts, name, GradOptions(weight_grad_accum, chunk_tokens), chunk_tokens, count_int,
                                   with_entropy)
@@ -263,24 +262,6 @@ def _over_tokens(x2d, w, b, y, opts: LossOptions, strategy_for, with_entropy: bo
     nll, entropy = nll_and_entropy(x2d.index_select(0, rows), y_valid, y, None, count_int)
     scatter = lambda t: t.new_zeros(y.shape[0]).index_copy(0, rows, t)  # noqa: E731
     return -scatter(nll), scatter(entropy) if with_entropy else entropy  # −0.0 where ignored, as the dense pass gives
-
-
-def keeps_anchored_e_for(x2d: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether an anchored call keeps E from its forward to its backward (`anchored.AnchoredLogprobs`: three GEMMs):
-    a gradient will follow, the call is not being traced (the kept E lives outside the custom operators), and E fits
-    the free memory (`dispatch.keeps_anchored_e`); else the `logprobs_entropy` operator on the anchored strategy,
-    whose backward recomputes E."""
-    return (torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad) and not is_traced(x2d, w)
-            and keeps_anchored_e(x2d, w))
-
-
-def anchored_kept(x2d, w, y, opts: LossOptions, with_entropy: bool, checks, with_row_max: bool = False):
-    """(−log p [T], entropy [T] or [0], stats [2, T]) of the anchored pass with E kept to the backward; checks:
-    `start_checks`' (whole_target, count, count_int)."""
-    started = start_checks(y, w.shape[0], opts.ignore_index, *checks)
-    logp, entropy, stats = AnchoredLogprobs.apply(x2d, w, y, opts, with_entropy, None, with_row_max)
-    finish_checks(started)
-    return -logp, entropy, stats
 
 
 @follows_autocast
@@ -321,8 +302,8 @@ def linear_logprobs_with_stats(input: torch.Tensor, linear_weight: torch.Tensor,
     # (the same weights, one under no_grad) get equal log-probs
     impl = choose("auto", call, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, statistics_only=True,
                   fused_fallback=False).name
-    if impl == ANCHORED and keeps_anchored_e_for(x2d, linear_weight):
-        nll, entropy, stats = anchored_kept(x2d, linear_weight, y, call.opts, return_entropy, (None, None, -1),
+    if impl == ANCHORED and keeps_anchored_e(x2d, linear_weight):
+        nll, entropy, stats = kept_logprobs(x2d, linear_weight, y, call.opts, return_entropy, (None, None, -1),
                                             with_row_max=True)
     else:
         nll, stats, entropy, logit_sum = logprobs_entropy(

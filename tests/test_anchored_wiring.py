@@ -157,3 +157,117 @@ def test_explicit_anchored_refuses_what_it_cannot_compute(option, match):
         option = {"linear_bias": torch.zeros(64, device=x.device, dtype=x.dtype)}
     with pytest.raises(ValueError, match=f"impl='anchored'.*{match}"):
         fusedkern.linear_cross_entropy(x, w, y, impl="anchored", **option)
+
+
+def test_every_row_has_its_lse_ignored_rows_included():
+    """return_lse gives every row's log-sum-exp, as the chunked strategy does: an ignored row is anchored on column
+    0, and one whose column-0 logit lies 95 nats below the rest (past the anchor's reach) takes the exact pass, whose
+    bf16 logits give the chunked strategy's accuracy."""
+    x, w, y = make_inputs(24, 32, 300, seed=12, ignore_frac=0.4)
+    y[3] = -100
+    x, w = x.clone(), w.clone()
+    x[3, 0], w[:, 0] = 8.0, 0.0
+    w[0, 0] = -95.0 / 8.0  # column 0 alone, 95 nats under every other logit of row 3
+    for grad in (False, True):
+        xl = x.clone().requires_grad_(grad)
+        loss, lse = fusedkern.linear_cross_entropy(xl, w, y, reduction="none", return_lse=True, impl="anchored")
+        ref = torch.logsumexp(x.double() @ w.double().t(), -1)
+        held = torch.arange(24, device=x.device) != 3
+        torch.testing.assert_close(lse[held].double(), ref[held], rtol=1e-5, atol=1e-4)
+        # the exact pass rounds its logits to bf16 as the chunked strategy does: within a bf16 rounding of |lse|
+        assert abs(lse[3].item() - ref[3].item()) < 2 ** -8 * abs(ref[3].item()), (lse[3].item(), ref[3].item())
+        assert not loss[y == -100].any()
+        if grad:
+            (loss * torch.linspace(-1, 1, 24, device=x.device)).sum().backward()
+            assert not xl.grad[y == -100].any()
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+ON_SM90 = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the anchored pass's Gluon producer needs an sm_90 (H100/H200) GPU")
+
+
+@pytest.fixture
+def anchored_calls(monkeypatch):
+    """{name: calls} of the anchored entry points, with "auto" choosing as it does (no stub)."""
+    calls = {}
+    for name in ("anchored_loss_and_grads", "loss_only", "logprobs_forward", "logprobs_backward"):
+        original = getattr(anchored, name)
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(anchored, name, wrapper)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gpu_auto_cross_entropy_on_the_anchored_pass(reduction, anchored_calls):
+    """Realistic bf16 shapes (a ragged vocabulary, a fifth of the rows ignored): "auto" takes the anchored pass
+    (mean/sum: the gradient formed in the forward; none: E kept) and every output is within 2× torch's error."""
+    from tests.test_linear_cross_entropy import check_against_reference, make_inputs as lce_inputs
+
+    x, w, y, _, _ = lce_inputs(2048, 1024, 32003, torch.bfloat16, device="cuda", seed=21)
+    check_against_reference(x, w, y, None, None, reduction=reduction)
+    assert anchored_calls == ({"anchored_loss_and_grads": 1} if reduction != "none"
+                              else {"logprobs_forward": 1, "logprobs_backward": 1})
+    with torch.no_grad():  # a loss-only call: the anchored sums, the same bits
+        loss, lse = fusedkern.linear_cross_entropy(x, w, y, reduction=reduction, return_lse=True)
+    xl = x.clone().requires_grad_()
+    loss_g, lse_g = fusedkern.linear_cross_entropy(xl, w, y, reduction=reduction, return_lse=True)
+    assert torch.equal(loss, loss_g.detach()) and torch.equal(lse, lse_g)
+    ref = torch.logsumexp(x.double() @ w.double().t(), -1)  # every row's, ignored ones included
+    torch.testing.assert_close(lse.double(), ref, rtol=2e-6, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_auto_logprobs_and_trl_statistics_on_the_anchored_pass(anchored_calls):
+    """τ 0.7 with the entropy and an upstream on both (E kept; the entropy's gradient recomputed), is_top1 from
+    `linear_logprobs_with_stats` as float64's argmax says (near-ties aside), a reference model's no-grad pass the
+    same bits."""
+    x, w, y = make_inputs(1536, 512, 32003, seed=22)
+    x[:300] = x[:300] + (4.0 * w[torch.where(y[:300] != -100, y[:300], 0)]).to(x.dtype) * 8  # confident rows
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    up, up_entropy = torch.randn(1536, device="cuda", generator=gen), torch.randn(1536, device="cuda", generator=gen)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=0.7, return_entropy=True)
+    ((logp * up).sum() + (entropy * up_entropy).sum()).backward()
+    (ref_logp, ref_entropy, rdx, rdw), (t_logp, t_entropy, tdx, tdw) = logprobs_references(x, w, y, 0.7, up,
+                                                                                           up_entropy)
+    assert_close_to_ref("logp", logp, ref_logp, t_logp.detach(), atol=1e-4)
+    assert_close_to_ref("entropy", entropy, ref_entropy, t_entropy.detach(), atol=1e-4)
+    assert_close_to_ref("dX", xl.grad, rdx, tdx, atol=1e-3)
+    assert_close_to_ref("dW", wl.grad, rdw, tdw, atol=1e-3)
+    assert anchored_calls == {"logprobs_forward": 1}
+    xl = x.clone().requires_grad_()
+    logps, _, row_max, row_lse = linear_logprobs_with_stats(xl, w, y)
+    logps.sum().backward()
+    with torch.no_grad():
+        same, _, max_ng, lse_ng = linear_logprobs_with_stats(x, w, y)
+    assert torch.equal(same, logps.detach()) and torch.equal(max_ng, row_max) and torch.equal(lse_ng, row_lse)
+    s64 = x.double() @ w.double().t()
+    top2 = s64.topk(2, -1).values
+    valid = (y != -100) & (top2[:, 0] - top2[:, 1] > 1e-3)
+    expected = s64.argmax(-1) == y
+    got = is_top1(logps.detach(), row_max, row_lse)
+    assert expected[:300][valid[:300]].all() and torch.equal(got[valid], expected[valid])
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_rows_past_the_anchor_and_every_output_written(poison_allocations, anchored_calls):
+    """Rows 100 nats past their target (the exact pass) in a poisoned allocator: loss, lse and gradients within
+    the rule everywhere, nothing left unwritten."""
+    from tests.test_anchored_exp import extreme_rows
+    from tests.test_linear_cross_entropy import check_against_reference
+
+    x, w, y = make_inputs(1024, 256, 5000, seed=23)
+    x, w, _ = extreme_rows(x, w, y, [3, 700], 100.0)
+    poison_allocations()
+    check_against_reference(x, w, y, None, None, reduction="sum")
+    check_against_reference(x, w, y, None, None, reduction="none")
+    assert anchored_calls["anchored_loss_and_grads"] == 1 and anchored_calls["logprobs_forward"] == 1

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import fusedkern as fk
-from fusedkern import compacted, dispatch, distillation, engine
+from fusedkern import anchored, compacted, dispatch, distillation, engine
 from fusedkern.dispatch import Call
 from fusedkern.engine import LossOptions
 from tests.conftest import DEVICE
@@ -105,11 +105,32 @@ def _like(t: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randn(t.shape, device=t.device, generator=_generator(t.device.type, seed))
 
 
+def _on_anchored(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether "auto" takes the anchored pass for plain options (its Gluon producer runs: sm_90, bf16)."""
+    return dispatch.anchored_for("auto", Call(x.reshape(-1, x.shape[-1]), w, None, None, LossOptions()))
+
+
 def _statistics_pass(x: torch.Tensor, w: torch.Tensor) -> str:
-    """The statistics pass "auto" takes for plain options: the Gluon kernel where it applies (sm_90, bf16)."""
+    """The statistics pass "auto" takes for plain options: the anchored pass's sums, else the Gluon kernel, where
+    they apply (sm_90, bf16)."""
+    if _on_anchored(x, w):
+        return "anchored statistics"
     gluon = dispatch.strategy(dispatch.GLUON).unsupported(Call(x.reshape(-1, x.shape[-1]), w, None, None,
                                                                 LossOptions()))
     return "Gluon statistics" if gluon is None else "chunked statistics"
+
+
+def _three_gemms(x: torch.Tensor, w: torch.Tensor) -> frozenset[str]:
+    """A mean/sum's gradient formed in the forward: on the anchored pass, else the chunked GEMMs."""
+    return frozenset({"anchored gradient formed in the forward"}) if _on_anchored(x, w) else THREE_CUBLAS_GEMMS
+
+
+def _per_token(x: torch.Tensor, w: torch.Tensor, entropy_grad: bool = False) -> frozenset[str]:
+    """A per-token call with a gradient: E kept to the backward on the anchored pass (an entropy's gradient
+    recomputes the logits), else a statistics pass and the recomputed gradients."""
+    if _on_anchored(x, w):
+        return frozenset({"anchored E kept"} | ({"recomputed gradients"} if entropy_grad else set()))
+    return frozenset({_statistics_pass(x, w), "recomputed gradients"})
 
 
 def _sequences(size: Size, device: str, seed: int, rows: int):
@@ -124,7 +145,7 @@ def _sequences(size: Size, device: str, seed: int, rows: int):
 def ce_mean(size, device):
     x, w, y, _ = _head(size, device, 1)
     return Case({"x": x, "w": w}, lambda: {"loss": fk.linear_cross_entropy(x, w, y, chunk_tokens=size.chunk_tokens)},
-                THREE_CUBLAS_GEMMS, FOUR_GEMMS)
+                _three_gemms(x, w), FOUR_GEMMS)
 
 
 def ce_sum_every_option(size, device):
@@ -146,7 +167,7 @@ def ce_per_token(size, device):
         loss, lse = fk.linear_cross_entropy(x, w, y, reduction="none", return_lse=True,
                                             chunk_tokens=size.chunk_tokens)
         return {"loss": (loss * upstream).sum(), "per_token": loss, "lse": lse}
-    return Case({"x": x, "w": w}, run, frozenset({_statistics_pass(x, w), "recomputed gradients"}))
+    return Case({"x": x, "w": w}, run, _per_token(x, w))
 
 
 def ce_host_count(size, device):
@@ -154,7 +175,7 @@ def ce_host_count(size, device):
     n = int((y != -100).sum())
     return Case({"x": x, "w": w},
                 lambda: {"loss": fk.linear_cross_entropy(x, w, y, num_valid_tokens=n, chunk_tokens=size.chunk_tokens)},
-                THREE_CUBLAS_GEMMS, FOUR_GEMMS | {"row-count GEMMs"})
+                _three_gemms(x, w), FOUR_GEMMS | {"row-count GEMMs"})
 
 
 def ce_device_count(size, device):
@@ -201,7 +222,7 @@ def logprobs_entropy(size, device):
         logp, entropy = fk.linear_logprobs(x, w, y, temperature=0.7, return_entropy=True,
                                            chunk_tokens=size.chunk_tokens)
         return {"loss": (logp * up_logp).sum() + (entropy * up_entropy).sum(), "logp": logp, "entropy": entropy}
-    return Case({"x": x, "w": w}, run, frozenset({_statistics_pass(x, w), "recomputed gradients"}))
+    return Case({"x": x, "w": w}, run, _per_token(x, w, entropy_grad=True))
 
 
 def logprobs_host_count(size, device):
@@ -211,7 +232,7 @@ def logprobs_host_count(size, device):
     def run():
         logp = fk.linear_logprobs(x, w, y, num_valid_tokens=n, chunk_tokens=size.chunk_tokens)
         return {"loss": (logp * upstream).sum(), "logp": logp}
-    return Case({"x": x, "w": w}, run, frozenset({_statistics_pass(x, w), "recomputed gradients"}))
+    return Case({"x": x, "w": w}, run, _per_token(x, w))
 
 
 def logprobs_loss_only(size, device):
@@ -287,7 +308,13 @@ REFUSED_UNDER_DETERMINISTIC_ALGORITHMS = {"ce-fused"}
 # ---------------------------------------------------------------------------------------------- running them
 
 
-def _row_pass(row_pass, *args) -> str | None:
+def _anchored_grads(*args, per_token_grad: bool = False, **kwargs) -> str:
+    """`anchored.anchored_loss_and_grads`' use: cross-entropy's gradient formed in the forward, or a backward's
+    recomputation of E (the `Anchored` strategy's, with a per-token upstream)."""
+    return "anchored recomputed gradients" if per_token_grad else "anchored gradient formed in the forward"
+
+
+def _row_pass(row_pass, *args, **kwargs) -> str | None:
     """The cross-entropy row pass's kind: a backward's (the logits recomputed), a three-GEMM forward's (the gradient
     formed in the forward pass), or a statistics pass's (not named here: `Chunked.statistics` is)."""
     if not row_pass.compute_stats:
@@ -306,6 +333,9 @@ PATHS = [
     (dispatch.Fused, "statistics", "fused statistics"),
     (dispatch.Fused, "gradients", "fused gradients"),
     (engine.FormulaRows, "__call__", "formula"),
+    (anchored, "anchored_loss_and_grads", _anchored_grads),
+    (anchored, "logprobs_forward", "anchored E kept"),
+    (anchored, "loss_only", "anchored statistics"),
     (distillation.DistillRows, "__call__", "distillation rows"),
 ]
 
@@ -318,7 +348,7 @@ def paths_taken(monkeypatch) -> set[str]:
         original = getattr(owner, attribute)
 
         def spy(*args, _name=name, _original=original, **kwargs):
-            if (path := _name(*args) if callable(_name) else _name) is not None:
+            if (path := _name(*args, **kwargs) if callable(_name) else _name) is not None:
                 taken.add(path)
             return _original(*args, **kwargs)
         monkeypatch.setattr(owner, attribute, functools.wraps(original)(spy))

@@ -6,7 +6,9 @@ that on CPU it is never taken and nothing changes, and its host side (launch chu
 merge) on a torch emulation of the kernel's partials; the sm_90a compile. GPU (an sm_90 device): the kernel through the
 public functions against float64 within 2× torch's bf16 error, ragged and one-row shapes, ignored rows, extreme logits,
 confident predictions, poisoned buffers, a host and a device `num_valid_tokens`, temperature and entropy, and that
-impl="auto" actually launches it, with or without a gradient to follow."""
+impl="auto" actually launches it, with or without a gradient to follow. "auto" prefers the anchored pass wherever its
+producer runs (tests/test_anchored_wiring.py) and takes this one where the anchored pass's buffers do not fit: every
+test here stands the anchored pass aside (`gluon_is_autos_pass`)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,13 @@ def emulated_partials(x2d, w, target, parts, target_logit, *, logit_scale=1.0, g
     target_logit[hit] = s[hit, target[hit]]
 
 
+@pytest.fixture(autouse=True)
+def gluon_is_autos_pass(monkeypatch):
+    """impl="auto" as it chooses where the anchored pass does not fit the free memory: this module's tests are the
+    Gluon statistics pass's."""
+    monkeypatch.setattr(dispatch, "anchored_producer_reason", lambda x, w: "stood aside by this test module")
+
+
 @pytest.fixture
 def gluon_launches(monkeypatch):
     """Counts the Gluon kernel's launches (the real launcher on the GPU)."""
@@ -102,10 +111,8 @@ def emulated_gluon(monkeypatch):
 
 
 def _stub_cuda_gluon(monkeypatch):
-    """The Gluon kernel's own checks passing on CPU tensors seen as CUDA ones (this is CPU), and the anchored pass,
-    which "auto" prefers wherever its producer runs, out of the way."""
+    """The Gluon kernel's own checks passing on CPU tensors seen as CUDA ones (this is CPU)."""
     stub = type("Stub", (), {"unsupported_reason": staticmethod(lambda x, w: None)})
-    monkeypatch.setattr(dispatch, "anchored_producer_reason", lambda x, w: "out of this test's way")
     monkeypatch.setattr(dispatch, "_gluon_kernels", lambda: stub)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(dispatch, "_chunked_needs_more_than_free", lambda *args: False)

@@ -96,7 +96,10 @@ def _target_anchor_kernel(x_ptr, w_ptr, target_ptr, sy_ptr, anchor_ptr, V, H, st
     t = tl.program_id(0).to(tl.int64)
     y = tl.load(target_ptr + t).to(tl.int64)
     valid = (y != ignore_index) & (y >= 0) & (y < V)
-    y = tl.where(valid, y, 0)  # an ignored or out-of-range target reads column 0, never outside the weight
+    # an ignored row is anchored on column 0, so its lse is formed too (the chunked strategy gives every row's); an
+    # out-of-range target (an error the caller reports) reads column 0 as well, never outside the weight
+    anchored = valid | (y == ignore_index)
+    y = tl.where(valid, y, 0)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
@@ -105,14 +108,15 @@ def _target_anchor_kernel(x_ptr, w_ptr, target_ptr, sy_ptr, anchor_ptr, V, H, st
         wv = tl.load(w_ptr + y * stride_w + cols, mask=mask, other=0.0).to(tl.float32)
         acc += xv * wv
     s_y = tl.sum(acc, axis=0) * logit_scale
-    tl.store(sy_ptr + t, tl.where(valid, s_y, 0.0))
-    tl.store(anchor_ptr + t, tl.where(valid, s_y * LOG2E + A2, IGNORED))
+    tl.store(sy_ptr + t, tl.where(anchored, s_y, 0.0))
+    tl.store(anchor_ptr + t, tl.where(anchored, s_y * LOG2E + A2, IGNORED))
 
 
 def target_anchors(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, *, ignore_index: int,
                    logit_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s_y [T] fp32: k·x_t·w_{y_t}, 0 where ignored or out of range; anchor [T] fp32 in log2 units: log2(e)·s_y + A2,
-    IGNORED there). x [T, H], w [V, H] with unit inner stride, target [T]."""
+    """(s_y [T] fp32: k·x_t·w_{y_t}, on an ignored row column 0's logit k·x_t·w_0 (its anchor, for its lse), 0 where
+    the target is out of range; anchor [T] fp32 in log2 units: log2(e)·s_y + A2, IGNORED where out of range). x [T, H],
+    w [V, H] with unit inner stride, target [T]."""
     T, H = x.shape
     assert w.shape[1] == H and x.stride(1) == 1 and w.stride(1) == 1 and target.shape == (T, )
     s_y = torch.empty(T, device=x.device, dtype=torch.float32)
@@ -164,10 +168,12 @@ def _finish_rows_kernel(
         # (to the fp32 difference between the GEMM's s_y and the dot's), so a confident row keeps its digits
         u = tl.maximum(S * tl.exp2(A2) - 1.0, 0.0)
         loss = log1p(u)
-        flagged = valid & ~(S < tl.exp2(CLAMP2))  # a clamped element alone reaches 2^CLAMP2; NaN is flagged too
+        # a clamped element alone reaches 2^CLAMP2; NaN is flagged too. An ignored row (anchored on column 0) is
+        # flagged as well when the anchor cannot hold it: the exact pass gives its lse
+        flagged = (valid | (y == ignore_index)) & ~(S < tl.exp2(CLAMP2))
         ok = valid & ~flagged
         tl.store(loss_ptr + t, tl.where(ok, loss, 0.0))
-        tl.store(lse_ptr + t, tl.where(ok, tl.load(s_y_ptr + t) + loss, 0.0))
+        tl.store(lse_ptr + t, tl.where((valid | (y == ignore_index)) & ~flagged, tl.load(s_y_ptr + t) + loss, 0.0))
         tl.store(flag_ptr + t, flagged.to(tl.int8))
         if HAS_ENTROPY:
             # H = lse − Σ p·s = ℓ − Σ_v p_v (s_v − s_y), and arg = log2(e)·(s − s_y) − A2
@@ -179,8 +185,7 @@ def _finish_rows_kernel(
             tl.store(max_ptr + t, tl.where(ok, tl.max(acc_m, axis=0) * logit_scale, 0.0))
     else:
         S = tl.load(sum_ptr + t)
-        flagged = valid & ~(S < tl.exp2(CLAMP2))
-        ok = valid & ~flagged
+        ok = valid & (S < tl.exp2(CLAMP2))
     if HAS_GRAD:
         if PER_TOKEN_GRAD:
             g = tl.load(grad_ptr + t)
