@@ -93,6 +93,22 @@ def logprobs_references(x, w, y, temperature, up, up_entropy):
     return (ref_logp, ref_entropy, f64[0].grad, f64[1].grad), (tch_logp, tch_entropy, same[0].grad, same[1].grad)
 
 
+def check_logprobs(x, w, y, up, up_entropy=None, temperature=0.7):
+    """`linear_logprobs` at τ with the entropy, Σ up·logp (+ up_entropy·H) backpropagated: log-probs, entropy, dX and
+    dW within 2× torch's error of float64. Returns (logp, entropy)."""
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=temperature, return_entropy=True)
+    ((logp * up).sum() + ((entropy * up_entropy).sum() if up_entropy is not None else 0)).backward()
+    up_h = torch.zeros_like(up) if up_entropy is None else up_entropy
+    (ref_logp, ref_entropy, rdx, rdw), (t_logp, t_entropy, tdx, tdw) = logprobs_references(x, w, y, temperature, up,
+                                                                                           up_h)
+    assert_close_to_ref("logp", logp, ref_logp, t_logp.detach(), atol=1e-4)
+    assert_close_to_ref("entropy", entropy, ref_entropy, t_entropy.detach(), atol=1e-4)
+    assert_close_to_ref("dX", xl.grad, rdx, tdx, atol=1e-3)
+    assert_close_to_ref("dW", wl.grad, rdw, tdw, atol=1e-3)
+    return logp, entropy
+
+
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp_grad", "logp_and_entropy_grads"])
 @pytest.mark.parametrize("keep_e", [True, False], ids=["E_kept", "E_recomputed"])
 def test_auto_logprobs_on_the_anchored_pass(entropy_grad, keep_e, auto_is_anchored, monkeypatch):
@@ -103,16 +119,8 @@ def test_auto_logprobs_on_the_anchored_pass(entropy_grad, keep_e, auto_is_anchor
     x, w, y = make_inputs(29, 64, 700, seed=6)
     gen = torch.Generator().manual_seed(1)
     up = torch.randn(29, generator=gen).to(x.device)
-    up_entropy = torch.randn(29, generator=gen).to(x.device) if entropy_grad else torch.zeros(29, device=x.device)
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=0.7, return_entropy=True)
-    ((logp * up).sum() + ((entropy * up_entropy).sum() if entropy_grad else 0)).backward()
-    (ref_logp, ref_entropy, rdx, rdw), (t_logp, t_entropy, tdx, tdw) = logprobs_references(x, w, y, 0.7, up,
-                                                                                           up_entropy)
-    assert_close_to_ref("logp", logp, ref_logp, t_logp.detach(), atol=1e-4)
-    assert_close_to_ref("entropy", entropy, ref_entropy, t_entropy.detach(), atol=1e-4)
-    assert_close_to_ref("dX", xl.grad, rdx, tdx, atol=1e-3)
-    assert_close_to_ref("dW", wl.grad, rdw, tdw, atol=1e-3)
+    up_entropy = torch.randn(29, generator=gen).to(x.device)
+    logp, entropy = check_logprobs(x, w, y, up, up_entropy if entropy_grad else None)
     kept = {"logprobs_forward": 1} | ({} if entropy_grad else {"logprobs_backward": 1})
     recomputed = {"loss_only": 1} | ({} if entropy_grad else {"anchored_loss_and_grads": 1})
     assert auto_is_anchored == (kept if keep_e else recomputed)
@@ -233,15 +241,7 @@ def test_gpu_auto_logprobs_and_trl_statistics_on_the_anchored_pass(anchored_call
     x[:300] = x[:300] + (4.0 * w[torch.where(y[:300] != -100, y[:300], 0)]).to(x.dtype) * 8  # confident rows
     gen = torch.Generator(device="cuda").manual_seed(3)
     up, up_entropy = torch.randn(1536, device="cuda", generator=gen), torch.randn(1536, device="cuda", generator=gen)
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=0.7, return_entropy=True)
-    ((logp * up).sum() + (entropy * up_entropy).sum()).backward()
-    (ref_logp, ref_entropy, rdx, rdw), (t_logp, t_entropy, tdx, tdw) = logprobs_references(x, w, y, 0.7, up,
-                                                                                           up_entropy)
-    assert_close_to_ref("logp", logp, ref_logp, t_logp.detach(), atol=1e-4)
-    assert_close_to_ref("entropy", entropy, ref_entropy, t_entropy.detach(), atol=1e-4)
-    assert_close_to_ref("dX", xl.grad, rdx, tdx, atol=1e-3)
-    assert_close_to_ref("dW", wl.grad, rdw, tdw, atol=1e-3)
+    check_logprobs(x, w, y, up, up_entropy)
     assert anchored_calls == {"logprobs_forward": 1}
     xl = x.clone().requires_grad_()
     logps, _, row_max, row_lse = linear_logprobs_with_stats(xl, w, y)
