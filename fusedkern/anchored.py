@@ -67,6 +67,12 @@ from fusedkern.kernels.rowcount_gemm import dw_rows, dx_rows, logits_rows
 ANCHORED_EXTRA_BUDGET_BYTES = 2 << 30
 #: chunk rows are a multiple of the producer's 128-row tile
 CHUNK_MULTIPLE = 128
+#: dX's fp32 scratch: the dX GEMM runs over row blocks of a chunk whose fp32 result fits it (1024 rows at hidden
+#: 4096), so that it does not grow with the chunk; the exact pass gathers its rows into the same bytes
+DX_SCRATCH_BYTES = 16 << 20
+#: the per-token vectors and anchors beside the chunk buffers, bytes a token (loss, lse, s_y, r, S, anchor,
+#: entropy, row max, flag, the exact pass's order and sorted copies)
+ROW_VECTOR_BYTES = 64
 #: the exact pass's row-count GEMMs run one config, compiled once and never tuned: they see rare rows (a count of
 #: 0 in all but extreme batches), where tuning would time programs that return at once
 ROWS_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "EPI_SLICES": 2},
@@ -105,10 +111,12 @@ class AnchoredPlan:
 def anchored_plan(n_tokens: int, vocab: int, hidden: int, *, need_dw: bool, fp32_accum: bool,
                   chunk_tokens: int | None = None, budget_bytes: int = ANCHORED_EXTRA_BUDGET_BYTES) -> AnchoredPlan:
     """One chunk when E of every token fits the chunked strategy's allowance (256 MiB + the accumulator it saves);
-    else chunks of the most rows whose E fits the budget beside the fp32 accumulator, or the rows that fit dW's own
-    storage when that is more (hidden 4096: the accumulator alone is ~2 GiB), balanced over the chunks."""
+    else chunks of the most rows whose E and partial sums fit the budget beside the fp32 accumulator, dX's scratch
+    and the per-token vectors, or the rows that fit dW's own storage when that is more (hidden 4096: the accumulator
+    alone is ~2 GiB; then the partial sums take what the budget leaves), balanced over the chunks."""
     T, V, H = n_tokens, vocab, hidden
     row_bytes = e_row_stride(V) * 2
+    parts_row_bytes = column_tiles(V) * 4 * 3  # the sums, the entropy's and the row max's planes at most
     accumulate = need_dw and fp32_accum
     if chunk_tokens:
         C = min(chunk_tokens, T)
@@ -116,8 +124,12 @@ def anchored_plan(n_tokens: int, vocab: int, hidden: int, *, need_dw: bool, fp32
         C = T
     else:
         acc_bytes = V * H * 4 if accumulate else 0
-        most = max(CHUNK_MULTIPLE, (budget_bytes - acc_bytes) // row_bytes // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+        left = budget_bytes - acc_bytes - DX_SCRATCH_BYTES - T * ROW_VECTOR_BYTES
+        most = max(CHUNK_MULTIPLE, left // (row_bytes + parts_row_bytes) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
         in_storage = (V * H * 2) // row_bytes // CHUNK_MULTIPLE * CHUNK_MULTIPLE if accumulate else 0
+        if in_storage > most:  # E lives in dW's storage: the budget holds the partial sums alone
+            in_storage = min(in_storage, max(CHUNK_MULTIPLE, left // parts_row_bytes // CHUNK_MULTIPLE
+                                             * CHUNK_MULTIPLE))
         most = max(most, in_storage)
         chunks = -(-T // most)
         C = min(most, -(-(-(-T // chunks)) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
@@ -137,6 +149,29 @@ def e_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tensor | 
     else:
         flat = torch.empty(rows * stride, device=like.device, dtype=torch.bfloat16)
     return flat.view(rows, stride)[:, :vocab]
+
+
+def dx_scratch(rows: int, hidden: int, device) -> torch.Tensor:
+    """dX's flat fp32 scratch: DX_SCRATCH_BYTES (at least one 128-row block, at most `rows` rows)."""
+    block = min(rows, max(CHUNK_MULTIPLE, DX_SCRATCH_BYTES // (hidden * 4) // CHUNK_MULTIPLE * CHUNK_MULTIPLE))
+    return torch.empty(block * hidden, device=device, dtype=torch.float32)
+
+
+def scaled_dx(e: torch.Tensor, w: torch.Tensor, r: torch.Tensor, dx: torch.Tensor, scratch: torch.Tensor) -> None:
+    """dx = r ⊙ (E'·W) over row blocks that fit the fp32 `scratch`: one cuBLAS GEMM a block with an fp32 result,
+    rounded once into dx's dtype by the row scale."""
+    n, H = dx.shape
+    block = scratch.numel() // H
+    for b0 in range(0, n, block):
+        b1 = min(b0 + block, n)
+        scale_rows(mm_fp32_out(e[b0:b1], w, scratch[: (b1 - b0) * H].view(b1 - b0, H)), r[b0:b1], dx[b0:b1])
+
+
+def scratch_rows(scratch: torch.Tensor, most: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """The exact pass's gathered rows [≤ most, H] in `dtype`, over the bytes of dX's scratch (idle by then)."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    rows = min(most, scratch.numel() * 4 // (hidden * elt))
+    return scratch.view(torch.uint8)[: rows * hidden * elt].view(dtype).view(rows, hidden)
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -247,26 +282,32 @@ def anchored_loss_and_grads(x: torch.Tensor, w: torch.Tensor, target: torch.Tens
                         dtype=torch.float32)
     sums = torch.empty(T, device=x.device, dtype=torch.float32)
     loss, lse, r, entropy, flagged, row_max = _row_vectors(T, x.device, with_entropy, with_row_max)
-    sx = torch.empty((C, H), device=x.device, dtype=x.dtype)
-    tmp = torch.empty((C, H), device=x.device, dtype=torch.float32) if need_dx else None
+    # r ⊙ x lives in dX's own rows of the chunk (dW's GEMM reads it before dX's overwrites it); dX's fp32 result
+    # goes through a scratch of DX_SCRATCH_BYTES, one block of rows at a time, whose bytes also hold the exact pass's
+    # gathered rows
+    scratch = dx_scratch(C, H, x.device)
+    sx_own = None if need_dx or not need_dw else torch.empty((C, H), device=x.device, dtype=x.dtype)
     for i, c0 in enumerate(range(0, T, C)):
         c1 = min(c0 + C, T)
         n = c1 - c0
         e = e_all[:n]
+        sx = grads.dx[c0:c1] if need_dx else (sx_own[:n] if need_dw else None)
         producer(x[c0:c1], w, anchor[c0:c1], parts[:, :n], e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E,
                  row_max=with_row_max)
         finish_rows(parts[:, :n], s_y[c0:c1], target[c0:c1], V, ignore_index=opts.ignore_index, sums=sums[c0:c1],
                     loss=loss[c0:c1], lse=lse[c0:c1], flagged=flagged[c0:c1],
                     entropy=None if entropy is None else entropy[c0:c1],
                     grad=grad[c0:c1] if per_token_grad else grad, r=r[c0:c1], e=e, x=x[c0:c1],
-                    sx=sx[:n] if need_dw else None, logit_scale=opts.logit_scale,
+                    sx=sx if need_dw else None, logit_scale=opts.logit_scale,
                     row_max=None if row_max is None else row_max[c0:c1])
         if need_dw:
-            accumulate_weight_grad(grads.dw, e, sx[:n], first=i == 0)
+            accumulate_weight_grad(grads.dw, e, sx, first=i == 0)
         if need_dx:
-            scale_rows(mm_fp32_out(e, w, tmp[:n]), r[c0:c1], grads.dx[c0:c1])
+            scaled_dx(e, w, r[c0:c1], grads.dx[c0:c1], scratch)
+    rows_buffer = scratch_rows(scratch, C, H, x.dtype)
     exact_rows(x, w, target, opts, flagged, grad, per_token_grad=per_token_grad, loss=loss, lse=lse, entropy=entropy,
-               dx=grads.dx, dw=grads.dw, chunk_tokens=C, buffer=e_all, rows_buffer=sx, row_max=row_max)
+               dx=grads.dx, dw=grads.dw, chunk_tokens=rows_buffer.shape[0], buffer=e_all, rows_buffer=rows_buffer,
+               row_max=row_max)
     return AnchoredResult(loss, lse, s_y, entropy, flagged, sums, grads, row_max)
 
 
@@ -344,19 +385,20 @@ def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, op
     T, H = x.shape
     V = w.shape[0]
     r = torch.empty(T, device=x.device, dtype=torch.float32)
-    sx = torch.empty((T, H), device=x.device, dtype=x.dtype)
+    dx = torch.empty_like(x) if need_dx else None
+    sx = dx if need_dx else torch.empty_like(x)  # r ⊙ x in dX's own storage: dW's GEMM reads it before dX's writes
     finish_rows(None, res.s_y, target, V, ignore_index=opts.ignore_index, sums=res.sums, grad=grad_loss, r=r, e=e,
                 x=x, sx=sx if need_dw else None, logit_scale=opts.logit_scale)
     # one GEMM over every token: fp32 inside cuBLAS, rounded once into dW's dtype (the flagged rows, if any, add to it)
     dw = torch.mm(e.t(), sx) if need_dw else None
-    dx = None
+    scratch = dx_scratch(T, H, x.device)
     if need_dx:
-        dx = torch.empty_like(x)
-        scale_rows(mm_fp32_out(e, w, torch.empty((T, H), device=x.device, dtype=torch.float32)), r, dx)
-    # E is dead once both GEMMs have read it: one chunk of every row over its storage
+        scaled_dx(e, w, r, dx, scratch)
+    # E is dead once both GEMMs have read it: the exact pass's logits buffer over its storage
     loss, lse = res.loss.clone(), res.lse.clone()  # the exact pass rewrites the flagged rows' values: the same bits
+    rows_buffer = scratch_rows(scratch, T, H, x.dtype)
     exact_rows(x, w, target, opts, res.flagged, grad_loss, per_token_grad=True, loss=loss, lse=lse, entropy=None,
-               dx=dx, dw=dw, chunk_tokens=T, buffer=e, rows_buffer=sx)
+               dx=dx, dw=dw, chunk_tokens=rows_buffer.shape[0], buffer=e, rows_buffer=rows_buffer)
     return dx, dw
 
 

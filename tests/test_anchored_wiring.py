@@ -167,6 +167,30 @@ def test_explicit_anchored_refuses_what_it_cannot_compute(option, match):
         fusedkern.linear_cross_entropy(x, w, y, impl="anchored", **option)
 
 
+@pytest.mark.parametrize("reduction,chunk_tokens", [("sum", 16), ("none", None)])
+def test_dx_in_row_blocks_and_the_exact_pass_in_the_scratch(reduction, chunk_tokens, monkeypatch,
+                                                             poison_allocations):
+    """dX's scratch cut to 8 rows (dX in blocks of 8 rows; the exact pass's gathered rows, 16 a chunk, in the same
+    bytes), r ⊙ x in dX's own rows, chunks of 16 (the fp32 accumulator, E in dW's storage) or E kept, two rows past
+    the anchor's reach: against fp64 within the rule."""
+    from tests.test_anchored_exp import extreme_rows
+
+    monkeypatch.setattr(anchored, "CHUNK_MULTIPLE", 8)
+    monkeypatch.setattr(anchored, "DX_SCRATCH_BYTES", 8 * 48 * 4)
+    x, w, y = make_inputs(37, 48, 500, seed=13, ignore_frac=0.2)
+    x, w, _ = extreme_rows(x, w, y, [2, 30], 95.0)
+    poison_allocations()
+    out, dx, dw = grads_of(fusedkern.linear_cross_entropy, x, w, y, reduction=reduction, impl="anchored",
+                           chunk_tokens=chunk_tokens, upstream=torch.linspace(-1, 1, 37) if reduction == "none"
+                           else None)
+    f64 = [t.double().requires_grad_() for t in (x, w)]
+    ref = reference.linear_cross_entropy_fp64(f64[0], f64[1], y, reduction=reduction)
+    (ref * (torch.linspace(-1, 1, 37).double() if reduction == "none" else 1.0)).sum().backward()
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(dx.double(), f64[0].grad, rtol=5e-2, atol=2e-2)
+    torch.testing.assert_close(dw.double(), f64[1].grad, rtol=5e-2, atol=2e-2)
+
+
 def test_every_row_has_its_lse_ignored_rows_included():
     """return_lse gives every row's log-sum-exp, as the chunked strategy does: an ignored row is anchored on column
     0, and one whose column-0 logit lies 95 nats below the rest (past the anchor's reach) takes the exact pass, whose
