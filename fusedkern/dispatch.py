@@ -284,6 +284,18 @@ def keeps_anchored_e(x2d: torch.Tensor, w: torch.Tensor) -> bool:
     return not x2d.is_cuda or fits_free_memory(kept + _anchored().ANCHORED_EXTRA_BUDGET_BYTES, x2d.device)
 
 
+def formula_on_anchored(impl: str, input: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
+                        softcap: float | None = None, temperature: float = 1.0) -> bool:
+    """Whether a loss given as a formula of the per-token log-probs (preference, GRPO, SimPO) takes its generic path
+    on the anchored pass — the log-probs with E kept to the backward (three GEMMs), the formula in torch on [T] values
+    — rather than the chunked engine's formula rows: impl "auto" where the anchored pass takes the call and keeps E."""
+    if impl != AUTO or not input.numel():
+        return False
+    x2d = input.reshape(-1, input.shape[-1])
+    opts = LossOptions(softcap=softcap, logit_scale=1.0 / float(temperature))
+    return keeps_anchored_e(x2d, w) and anchored_for(impl, Call(x2d, w, b, None, opts))
+
+
 def fits_free_memory(need: int, device: torch.device) -> bool:
     """Whether `need` bytes are free on a CUDA device: in the caching allocator's reserve, else per the driver."""
     return _cached_bytes_cover(need, device) or torch.cuda.mem_get_info(device)[0] >= need

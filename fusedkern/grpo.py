@@ -32,7 +32,7 @@ from fusedkern.autograd import (
     follows_autocast,
     grads_formed_in_forward,
 )
-from fusedkern.dispatch import forms_grads_in_forward
+from fusedkern.dispatch import formula_on_anchored, forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked, validate_logprobs_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -275,7 +275,8 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
     mask = target != ignore_index
     count_check = NumItemsCheck.start(num_items_in_batch)
     if forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, impl=impl,
-                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens):
+                                 weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens, softcap=softcap,
+                                 temperature=temperature):
         result = _chunked(input, linear_weight, linear_bias, target, mask, advantages, old_logps, ref_logps, hp,
                           norm, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
                           compute_entropy=compute_entropy, weight_grad_accum=weight_grad_accum,
@@ -294,17 +295,19 @@ def linear_grpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: t
 
 
 def forms_gradient_in_forward(input, linear_weight, linear_bias, advantages, old_logps, ref_logps, *, impl,
-                              weight_grad_accum, chunk_tokens) -> bool:
+                              weight_grad_accum, chunk_tokens, softcap=None, temperature=1.0) -> bool:
     """Whether `linear_grpo_loss` takes the three-GEMM chunked path (`grpo_chunked`, eager and compiled alike): a
-    gradient is wanted, the strategy is chunked and no gradient is asked of the per-token inputs (the chunked form
-    treats them as constants)."""
+    gradient is wanted, the strategy is chunked, the anchored pass does not take the log-probs
+    (`dispatch.formula_on_anchored`: three GEMMs on the generic path) and no gradient is asked of the per-token
+    inputs (the chunked form treats them as constants)."""
     params = [t for t in (input, linear_weight, linear_bias) if t is not None]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in params)):
         return False
     if any(t is not None and t.requires_grad for t in (advantages, old_logps, ref_logps)):
         return False
     x2d = input.reshape(-1, input.shape[-1])
-    return forms_grads_in_forward(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens)
+    return forms_grads_in_forward(impl, x2d, linear_weight, weight_grad_accum, chunk_tokens) \
+        and not formula_on_anchored(impl, input, linear_weight, linear_bias, softcap=softcap, temperature=temperature)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from fusedkern._validation import finish_checks, start_checks
 from fusedkern.engine import LossOptions
 from fusedkern.formula import grouped_plan, grouped_tail_spec, run_formula
 from fusedkern.autograd import CHECKING_OP_TAGS, GradOptions, define_op, follows_autocast, grads_formed_in_forward
-from fusedkern.dispatch import forms_grads_in_forward
+from fusedkern.dispatch import formula_on_anchored, forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 from fusedkern.preference import DEFAULT_BETA, DEFAULT_GAMMA, check_preference_args, preference_loss_from_logps
 
@@ -156,7 +156,8 @@ def linear_preference_loss(input: torch.Tensor, linear_weight: torch.Tensor, tar
     # (KTO: a sequence)
     if grads.wanted and refs_frozen and input.numel() and \
             forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
-                                   chunk_tokens):
+                                   chunk_tokens) and \
+            not formula_on_anchored(impl, input, linear_weight, linear_bias, softcap=softcap):
         o = PreferenceOptions(
             loss_type, float(beta), reference_free, float(desirable_weight), float(undesirable_weight),
             float(label_smoothing), float(gamma), resolved_alpha, ignore_index,

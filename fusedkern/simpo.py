@@ -31,7 +31,7 @@ from fusedkern.formula import FormulaSpec, grouped_plan, grouped_tail_spec, run_
 from fusedkern.sharded import full_weights
 from fusedkern._validation import finish_checks, start_checks, validate_call, validate_strategy
 from fusedkern.autograd import CHECKING_OP_TAGS, GradOptions, define_op, follows_autocast, grads_formed_in_forward
-from fusedkern.dispatch import forms_grads_in_forward
+from fusedkern.dispatch import formula_on_anchored, forms_grads_in_forward
 from fusedkern.logprobs import logprobs_unchecked
 
 # TRL's CPOTrainer / Liger defaults. The SimPO paper's released configs instead use β in 2–10,
@@ -287,7 +287,8 @@ def linear_simpo_loss(input: torch.Tensor, linear_weight: torch.Tensor, target: 
         two_b, seq, _ = input.shape
         plan = plan_for(two_b, seq, linear_weight, grads.need_dw, weight_grad_accum, chunk_tokens)
         chunked = forms_grads_in_forward(impl, input.reshape(-1, input.shape[-1]), linear_weight, weight_grad_accum,
-                                         chunk_tokens)
+                                         chunk_tokens) \
+            and not formula_on_anchored(impl, input, linear_weight, linear_bias, softcap=softcap)
         if chunked and plan[0] == "generic":
             _warn_four_gemms(seq, plan[2].chunk_tokens, chunk_tokens)
         # three (or 3.5) GEMMs: the gradient is formed in the forward pass (`simpo_spec`); with a softcap, SimPO's

@@ -148,6 +148,38 @@ def test_logprobs_with_stats_gives_the_row_max_for_is_top1(auto_is_anchored):
     assert auto_is_anchored["logprobs_forward"] == 1 and auto_is_anchored["loss_only"] == 1
 
 
+def formula_cases(x, w, y):
+    """(name, loss of (x, w)) for each formula loss on sequences x [R, S, H], y [R, S]."""
+    R, S = y.shape
+    gen = torch.Generator().manual_seed(5)
+    ref = -3.0 * S + torch.randn(R // 2, generator=gen)
+    adv, old = torch.randn(R, generator=gen), -6.0 + torch.randn(R, S, generator=gen)
+    return [
+        ("dpo", lambda xl, wl: fusedkern.linear_preference_loss(xl, wl, y, loss_type="sigmoid", beta=0.1,
+                                                                ref_chosen_logps=ref, ref_rejected_logps=ref + 1)[0]),
+        ("simpo", lambda xl, wl: fusedkern.linear_simpo_loss(xl, wl, y)[0]),
+        ("grpo", lambda xl, wl: fusedkern.linear_grpo_loss(xl, wl, y, advantages=adv, old_logps=old, beta=0.0,
+                                                           temperature=0.7, compute_entropy=True)[0]),
+    ]
+
+
+@pytest.mark.parametrize("case", ["dpo", "simpo", "grpo"])
+def test_formula_losses_take_the_anchored_log_probs(case, auto_is_anchored, monkeypatch):
+    """Preference, SimPO and GRPO on "auto" take the log-probs with E kept (three GEMMs) and their formula in torch;
+    loss and gradients as the chunked engine's formula rows give them, to the bf16 rounding of its logits."""
+    x, w, y = make_inputs(48, 32, 300, seed=14, ignore_frac=0.3)
+    x, y = x.reshape(6, 8, 32), y.reshape(6, 8)
+    loss_fn = dict(formula_cases(x, w, y))[case]
+    out, dx, dw = grads_of(lambda xl, wl, _: loss_fn(xl, wl), x, w, None)
+    assert auto_is_anchored == {"logprobs_forward": 1, "logprobs_backward": 1}
+    monkeypatch.setattr(dispatch, "anchored_producer_reason", lambda x2d, w: "the chunked engine's rows")
+    ref, rdx, rdw = grads_of(lambda xl, wl, _: loss_fn(xl, wl), x, w, None)
+    # the chunked rows read bf16 logits, the anchored pass the GEMM's fp32 accumulator: a bf16 rounding apart
+    torch.testing.assert_close(out, ref, rtol=3e-3, atol=1e-5)
+    torch.testing.assert_close(dx.float(), rdx.float(), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(dw.float(), rdw.float(), rtol=2e-2, atol=2e-3)
+
+
 def test_auto_stays_off_the_anchored_pass_where_its_producer_does_not_run():
     x, w, y = make_inputs(8, 32, 64, seed=2)
     call = dispatch.Call(x, w, None, None, dispatch.LossOptions())

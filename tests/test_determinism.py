@@ -125,6 +125,11 @@ def _three_gemms(x: torch.Tensor, w: torch.Tensor) -> frozenset[str]:
     return frozenset({"anchored gradient formed in the forward"}) if _on_anchored(x, w) else THREE_CUBLAS_GEMMS
 
 
+def _formula(x: torch.Tensor, w: torch.Tensor) -> frozenset[str]:
+    """A formula loss: its log-probs with E kept on the anchored pass, else the chunked engine's formula rows."""
+    return frozenset({"anchored E kept"}) if _on_anchored(x, w) else frozenset({"formula"})
+
+
 def _per_token(x: torch.Tensor, w: torch.Tensor, entropy_grad: bool = False) -> frozenset[str]:
     """A per-token call with a gradient: E kept to the backward on the anchored pass (an entropy's gradient
     recomputes the logits), else a statistics pass and the recomputed gradients."""
@@ -260,14 +265,14 @@ def dpo(size, device):
         return _metrics(*fk.linear_preference_loss(x, w, y, loss_type="sigmoid", beta=0.1,
                                                    ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected,
                                                    chunk_tokens=size.chunk_tokens and 2 * size.chunk_tokens))
-    return Case({"x": x, "w": w}, run, frozenset({"formula"}), FOUR_GEMMS)
+    return Case({"x": x, "w": w}, run, _formula(x, w), FOUR_GEMMS)
 
 
 def simpo(size, device):
     x, w, y = _sequences(size, device, 13, rows=size.tokens // size.seq)
     chunk = size.chunk_tokens and 2 * size.chunk_tokens  # a chunk holds a chosen/rejected pair
     return Case({"x": x, "w": w}, lambda: _metrics(*fk.linear_simpo_loss(x, w, y, chunk_tokens=chunk)),
-                frozenset({"formula"}), FOUR_GEMMS)
+                _formula(x, w), FOUR_GEMMS)
 
 
 def grpo(size, device):
@@ -282,7 +287,7 @@ def grpo(size, device):
         return _metrics(*fk.linear_grpo_loss(x, w, y, advantages=advantages, old_logps=old, ref_logps=ref, beta=0.04,
                                              loss_type="dapo", num_items_in_batch=items, temperature=0.7,
                                              compute_entropy=True, chunk_tokens=size.chunk_tokens))
-    return Case({"x": x, "w": w}, run, frozenset({"formula"}), FOUR_GEMMS)
+    return Case({"x": x, "w": w}, run, _formula(x, w), FOUR_GEMMS)
 
 
 def distill(size, device):
