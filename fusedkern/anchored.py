@@ -405,9 +405,9 @@ def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, op
 class AnchoredLogprobs(torch.autograd.Function):
     """forward(x [T, H], w [V, H], target [T], opts, with_entropy, producer, with_row_max=False) → (logp [T] fp32,
     entropy [T] fp32 or [0], stats [2, T] fp32, not differentiable: `row_stats`). E of every token is kept to the
-    backward (three GEMMs in all). A gradient that flows into the entropy is not formed on E: such a backward
-    recomputes the logits with the chunked strategy's GEMMs from the saved statistics (both terms in one pass), as
-    `linear_logprobs` does on every strategy."""
+    backward (three GEMMs in all). A gradient that flows into the entropy is not formed on E: such a backward runs
+    the chunked strategy, its statistics pass and its recomputing backward (both terms in one pass:
+    `entropy_grads_on_chunked`)."""
 
     @staticmethod
     def forward(ctx, x, w, target, opts: LossOptions, with_entropy: bool, producer, with_row_max: bool = False):
@@ -433,18 +433,29 @@ class AnchoredLogprobs(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         grad_loss = stats.new_zeros(stats.shape[1]) if grad_logp is None else -grad_logp.float().contiguous()
         if grad_entropy is not None and entropy.numel():
-            from fusedkern.chunked import chunked_grads
-
             del e  # the chunked recomputation needs none of it
-            dx, dw, _ = chunked_grads(x, w, None, target, None, ctx.opts, stats, grad_loss, need_dx=need_dx,
-                                      need_dw=need_dw, need_db=False, weight_grad_accum="fp32", chunk_tokens=None,
-                                      entropy=entropy, grad_entropy=grad_entropy.float().contiguous())
-            dx = None if dx is None else dx.to(x.dtype)
-            dw = None if dw is None else dw.to(w.dtype)
+            dx, dw = entropy_grads_on_chunked(x, w, target, ctx.opts, grad_loss, grad_entropy.float().contiguous(),
+                                              need_dx=need_dx, need_dw=need_dw, weight_grad_accum="fp32",
+                                              chunk_tokens=None)
         else:
             dx, dw = logprobs_backward(x, w, target, ctx.opts, e, ctx.res, grad_loss, need_dx=need_dx,
                                        need_dw=need_dw)
         return dx, dw, None, None, None, None, None
+
+
+def entropy_grads_on_chunked(x, w, target, opts: LossOptions, grad_loss, grad_entropy, *, need_dx: bool,
+                             need_dw: bool, weight_grad_accum: str, chunk_tokens):
+    """(dx, dw) of Σ_t grad_loss·ℓ_t + grad_entropy·H_t on the chunked strategy alone, its statistics pass included:
+    its backward recomputes the logits in bf16, whose rounding (half a unit at |s| = 128) must meet statistics of the
+    same logits — the anchored pass's fp32 ones would turn a confident row's p_y − 1 ≈ 0 into that rounding."""
+    from fusedkern.chunked import chunked_grads, chunked_loss
+
+    entropy = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    _, stats = chunked_loss(x, w, None, target, None, opts, chunk_tokens, entropy=entropy)
+    dx, dw, _ = chunked_grads(x, w, None, target, None, opts, stats, grad_loss, need_dx=need_dx, need_dw=need_dw,
+                              need_db=False, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                              entropy=entropy, grad_entropy=grad_entropy)
+    return (None if dx is None else dx.to(x.dtype)), (None if dw is None else dw.to(w.dtype))
 
 
 def kept_logprobs(x2d, w, y, opts: LossOptions, with_entropy: bool, checks=(None, None, -1),

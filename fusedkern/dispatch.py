@@ -188,11 +188,12 @@ class Anchored(Strategy):
 
     def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
                   weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
-        if grad_entropy is not None:  # the entropy's gradient is not formed on E: the chunked recomputation
-            return super().gradients(x, w, b, target, class_weight, opts, stats, grad_tok, need_dx=need_dx,
-                                     need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
-                                     chunk_tokens=chunk_tokens, entropy=entropy, grad_entropy=grad_entropy)
         anchored = _anchored()
+        if grad_entropy is not None:  # the entropy's gradient is not formed on E: the chunked strategy's own pass
+            dx, dw = anchored.entropy_grads_on_chunked(x, w, target, opts, grad_tok, grad_entropy, need_dx=need_dx,
+                                                       need_dw=need_dw, weight_grad_accum=weight_grad_accum,
+                                                       chunk_tokens=chunk_tokens)
+            return dx, dw, None
         plan = anchored.anchored_plan(x.shape[0], w.shape[0], w.shape[1], need_dw=need_dw,
                                       fp32_accum=weight_grad_accum == "fp32" and w.dtype != torch.float32,
                                       chunk_tokens=chunk_tokens)
