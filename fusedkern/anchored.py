@@ -52,6 +52,7 @@ from fusedkern.kernels.anchored_rows import (
     SUMS,
     SUMS_AND_E,
     column_tiles,
+    entropy_grad_rows,
     e_row_stride,
     finish_rows,
     part_planes,
@@ -188,7 +189,8 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
 def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: torch.Tensor | None, *,
                per_token_grad: bool, loss: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                dx: torch.Tensor | None, dw: torch.Tensor | None, chunk_tokens: int, buffer: torch.Tensor,
-               rows_buffer: torch.Tensor, row_max: torch.Tensor | None = None) -> None:
+               rows_buffer: torch.Tensor, row_max: torch.Tensor | None = None,
+               grad_entropy: torch.Tensor | None = None) -> None:
     """The rows the anchor could not hold, computed exactly with no host sync: flagged [T] int8 rows are sorted
     first and counted on the device; per chunk of `chunk_tokens` sorted rows, the row-count GEMMs and row kernels
     work on the counted rows only (a chunk past the count returns at once). Their loss, lse (and entropy, and row_max:
@@ -206,6 +208,8 @@ def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: tor
     entropy_s = None if entropy is None else torch.zeros(T, device=x.device, dtype=torch.float32)
     target_s = target.index_select(0, order)
     grad_s = grad.index_select(0, order) if grad is not None and per_token_grad else grad
+    # ∂L/∂H_t [T] with a per-token grad: the flagged rows' entropy term, formed beside their loss's
+    grad_entropy_s = None if grad_entropy is None else grad_entropy.index_select(0, order)
     kernel_args = row_kernel_args(None, opts)
     config = None if interpreting() else ROWS_CONFIG  # the interpreter runs its own small config
     for i, c0 in enumerate(range(0, T, C)):
@@ -218,7 +222,8 @@ def exact_rows(x, w, target, opts: LossOptions, flagged: torch.Tensor, grad: tor
         ce_rows(z, target_s[c0:c1], loss=loss_s[c0:c1], stats=stats_s[:, c0:c1],
                 grad=None if grad is None else (grad_s[c0:c1] if per_token_grad else grad_s),
                 compute_stats=True, per_token_grad=per_token_grad and grad is not None, row_count=n_i,
-                entropy=None if entropy_s is None else entropy_s[c0:c1], **kernel_args)
+                entropy=None if entropy_s is None else entropy_s[c0:c1],
+                grad_entropy=None if grad_entropy_s is None or grad is None else grad_entropy_s[c0:c1], **kernel_args)
         if grad is None:
             continue
         if dw is not None:  # before dX: dX's GEMM writes over the gathered rows
@@ -377,13 +382,18 @@ def logprobs_forward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opt
 
 
 def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opts: LossOptions, e: torch.Tensor,
-                      res: AnchoredResult, grad_loss: torch.Tensor, *, need_dx: bool, need_dw: bool):
+                      res: AnchoredResult, grad_loss: torch.Tensor, *, need_dx: bool, need_dw: bool,
+                      grad_entropy: torch.Tensor | None = None):
     """The gradients of Σ_t g_t·ℓ_t (g = grad_loss [T] fp32) from the kept E: the row kernel (the target's element,
     r, r ⊙ x), dW = E'ᵀ·(r ⊙ X) in one GEMM over every token, dX = r ⊙ (E'·W); the flagged rows by the counted exact
     pass (over E's storage, which it no longer needs). Returns (dx, dw) in the inputs' dtypes (None where not
-    wanted)."""
+    wanted). grad_entropy: [T] fp32 ∂L/∂H_t (the forward kept the entropy): E is replaced by the whole ∂L/∂z in one
+    pass over it (`entropy_grad_rows`), and the GEMMs read it with no row scale."""
     T, H = x.shape
     V = w.shape[0]
+    if grad_entropy is not None:
+        return _entropy_backward(x, w, target, opts, e, res, grad_loss, grad_entropy, need_dx=need_dx,
+                                 need_dw=need_dw)
     r = torch.empty(T, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x) if need_dx else None
     sx = dx if need_dx else torch.empty_like(x)  # r ⊙ x in dX's own storage: dW's GEMM reads it before dX's writes
@@ -402,12 +412,27 @@ def logprobs_backward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, op
     return dx, dw
 
 
+def _entropy_backward(x, w, target, opts: LossOptions, e, res: AnchoredResult, grad_loss, grad_entropy, *,
+                      need_dx: bool, need_dw: bool):
+    """`logprobs_backward` with the entropy's term: ∂L/∂z written over E, dW = Eᵀ·X and dX = E·W (cuBLAS, fp32
+    inside, one rounding each), the flagged rows by the exact pass with both terms."""
+    entropy_grad_rows(e, res.sums, res.loss, res.entropy, target, grad_loss, grad_entropy,
+                      ignore_index=opts.ignore_index, logit_scale=opts.logit_scale)
+    dw = torch.mm(e.t(), x) if need_dw else None
+    dx = torch.mm(e, w) if need_dx else None
+    scratch = dx_scratch(x.shape[0], x.shape[1], x.device)
+    rows_buffer = scratch_rows(scratch, x.shape[0], x.shape[1], x.dtype)
+    loss, lse, entropy = res.loss.clone(), res.lse.clone(), res.entropy.clone()
+    exact_rows(x, w, target, opts, res.flagged, grad_loss, per_token_grad=True, loss=loss, lse=lse, entropy=entropy,
+               dx=dx, dw=dw, chunk_tokens=rows_buffer.shape[0], buffer=e, rows_buffer=rows_buffer,
+               grad_entropy=grad_entropy)
+    return dx, dw
+
+
 class AnchoredLogprobs(torch.autograd.Function):
     """forward(x [T, H], w [V, H], target [T], opts, with_entropy, producer, with_row_max=False) → (logp [T] fp32,
     entropy [T] fp32 or [0], stats [2, T] fp32, not differentiable: `row_stats`). E of every token is kept to the
-    backward (three GEMMs in all). A gradient that flows into the entropy is not formed on E: such a backward runs
-    the chunked strategy, its statistics pass and its recomputing backward (both terms in one pass:
-    `entropy_grads_on_chunked`)."""
+    backward (three GEMMs in all), a gradient into the entropy too (one more pass over E: `entropy_grad_rows`)."""
 
     @staticmethod
     def forward(ctx, x, w, target, opts: LossOptions, with_entropy: bool, producer, with_row_max: bool = False):
@@ -432,14 +457,9 @@ class AnchoredLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None, None
         need_dx, need_dw = ctx.needs_input_grad[:2]
         grad_loss = stats.new_zeros(stats.shape[1]) if grad_logp is None else -grad_logp.float().contiguous()
-        if grad_entropy is not None and entropy.numel():
-            del e  # the chunked recomputation needs none of it
-            dx, dw = entropy_grads_on_chunked(x, w, target, ctx.opts, grad_loss, grad_entropy.float().contiguous(),
-                                              need_dx=need_dx, need_dw=need_dw, weight_grad_accum="fp32",
-                                              chunk_tokens=None)
-        else:
-            dx, dw = logprobs_backward(x, w, target, ctx.opts, e, ctx.res, grad_loss, need_dx=need_dx,
-                                       need_dw=need_dw)
+        with_entropy = grad_entropy is not None and entropy.numel() > 0
+        dx, dw = logprobs_backward(x, w, target, ctx.opts, e, ctx.res, grad_loss, need_dx=need_dx, need_dw=need_dw,
+                                   grad_entropy=grad_entropy.float().contiguous() if with_entropy else None)
         return dx, dw, None, None, None, None, None
 
 

@@ -112,8 +112,9 @@ def check_logprobs(x, w, y, up, up_entropy=None, temperature=0.7):
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp_grad", "logp_and_entropy_grads"])
 @pytest.mark.parametrize("keep_e", [True, False], ids=["E_kept", "E_recomputed"])
 def test_auto_logprobs_on_the_anchored_pass(entropy_grad, keep_e, auto_is_anchored, monkeypatch):
-    """τ 0.7 with the entropy: E kept to the backward (three GEMMs) or, when it does not fit, recomputed there by the
-    producer (four); a gradient into the entropy recomputes the logits with the chunked GEMMs."""
+    """τ 0.7 with the entropy: E kept to the backward (three GEMMs; a gradient into the entropy takes one more pass
+    over E) or, when it does not fit, recomputed there by the producer (four; with the entropy's gradient, the
+    chunked strategy whole)."""
     if not keep_e:
         monkeypatch.setattr(logprobs, "keeps_anchored_e", lambda x2d, w: False)
     x, w, y = make_inputs(29, 64, 700, seed=6)
@@ -121,7 +122,7 @@ def test_auto_logprobs_on_the_anchored_pass(entropy_grad, keep_e, auto_is_anchor
     up = torch.randn(29, generator=gen).to(x.device)
     up_entropy = torch.randn(29, generator=gen).to(x.device)
     logp, entropy = check_logprobs(x, w, y, up, up_entropy if entropy_grad else None)
-    kept = {"logprobs_forward": 1} | ({} if entropy_grad else {"logprobs_backward": 1})
+    kept = {"logprobs_forward": 1, "logprobs_backward": 1}
     recomputed = {"loss_only": 1} | ({} if entropy_grad else {"anchored_loss_and_grads": 1})
     assert auto_is_anchored == (kept if keep_e else recomputed)
     with torch.no_grad():  # a reference model's pass: the same log-probs and entropy, bit for bit
@@ -223,6 +224,27 @@ def test_dx_in_row_blocks_and_the_exact_pass_in_the_scratch(reduction, chunk_tok
     torch.testing.assert_close(dw.double(), f64[1].grad, rtol=5e-2, atol=2e-2)
 
 
+def test_entropy_gradient_on_e_with_confident_and_flagged_rows(auto_is_anchored, poison_allocations):
+    """The entropy's gradient formed over the kept E: rows confident in their target (p_y − 1 ≈ 0 must stay ≈ 0),
+    two rows 95 nats past the anchor's reach (the exact pass with both terms), ignored rows: against fp64."""
+    from tests.test_anchored_exp import extreme_rows
+
+    x, w, y = make_inputs(40, 32, 300, seed=15, ignore_frac=0.2)
+    x[5:15] = x[5:15] + (8.0 * w[torch.where(y[5:15] != -100, y[5:15], 0)].float()).to(x.dtype) * 8
+    x, w, _ = extreme_rows(x, w, y, [20, 33], 95.0)
+    gen = torch.Generator().manual_seed(2)
+    up, up_entropy = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    poison_allocations()
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, entropy = fusedkern.linear_logprobs(xl, wl, y, temperature=0.7, return_entropy=True)
+    ((logp * up).sum() + (entropy * up_entropy).sum()).backward()
+    (_, _, rdx, rdw), (_, _, tdx, tdw) = logprobs_references(x, w, y, 0.7, up, up_entropy)
+    torch.testing.assert_close(xl.grad.double(), rdx, rtol=5e-2, atol=2e-2)
+    torch.testing.assert_close(wl.grad.double(), rdw, rtol=5e-2, atol=2e-2)
+    assert not xl.grad[y == -100].any()
+    assert auto_is_anchored == {"logprobs_forward": 1, "logprobs_backward": 1}
+
+
 def test_every_row_has_its_lse_ignored_rows_included():
     """return_lse gives every row's log-sum-exp, as the chunked strategy does: an ignored row is anchored on column
     0, and one whose column-0 logit lies 95 nats below the rest (past the anchor's reach) takes the exact pass, whose
@@ -298,7 +320,7 @@ def test_gpu_auto_logprobs_and_trl_statistics_on_the_anchored_pass(anchored_call
     gen = torch.Generator(device="cuda").manual_seed(3)
     up, up_entropy = torch.randn(1536, device="cuda", generator=gen), torch.randn(1536, device="cuda", generator=gen)
     check_logprobs(x, w, y, up, up_entropy)
-    assert anchored_calls == {"logprobs_forward": 1}
+    assert anchored_calls == {"logprobs_forward": 1, "logprobs_backward": 1}
     xl = x.clone().requires_grad_()
     logps, _, row_max, row_lse = linear_logprobs_with_stats(xl, w, y)
     logps.sum().backward()

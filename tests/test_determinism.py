@@ -130,11 +130,11 @@ def _formula(x: torch.Tensor, w: torch.Tensor) -> frozenset[str]:
     return frozenset({"anchored E kept"}) if _on_anchored(x, w) else frozenset({"formula"})
 
 
-def _per_token(x: torch.Tensor, w: torch.Tensor, entropy_grad: bool = False) -> frozenset[str]:
-    """A per-token call with a gradient: E kept to the backward on the anchored pass (an entropy's gradient
-    recomputes the logits), else a statistics pass and the recomputed gradients."""
+def _per_token(x: torch.Tensor, w: torch.Tensor) -> frozenset[str]:
+    """A per-token call with a gradient: E kept to the backward on the anchored pass (the entropy's gradient over it
+    too), else a statistics pass and the recomputed gradients."""
     if _on_anchored(x, w):
-        return frozenset({"anchored E kept"} | ({"recomputed gradients"} if entropy_grad else set()))
+        return frozenset({"anchored E kept"})
     return frozenset({_statistics_pass(x, w), "recomputed gradients"})
 
 
@@ -227,7 +227,7 @@ def logprobs_entropy(size, device):
         logp, entropy = fk.linear_logprobs(x, w, y, temperature=0.7, return_entropy=True,
                                            chunk_tokens=size.chunk_tokens)
         return {"loss": (logp * up_logp).sum() + (entropy * up_entropy).sum(), "logp": logp, "entropy": entropy}
-    return Case({"x": x, "w": w}, run, _per_token(x, w, entropy_grad=True))
+    return Case({"x": x, "w": w}, run, _per_token(x, w))
 
 
 def logprobs_host_count(size, device):

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fusedkern._runtime import interpreting
-from fusedkern.kernels.device_math import log1p
+from fusedkern.kernels.device_math import expm1, log1p
 
 #: the anchor's margin above the target's logit and the clamp of e's exponent, log2 units (`gluon_anchored_exp`):
 #: E ≤ 2^CLAMP2, and a row is exact while lse − s_y < (A2 + CLAMP2)·ln 2 (86 nats); 2^A2 and 2^CLAMP2 are exact fp32
@@ -248,6 +248,51 @@ def finish_rows(parts: torch.Tensor | None, s_y: torch.Tensor, target: torch.Ten
         x.stride(0) if has_sx else 0, sx.stride(0) if has_sx else 0, ignore_index, float(logit_scale), A2=A2,
         CLAMP2=CLAMP2, LN2=LN2, COMPUTE_STATS=compute, HAS_ENTROPY=has_entropy, ROW_MAX=has_max, HAS_GRAD=has_grad,
         PER_TOKEN_GRAD=per_token, HAS_SX=has_sx, BLOCK_P=block_p, BLOCK_H=block_h, num_warps=4)
+
+
+@triton.jit
+def _entropy_grad_rows_kernel(e_ptr, sum_ptr, loss_ptr, entropy_ptr, target_ptr, grad_ptr, grad_entropy_ptr, V,
+                              stride_e, ignore_index, logit_scale, A2: tl.constexpr, CLAMP2: tl.constexpr,
+                              LN2: tl.constexpr, BLOCK_V: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    y = tl.load(target_ptr + t).to(tl.int64)
+    S = tl.load(sum_ptr + t)
+    ok = (y != ignore_index) & (y >= 0) & (y < V) & (S < tl.exp2(CLAMP2))
+    loss = tl.load(loss_ptr + t)
+    H = tl.load(entropy_ptr + t)
+    g = tl.load(grad_ptr + t)
+    gh = tl.load(grad_entropy_ptr + t)
+    inv_s = 1.0 / tl.where(ok, S, 1.0)
+    # log p_v = ln(e_v) − ln S with ln S = ℓ − A2·ln 2 (ℓ = log(S·2^A2)); the target's own p_y = e^−ℓ, p_y − 1 =
+    # expm1(−ℓ) exactly (its E element is 2^−A2 only to the GEMM's rounding of s_y)
+    log_shift = A2 * LN2 - loss
+    p_y = tl.exp(-loss)
+    g_y = g * expm1(-loss) - gh * p_y * (H - loss)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        ev = tl.load(e_ptr + t * stride_e + cols, mask=mask, other=0.0).to(tl.float32)
+        p = ev * inv_s
+        log_p = tl.where(ev > 0, tl.log(tl.where(ev > 0, ev, 1.0)) + log_shift, 0.0)
+        gz = tl.where(cols == y, g_y, p * (g - gh * (log_p + H)))
+        gz = tl.where(ok, gz * logit_scale, 0.0)
+        tl.store(e_ptr + t * stride_e + cols, gz.to(e_ptr.dtype.element_ty), mask=mask)
+
+
+def entropy_grad_rows(e: torch.Tensor, sums: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor,
+                      target: torch.Tensor, grad: torch.Tensor, grad_entropy: torch.Tensor, *, ignore_index: int,
+                      logit_scale: float = 1.0) -> None:
+    """E [T, V] (bf16, unit column stride) replaced in place by ∂L/∂z of L = Σ_t g_t·ℓ_t + g^H_t·H_t: k·(g·(p − 1[y])
+    − g^H·p·(log p + H)) with p = E/S (E's rounding, as torch's bf16 softmax has its logits'), log p = ln E − ln S;
+    0 on ignored and flagged rows (the exact pass forms theirs). sums, loss, entropy: the forward's S, ℓ, H [T] fp32;
+    grad, grad_entropy [T] fp32. The entropy's gradient on E: one read and one write of E, no GEMM."""
+    T, V = e.shape
+    assert e.stride(1) == 1 and all(v.shape == (T, ) for v in (sums, loss, entropy, target, grad, grad_entropy))
+    if T:
+        block = min(triton.next_power_of_2(V), 64 if interpreting() else 2048)
+        _entropy_grad_rows_kernel[(T, )](e, sums, loss, entropy, target, grad, grad_entropy, V, e.stride(0),
+                                         ignore_index, float(logit_scale), A2=A2, CLAMP2=CLAMP2, LN2=LN2,
+                                         BLOCK_V=block, num_warps=8)
 
 
 @triton.jit
