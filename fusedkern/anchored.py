@@ -22,9 +22,9 @@ Two uses:
 - `anchored_loss_and_grads`: a loss whose upstream is known in the forward (cross-entropy's mean or sum): the
   gradients formed in the forward, three GEMMs, chunked as `anchored_plan` says.
 - `AnchoredLogprobs`: per-token log-probs (and the entropy's value) whose upstream arrives in backward: E of every
-  token kept from the forward to the backward (T·V·2 bytes), so the backward is the row kernel and two GEMMs — three
-  GEMMs in all, where recomputing the logits takes four. The entropy's gradient is not formed here (the caller takes
-  the chunked path for it).
+  token kept from the forward to the backward (T·V·2 bytes, T rounded up by `kept_e_rows`), so the backward is the
+  row kernel and two GEMMs — three GEMMs in all, where recomputing the logits takes four. The entropy's gradient is
+  not formed here (the caller takes the chunked path for it).
 
 Options: no bias, class weights, label smoothing, z-loss or softcap (those calls take the chunked strategy); a
 temperature (logit scale k = 1/τ) is fine. stats: the pair (s_y, ℓ) with lse = stats[0] + stats[1], the same sum as
@@ -140,15 +140,29 @@ def anchored_plan(n_tokens: int, vocab: int, hidden: int, *, need_dw: bool, fp32
     return AnchoredPlan(C, accumulate, in_storage)
 
 
-def e_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def kept_e_rows(rows: int) -> int:
+    """The rows a per-token forward allocates its kept E (and its partial sums) for: `rows` rounded up to a multiple
+    of an eighth of the power of two at or below it, at least CHUNK_MULTIPLE (≤ 12.5 % more from 1024 rows on, eight
+    sizes an octave). Its rows are a micro-batch's scored tokens, which change from one micro-batch to the next (GRPO's
+    completions of random lengths): E of exactly T·V·2 bytes (GBs at a 151936 vocabulary), kept from the forward to
+    the backward, would ask the caching allocator for a new size at every call, splitting its cached blocks until a
+    request fits none of them (a cudaMalloc, or a flush of the cache and a retry, which synchronizes the device). The
+    buffer's first T rows are E's view with the same strides, so no result changes; the rows past T are never read."""
+    granule = max(CHUNK_MULTIPLE, (1 << max(rows.bit_length() - 1, 0)) // 8)
+    return -(-rows // granule) * granule
+
+
+def e_buffer(rows: int, vocab: int, like: torch.Tensor, scratch: torch.Tensor | None = None,
+             alloc_rows: int | None = None) -> torch.Tensor:
     """E's [rows, V] bf16 view of a buffer with `e_row_stride(V)` per row (TMA's 16-byte rows): in `scratch` (dW's
-    own storage) when given."""
+    own storage) when given, else at the start of a new buffer of max(rows, alloc_rows) rows (`kept_e_rows`)."""
     stride = e_row_stride(vocab)
     if scratch is not None:
         assert scratch.dtype == torch.bfloat16 and scratch.numel() >= rows * stride
         flat = scratch.view(-1)[: rows * stride]
     else:
-        flat = torch.empty(rows * stride, device=like.device, dtype=torch.bfloat16)
+        flat = torch.empty(max(rows, alloc_rows or 0) * stride, device=like.device,
+                           dtype=torch.bfloat16)[: rows * stride]
     return flat.view(rows, stride)[:, :vocab]
 
 
@@ -364,9 +378,11 @@ def logprobs_forward(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, opt
     V = w.shape[0]
     producer = producer or default_producer(x, w)
     s_y, anchor = target_anchors(x, w, target, ignore_index=opts.ignore_index, logit_scale=opts.logit_scale)
-    e = e_buffer(T, V, x)
-    parts = torch.empty((part_planes(entropy=with_entropy, row_max=with_row_max), T, column_tiles(V)), device=x.device,
-                        dtype=torch.float32)
+    # both T-sized buffers at a rounded size (`kept_e_rows`): the views below have the strides of exact ones
+    alloc = kept_e_rows(T)
+    e = e_buffer(T, V, x, alloc_rows=alloc)
+    planes, P = part_planes(entropy=with_entropy, row_max=with_row_max), column_tiles(V)
+    parts = torch.empty(planes * alloc * P, device=x.device, dtype=torch.float32)[: planes * T * P].view(planes, T, P)
     sums = torch.empty(T, device=x.device, dtype=torch.float32)
     loss, lse, _, entropy, flagged, row_max = _row_vectors(T, x.device, with_entropy, with_row_max)
     producer(x, w, anchor, parts, e, logit_scale=opts.logit_scale, epilogue=SUMS_AND_E, row_max=with_row_max)

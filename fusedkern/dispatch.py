@@ -277,11 +277,11 @@ def keeps_anchored_e(x2d: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether an anchored per-token call keeps E of every token from its forward to its backward
     (`anchored.AnchoredLogprobs`: three GEMMs; else the operators' `Anchored` strategy, whose backward recomputes E:
     four): a gradient will follow, the call is not traced (E lives outside the custom operators), and E [T, V] bf16,
-    beside the pass's own ≤ 2 GiB, fits the free memory (always, off CUDA)."""
+    beside the pass's own ≤ 2 GiB, fits the free memory (always, off CUDA); E's rows as allocated (`kept_e_rows`)."""
     if not (torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad)) or is_traced(x2d, w):
         return False
     T, V = x2d.shape[0], w.shape[0]
-    kept = T * _anchored().e_row_stride(V) * 2
+    kept = _anchored().kept_e_rows(T) * _anchored().e_row_stride(V) * 2
     return not x2d.is_cuda or fits_free_memory(kept + _anchored().ANCHORED_EXTRA_BUDGET_BYTES, x2d.device)
 
 

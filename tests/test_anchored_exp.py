@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedkern import reference
+from fusedkern import anchored, reference
 from fusedkern.anchored import (
+    CHUNK_MULTIPLE,
     AnchoredPlan,
     anchored_cross_entropy,
     anchored_logprobs,
     anchored_loss_and_grads,
     anchored_plan,
+    kept_e_rows,
     logprobs_forward,
     loss_only,
 )
@@ -213,6 +215,30 @@ def test_logprobs_flagged_rows_and_one_backward():
     logp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         logp.sum().backward()
+
+
+def test_kept_e_is_allocated_for_a_rounded_row_count(poison_allocations, monkeypatch):
+    """A per-token forward allocates E and its partial sums for `kept_e_rows(T)` rows (≤ 12.5 % more from 1024 rows
+    on, nine sizes between 4096 and 8192 rows), so that micro-batches of varying scored tokens ask the caching
+    allocator for few sizes; E's view has the strides of an exact allocation, so the log-probs, the entropy and the
+    gradients are the same bits as with one of exactly T rows, and the poisoned rows past T are never read."""
+    assert [kept_e_rows(t) for t in (0, 1, 128, 129, 1000, 1025, 4097, 8192)] == [0, 128, 128, 256, 1024, 1152, 4608,
+                                                                                   8192]
+    for t in range(1, 20000, 37):
+        k = kept_e_rows(t)
+        assert k >= t and k % CHUNK_MULTIPLE == 0 and (k <= 1.125 * t or k - t < CHUNK_MULTIPLE), (t, k)
+    assert len({kept_e_rows(t) for t in range(4096, 8193)}) == 9
+    x, w, y = make_inputs(150, 32, 300, seed=12)
+    up = torch.linspace(-1.0, 2.0, 150, device=x.device)
+    poison_allocations()
+    e, _ = logprobs_forward(x, w, y, LossOptions(), with_entropy=True, with_row_max=True)
+    assert e.shape == (150, 300) and e.untyped_storage().nbytes() == kept_e_rows(150) * e_row_stride(300) * 2 > (
+        150 * e_row_stride(300) * 2)
+    rounded = grads_of(anchored_logprobs, x, w, y, return_entropy=True, upstream=up)
+    monkeypatch.setattr(anchored, "kept_e_rows", lambda rows: rows)
+    exact = grads_of(anchored_logprobs, x, w, y, return_entropy=True, upstream=up)
+    for u, v in zip((*rounded[0], *rounded[1:]), (*exact[0], *exact[1:])):
+        assert torch.equal(u, v)
 
 
 def test_same_bits_twice():
