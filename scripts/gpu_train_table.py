@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 import fusedkern  # noqa: E402,F401  (before TRL: picks the GPU or Triton's interpreter before any kernel is defined)
 from fusedkern._runtime import interpreting  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the examples' provenance helpers, tokenizer and step timer
@@ -108,6 +109,146 @@ CSV_COLUMNS = ("model", "step", "row", "workload", "protocol", "layers", "hidden
                "warmup_steps", "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "first_loss",
                "final_loss", "head", "liger_layers", "device", "torch", "triton", "transformers", "trl",
                "liger_kernel", "commit", "autocast", "attention", "optimizer", "phase")
+#: --steps-csv: one row per optimizer step of each run (warm-up steps included, `timed` 0), with what the caching
+#: allocator, Triton's JIT, TorchDynamo and fusedkern's free-memory check did during it, so that a slow step can be
+#: matched with its events. The allocator's columns are empty off CUDA, Triton's under its interpreter (which compiles
+#: nothing), the free-memory columns for the rows with TRL's head
+STEP_COLUMNS = ("model", "step", "row", "micro_batch", "grad_accum", "e_alloc", "phase", "commit", "device",
+                "step_index", "timed", "step_ms", "peak_allocated_mib", "peak_reserved_mib", "reserved_mib",
+                "inactive_split_mib", "alloc_retries", "device_allocs", "device_frees", "sync_all_streams", "ooms",
+                "triton_compiles", "triton_compile_ms", "triton_kernels", "dynamo_graphs", "free_memory_checks",
+                "free_memory_refusals", "driver_memory_queries")
+#: the step CSV's columns from torch.cuda.memory_stats()'s event counters, each the counter's change over the step:
+#: failed cudaMallocs that flushed the cache and retried (a device synchronization each), cudaMalloc / cudaFree
+#: calls (cuMemMap / cuMemUnmap with expandable segments), synchronize_and_free_events calls, out-of-memory errors
+ALLOCATOR_COUNTERS = {"alloc_retries": "num_alloc_retries", "device_allocs": "num_device_alloc",
+                      "device_frees": "num_device_free", "sync_all_streams": "num_sync_all_streams",
+                      "ooms": "num_ooms"}
+E_ALLOCS = ("rounded", "exact")
+
+
+class EventCounters:
+    """While entered, counts process-wide: Triton JIT compilations (a kernel's in-process cache missed: compiled, or
+    loaded from the disk cache) with their kernels' names and wall time, through Triton's jit_cache_hook and
+    jit_post_compile_hook (chained to hooks already set, whose answers are kept); fusedkern's free-memory checks
+    (`fusedkern.dispatch.fits_free_memory`, whose refusals send the anchored head to another path) and their
+    refusals; the driver's free-memory queries (`torch.cuda.mem_get_info`). Everything is restored on exit."""
+
+    def __init__(self):
+        self.compiles, self.compile_s, self.kernels = 0, 0.0, []
+        self.checks = self.refusals = self.driver_queries = 0
+        self._compile_start = None
+
+    def values(self) -> dict:
+        return dict(triton_compiles=self.compiles, triton_compile_s=self.compile_s, triton_kernel_count=len(
+            self.kernels), free_memory_checks=self.checks, free_memory_refusals=self.refusals,
+            driver_memory_queries=self.driver_queries)
+
+    def __enter__(self):
+        import triton
+
+        from fusedkern import dispatch
+
+        self._runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if self._runtime is not None:
+            self._hooks = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
+            before, after = self._hooks
+
+            def on_miss(**kw):
+                self.compiles += 1
+                self.kernels.append(kw["fn"].name)
+                self._compile_start = time.perf_counter()
+                return before(**kw) if before is not None else None
+
+            def on_compiled(**kw):
+                if self._compile_start is not None:
+                    self.compile_s += time.perf_counter() - self._compile_start
+                    self._compile_start = None
+                return after(**kw) if after is not None else None
+
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = on_miss, on_compiled
+        self._dispatch, self._fits, self._mem_get_info = dispatch, dispatch.fits_free_memory, torch.cuda.mem_get_info
+        fits, mem_get_info = self._fits, self._mem_get_info
+
+        def counted_fits(need, device):
+            self.checks += 1
+            ok = fits(need, device)
+            self.refusals += not ok
+            return ok
+
+        def counted_mem_get_info(*args, **kwargs):
+            self.driver_queries += 1
+            return mem_get_info(*args, **kwargs)
+
+        dispatch.fits_free_memory, torch.cuda.mem_get_info = counted_fits, counted_mem_get_info
+        return self
+
+    def __exit__(self, *exc):
+        self._dispatch.fits_free_memory, torch.cuda.mem_get_info = self._fits, self._mem_get_info
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._hooks
+        return False
+
+
+@contextlib.contextmanager
+def e_allocation(mode: str):
+    """--e-alloc: "rounded" leaves fusedkern's kept E (and its partial sums) allocated for `kept_e_rows(T)` rows;
+    "exact" allocates them for exactly T rows, as before that rounding (a diagnostic: the same results, other
+    allocation sizes)."""
+    from fusedkern import anchored
+
+    if mode not in E_ALLOCS:
+        raise ValueError(f"e_alloc must be one of {E_ALLOCS}, got {mode!r}")
+    rounded = anchored.kept_e_rows
+    if mode == "exact":
+        anchored.kept_e_rows = lambda rows: rows
+    try:
+        yield
+    finally:
+        anchored.kept_e_rows = rounded
+
+
+class StepProbe(TrainerCallback):
+    """Per optimizer step (added after the StepTimer, whose step_end synchronizes first): the change of the caching
+    allocator's event counters (ALLOCATOR_COUNTERS) and its peak reserved bytes (the StepTimer resets the peaks as the
+    step begins), its reserved and inactive-split bytes at the step's end, and what `counters` (EventCounters) and
+    TorchDynamo (its unique graphs, when loaded) counted during the step."""
+
+    def __init__(self, cuda: bool, counters: EventCounters, triton_counted: bool):
+        self.cuda, self.counters, self.triton_counted = cuda, counters, triton_counted
+        self.records, self.before = [], None
+
+    def snapshot(self) -> dict:
+        snap = self.counters.values()
+        dynamo = sys.modules.get("torch._dynamo.utils")  # loaded by whatever compiles; nothing to count otherwise
+        snap["dynamo_graphs"] = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
+        if self.cuda:
+            stats = torch.cuda.memory_stats()
+            snap.update({name: stats.get(key, 0) for name, key in ALLOCATOR_COUNTERS.items()})
+            snap.update(peak_reserved=stats.get("reserved_bytes.all.peak", 0),
+                        reserved=stats.get("reserved_bytes.all.current", 0),
+                        inactive_split=stats.get("inactive_split_bytes.all.current", 0))
+        return snap
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.before = self.snapshot()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        after, before = self.snapshot(), self.before
+        first_kernel = before["triton_kernel_count"]
+        names = sorted(set(self.counters.kernels[first_kernel:after["triton_kernel_count"]]))
+        record = {"triton_compiles": after["triton_compiles"] - before["triton_compiles"],
+                  "triton_compile_ms": f"{(after['triton_compile_s'] - before['triton_compile_s']) * 1e3:.1f}",
+                  "triton_kernels": " ".join(names)} if self.triton_counted else {
+            "triton_compiles": "", "triton_compile_ms": "", "triton_kernels": ""}
+        for key in ("dynamo_graphs", "free_memory_checks", "free_memory_refusals", "driver_memory_queries"):
+            record[key] = after[key] - before[key]
+        for name in ALLOCATOR_COUNTERS:
+            record[name] = after[name] - before[name] if self.cuda else ""
+        mib = {"peak_reserved_mib": "peak_reserved", "reserved_mib": "reserved", "inactive_split_mib": "inactive_split"}
+        for column, key in mib.items():
+            record[column] = f"{after[key] / 2**20:.1f}" if self.cuda else ""
+        self.records.append(record)
 
 
 def parse_args(argv):
@@ -118,6 +259,10 @@ def parse_args(argv):
     p.add_argument("--step", nargs="+", choices=STEPS, default=None, help="default: each model's steps")
     p.add_argument("--row", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--csv", default=None, help="append one row per run to this CSV file")
+    p.add_argument("--steps-csv", default=None, help="append one row per optimizer step of each run to this CSV "
+                   "file (STEP_COLUMNS: step time, the allocator's events, Triton compilations, free-memory checks)")
+    p.add_argument("--e-alloc", choices=E_ALLOCS, default="rounded", help="fusedkern's kept E allocated for "
+                   "kept_e_rows(T) rows (rounded, the library's) or exactly T (a diagnostic of the allocator)")
     p.add_argument("--seq", type=int, default=None, help="tokens a sequence (2048; --tiny 8)")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps (6; --tiny 1)")
     p.add_argument("--warmup", type=int, default=None, help="optimizer steps before the timed ones (2; --tiny 1)")
@@ -299,9 +444,10 @@ def _is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and ("CUBLAS_STATUS_ALLOC_FAILED" in text or "out of memory" in text))
 
 
-def run_one(model_name: str, step: str, row: str, args, callbacks=()) -> dict:
+def run_one(model_name: str, step: str, row: str, args, callbacks=(), step_rows: list | None = None) -> dict:
     """Train one (model, step, row); its CSV row. `callbacks`: more TrainerCallbacks for the trainer, after the step
-    timer (scripts/gpu_step_profile.py profiles a step through one)."""
+    timer and the step probe (scripts/gpu_step_profile.py profiles a step through one). step_rows: a list that gets
+    the run's per-step rows (STEP_COLUMNS)."""
     from fusedkern.integrations import trl as fk_trl
     from fusedkern.study import liger_layers
 
@@ -316,10 +462,14 @@ def run_one(model_name: str, step: str, row: str, args, callbacks=()) -> dict:
     # Liger's kernels on CPU tensors need the interpreter's shims; its process-wide replacements are undone after
     # the run (--tiny runs every row in one process)
     on_cpu = liger_layers.interpreted() if liger and not args.cuda else contextlib.nullcontext()
-    with tempfile.TemporaryDirectory() as out, liger_layers.liger_patches_undone((shape.arch,)), on_cpu:
+    e_alloc = getattr(args, "e_alloc", "rounded")
+    with tempfile.TemporaryDirectory() as out, liger_layers.liger_patches_undone((shape.arch,)), on_cpu, \
+            EventCounters() as counters, e_allocation(e_alloc):
         trainer = build_trainer(step, row, shape, path, args, global_batch, micro, out)
         timer = StepTimer(args.cuda)
         trainer.add_callback(timer)
+        probe = StepProbe(args.cuda, counters, triton_counted=not interpreting())
+        trainer.add_callback(probe)
         for callback in callbacks:
             trainer.add_callback(callback)
         print(f"{model_name} {step} {row}: global batch {global_batch}, micro-batch {micro}, seq {args.seq}",
@@ -330,8 +480,9 @@ def run_one(model_name: str, step: str, row: str, args, callbacks=()) -> dict:
             raise RuntimeError(f"{row}: Liger's layer kernels are not all in the model: {layers}")
         head = "fusedkern" if fk_trl.has_fused_head(trainer.model) else "trl"
         logs = [h for h in trainer.state.log_history if "loss" in h]
-    if len(logs) != len(timer.records):
-        raise RuntimeError(f"{len(logs)} logged steps for {len(timer.records)} timed ones")
+    if len(logs) != len(timer.records) or len(probe.records) != len(timer.records):
+        raise RuntimeError(f"{len(logs)} logged steps and {len(probe.records)} probed for {len(timer.records)} "
+                           "timed ones")
     rows_per_item = 2 if step == "dpo" else 1  # DPO: a chosen and a rejected row per pair
     tokens = rows_per_item * global_batch * args.seq
     timed = timer.records[args.warmup:] or timer.records
@@ -357,6 +508,23 @@ def run_one(model_name: str, step: str, row: str, args, callbacks=()) -> dict:
     print(f"{model_name} {step} {row}: {float(result['tokens_per_s']):.0f} tokens/s, p50 {p50:.1f} ms, peak "
           f"{result['peak_mib'] or '-'} MiB, loss {result['first_loss']} -> {result['final_loss']} ({head} head)",
           flush=True)
+    same = {"model": model_name, "step": step, "row": row, "micro_batch": micro, "grad_accum": global_batch // micro,
+            "e_alloc": e_alloc if head == "fusedkern" else "", "phase": args.phase, "commit": result["commit"],
+            "device": result["device"]}
+    for i, (t, events) in enumerate(zip(timer.records, probe.records)):
+        peak = "" if t["peak_mib"] is None else f"{t['peak_mib']:.1f}"
+        line = dict(same, step_index=i, timed=int(i >= args.warmup), step_ms=f"{t['step_time_s'] * 1e3:.2f}",
+                    peak_allocated_mib=peak, **events)
+        if head != "fusedkern":  # TRL's head asks fusedkern's check nothing: its zeros would read as measured
+            line.update(free_memory_checks="", free_memory_refusals="")
+        v = {k: "-" if x == "" else x for k, x in line.items()}  # "-": not measured here
+        print(f"  step {i}{'' if line['timed'] else ' (warm-up)'}: {v['step_ms']} ms, cudaMalloc {v['device_allocs']}"
+              f" / cudaFree {v['device_frees']} / retries {v['alloc_retries']}, reserved {v['reserved_mib']} MiB, "
+              f"Triton compiles {v['triton_compiles']} ({v['triton_compile_ms']} ms), free-memory checks "
+              f"{v['free_memory_checks']} (refused {v['free_memory_refusals']}), driver queries "
+              f"{v['driver_memory_queries']}", flush=True)
+        if step_rows is not None:
+            step_rows.append(line)
     return result
 
 
@@ -378,8 +546,9 @@ def main(argv=None) -> list[dict]:
         runs = runs_of(args)
         results = []
         for model_name, step, row in runs:
+            step_rows = []
             try:
-                result = run_one(model_name, step, row, args)
+                result = run_one(model_name, step, row, args, step_rows=step_rows)
             except BaseException as error:
                 if not _is_out_of_memory(error):
                     raise
@@ -388,6 +557,9 @@ def main(argv=None) -> list[dict]:
             results.append(result)
             if args.csv is not None:
                 append_csv(args.csv, result, CSV_COLUMNS)
+            if args.steps_csv is not None:
+                for line in step_rows:
+                    append_csv(args.steps_csv, line, STEP_COLUMNS)
             gc.collect()
             if args.cuda:
                 torch.cuda.empty_cache()

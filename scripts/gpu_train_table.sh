@@ -24,15 +24,20 @@
 #
 # then append each call's train_trl_table.csv (one header) to data/measured/h100/train_trl_table.csv, which
 # notebooks/10_training_step.py draws. Writes OUTDIR/train_trl_table.csv (one row per run: tokens/s p50, peak MiB,
-# first and final loss, micro-batch, protocol "sequential", workload, versions, commit), OUTDIR/train_trl_table.log
-# (environment, order, each attempt's exit status and last lines, the summary), OUTDIR/train_trl_logs.tgz (every
-# run's whole output) and OUTDIR/triton_cache.tar.xz. Knobs (environment): MODELS (all three), STEPS (each model's:
-# sft dpo grpo; llama3-8b-2l dpo), ROWS ("trl trl_liger fusedkern fusedkern_liger"), TIMED (6 timed steps), WARMUP
-# (2), SEQ (2048), PHASE (the CSV's phase column, default after; the committed rows of b4ffb48 are "before"),
-# FIRST_MICRO (the micro-batch every search starts from; default each model's), CAP_S (180 s an attempt), BUDGET_S
-# (540: no run starts after it; the rest is listed as skipped), SAVE_CACHE (1), TINY (set: the tiny shapes of --tiny,
-# each run still its own process; how a CPU checks this driver: PATH=.venv/bin:$PATH TINY=1 MODELS=llama3-8b-2l
-# SAVE_CACHE=0 scripts/gpu_train_table.sh OUT_DIR). The summary prints issue 47's targets as met or MISSED.
+# first and final loss, micro-batch, protocol "sequential", workload, versions, commit), OUTDIR/train_trl_steps.csv
+# (one row per optimizer step of each run: its time beside the caching allocator's cudaMalloc / cudaFree calls and
+# flush-and-retry events, reserved bytes, Triton compilations and fusedkern's free-memory checks during it:
+# scripts/gpu_train_table.py's STEP_COLUMNS), OUTDIR/train_trl_table.log (environment, order, each attempt's exit
+# status and last lines, the summary), OUTDIR/train_trl_logs.tgz (every run's whole output) and
+# OUTDIR/triton_cache.tar.xz. Knobs (environment): MODELS (all three), STEPS (each model's: sft dpo grpo; llama3-8b-2l
+# dpo), ROWS ("trl trl_liger fusedkern fusedkern_liger"), TIMED (6 timed steps), WARMUP (2), SEQ (2048), PHASE (the
+# CSV's phase column, default after; the committed rows of b4ffb48 are "before"), FIRST_MICRO (the micro-batch every
+# search starts from; default each model's), E_ALLOC (rounded: fusedkern's kept E allocated for kept_e_rows(T) rows;
+# exact: for T rows, a diagnostic), CAP_S (180 s an attempt), BUDGET_S (540: no run starts after it; the rest is
+# listed as skipped), SAVE_CACHE (1), TINY (set: the tiny shapes of --tiny, each run still its own process; how a CPU
+# checks this driver: PATH=.venv/bin:$PATH TINY=1 MODELS=llama3-8b-2l SAVE_CACHE=0 scripts/gpu_train_table.sh
+# OUT_DIR). The summary prints issue 47's targets as met or MISSED, and each run's timed steps slower than 1.03x its
+# median with what happened in them.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup "${1:?usage: scripts/gpu_train_table.sh OUTDIR}"
@@ -40,6 +45,7 @@ install_wheels "${TMPDIR:-/tmp}"/site_train_table .whl/trl .whl/liger085
 triton_cache_restore "${TMPDIR:-/tmp}"/triton_train_table
 log="$outdir/train_trl_table.log"
 csv="$outdir/train_trl_table.csv"
+steps_csv="$outdir/train_trl_steps.csv"
 res="${TMPDIR:-/tmp}"/train_trl_logs
 ckpt="${TMPDIR:-/tmp}"/train_table_checkpoints${TINY:+_tiny}  # kept on a warm machine: the next call skips them
 rm -rf "$res" && mkdir -p "$res"
@@ -59,6 +65,7 @@ common=(--checkpoints "$ckpt")
 [ -n "${TIMED:-}" ] && common+=(--steps "$TIMED")
 [ -n "${WARMUP:-}" ] && common+=(--warmup "$WARMUP")
 [ -n "${PHASE:-}" ] && common+=(--phase "$PHASE")
+[ -n "${E_ALLOC:-}" ] && common+=(--e-alloc "$E_ALLOC")
 read -r -a models <<< "${MODELS:-qwen3-0.6b llama-3.2-1b llama3-8b-2l}"
 select=(--model "${models[@]}" --row ${ROWS:-trl trl_liger fusedkern fusedkern_liger})
 [ -n "${STEPS:-}" ] && select+=(--step $STEPS)
@@ -83,7 +90,7 @@ for spec in "${runs[@]}"; do
         t0=$SECONDS
         timeout -k 10 "$cap" python3 scripts/gpu_train_table.py "${common[@]}" --model "$model" --step "$step" \
             --row "$row" --micro-batch "$micro" --micro-batch-first "$first" --global-batch "$global" \
-            --csv "$csv" > "$res/$name.log" 2>&1
+            --csv "$csv" --steps-csv "$steps_csv" > "$res/$name.log" 2>&1
         status=$?
         grep -vE "^\{'|it/s\]|examples/s\]|Warning|warnings.warn|Backend impl" "$res/$name.log" | tail -n 4 | sed 's/^/    /' | tee -a "$log"
         echo "== $model $step $row micro-batch $micro: exit $status after $((SECONDS - t0)) s (cap $cap s, total" \
@@ -122,6 +129,40 @@ for (model, step), by_row in groups.items():
     firsts = [float(r["first_loss"]) for r in by_row.values()]
     print(f"  first losses agree to {max(firsts) - min(firsts):.2e}" + (
         f"; DPO's first loss - log 2: {max(abs(f - math.log(2)) for f in firsts):.2e}" if step == "dpo" else ""))
+EOF
+# the stalls: per run, the timed steps slower than 1.03x its median step, with the allocator's and Triton's events
+python3 - "$steps_csv" <<'EOF' 2>&1 | tee -a "$log"
+import csv, statistics, sys
+try:
+    steps = list(csv.DictReader(open(sys.argv[1])))
+except FileNotFoundError:
+    sys.exit("no train_trl_steps.csv")
+runs = {}
+for s in steps:
+    runs.setdefault((s["model"], s["step"], s["row"], s["micro_batch"], s["e_alloc"]), []).append(s)
+events = ("device_allocs", "device_frees", "alloc_retries", "triton_compiles", "free_memory_refusals",
+          "driver_memory_queries", "dynamo_graphs")
+
+
+def total(rows, key):  # "-": not measured on this run
+    values = [int(s[key]) for s in rows if s[key] != ""]
+    return sum(values) if values else "-"
+
+
+print("per-step events: each run's totals over its timed steps [warm-up steps], then its slow steps")
+for (model, step, row, micro, e_alloc), mine in runs.items():
+    timed, warm = [s for s in mine if s["timed"] == "1"], [s for s in mine if s["timed"] != "1"]
+    if not timed:
+        continue
+    median = statistics.median(float(s["step_ms"]) for s in timed)
+    print(f"  {model} {step} {row} (micro-batch {micro}{', E ' + e_alloc if e_alloc else ''}): median {median:.1f} "
+          "ms, " + ", ".join(f"{k} {total(timed, k)} [{total(warm, k)}]" for k in events)
+          + f", reserved at the end {timed[-1]['reserved_mib'] or '-'} MiB")
+    for s in timed:
+        if float(s["step_ms"]) > 1.03 * median:
+            print(f"    slow step {s['step_index']}: {float(s['step_ms']):.1f} ms (+{float(s['step_ms']) - median:.1f})"
+                  ": " + ", ".join(f"{k} {s[k] or '-'}" for k in events) + f", Triton {s['triton_compile_ms'] or '-'}"
+                  f" ms {s['triton_kernels']}, peak reserved {s['peak_reserved_mib'] or '-'} MiB")
 EOF
 echo "skipped (budget): ${skipped[*]:-none}" | tee -a "$log"
 echo "gpu_train_table.sh done in $((SECONDS - start)) s; failures: ${failures[*]:-none}" | tee -a "$log"

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,20 @@ def load_script(monkeypatch):
 def run_tiny(tmp_path, *options, timeout=600):
     """`python scripts/gpu_train_table.py --tiny --seq 4` (on the tests' interpreter patch, tests/_interpreter.py):
     4 tokens a sequence (DPO: a 2-token prompt and completion; GRPO: completions of 1-2 tokens), every path of the
-    default 8 at a quarter less CPU (the Liger rows' RoPE kernel runs a program per token)."""
+    default 8 at a quarter less CPU (the Liger rows' RoPE kernel runs a program per token). Its table's rows; the
+    per-step rows (--steps-csv) in tmp_path / "steps.csv"."""
     out = tmp_path / "table.csv"
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    done = subprocess.run(_interpreter.script_command(SCRIPT, "--tiny", "--seq", 4, "--csv", out, *options), cwd=ROOT,
+    done = subprocess.run(_interpreter.script_command(SCRIPT, "--tiny", "--seq", 4, "--csv", out, "--steps-csv",
+                                                      tmp_path / "steps.csv", *options), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     with open(out, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
@@ -80,9 +88,17 @@ def check_rows(rows, columns):
 
 
 @pytest.fixture(scope="module")
-def rows_of_the_8b_head(tmp_path_factory):
-    """--tiny --model llama3-8b-2l: the Llama-3-8B-head model's (DPO) rows, run once for the tests that read them."""
-    return run_tiny(tmp_path_factory.mktemp("table_8b"), "--model", "llama3-8b-2l")
+def run_of_the_8b_head(tmp_path_factory):
+    """--tiny --model llama3-8b-2l: the Llama-3-8B-head model's (DPO) table rows and per-step rows, run once for the
+    tests that read them."""
+    tmp = tmp_path_factory.mktemp("table_8b")
+    rows = run_tiny(tmp, "--model", "llama3-8b-2l")
+    return rows, read_csv(tmp / "steps.csv")
+
+
+@pytest.fixture(scope="module")
+def rows_of_the_8b_head(run_of_the_8b_head):
+    return run_of_the_8b_head[0]
 
 
 def test_tiny_dpo_rows_of_the_8b_head(rows_of_the_8b_head, monkeypatch):
@@ -91,6 +107,65 @@ def test_tiny_dpo_rows_of_the_8b_head(rows_of_the_8b_head, monkeypatch):
     (log 2) and final losses."""
     script = load_script(monkeypatch)
     assert set(check_rows(rows_of_the_8b_head, script.CSV_COLUMNS)) == {("llama3-8b-2l", "dpo")}
+
+
+def test_tiny_step_rows_of_the_8b_head(run_of_the_8b_head, monkeypatch):
+    """--steps-csv: one row per optimizer step of each run (its warm-up step, then the timed one, whose time is the
+    table's p50); on CPU the allocator's columns are empty, Triton's too (its interpreter compiles nothing), and the
+    free-memory check counts zero on fusedkern's head (off CUDA it never asks) and is empty on TRL's."""
+    script = load_script(monkeypatch)
+    rows, steps = run_of_the_8b_head
+    assert steps and list(steps[0]) == list(script.STEP_COLUMNS)
+    assert len(steps) == 2 * len(rows) == 8
+    empty_on_cpu = ["peak_allocated_mib", "peak_reserved_mib", "reserved_mib", "inactive_split_mib",
+                    *script.ALLOCATOR_COUNTERS, "triton_compiles", "triton_compile_ms", "triton_kernels"]
+    for r in rows:
+        mine = [s for s in steps if s["row"] == r["row"]]
+        assert [(int(s["step_index"]), int(s["timed"])) for s in mine] == [(0, 0), (1, 1)]
+        assert all(float(s["step_ms"]) > 0 and s["device"] == "cpu" and s["phase"] == r["phase"] for s in mine)
+        assert mine[1]["step_ms"] == r["step_ms_p50"]  # one timed step: the table's median is its time
+        assert all(s[c] == "" for s in mine for c in empty_on_cpu), mine
+        fused = r["head"] == "fusedkern"
+        assert {(s["e_alloc"], s["free_memory_checks"], s["free_memory_refusals"]) for s in mine} == {
+            ("rounded", "0", "0") if fused else ("", "", "")}
+        assert {(s["dynamo_graphs"], s["driver_memory_queries"]) for s in mine} == {("0", "0")}
+
+
+def test_event_counters_and_e_allocation(monkeypatch):
+    """EventCounters counts Triton's JIT cache misses (chained to a hook already set, whose answer is kept) with
+    their names and time, fusedkern's free-memory checks and refusals, the driver's free-memory queries, and restores
+    every hook and function on exit; e_allocation("exact") allocates E for exactly T rows until it exits."""
+    import triton
+
+    from fusedkern import anchored, dispatch
+
+    script = load_script(monkeypatch)
+    runtime = triton.knobs.runtime
+    seen = []
+    monkeypatch.setattr(runtime, "jit_cache_hook", lambda **kw: seen.append(kw["fn"].name) or None)
+    monkeypatch.setattr(runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(dispatch, "fits_free_memory", lambda need, device: need < 10)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5, 80))
+    hooks, fits, mem_get_info = runtime.jit_cache_hook, dispatch.fits_free_memory, torch.cuda.mem_get_info
+    info = dict(key="k", repr="r", compile={}, is_manual_warmup=False, already_compiled=False)
+    with script.EventCounters() as counters:
+        for name in ("_finish_rows_kernel", "_anchored_exp_kernel"):
+            assert runtime.jit_cache_hook(fn=types.SimpleNamespace(name=name), **info) is None
+            assert runtime.jit_post_compile_hook(fn=types.SimpleNamespace(name=name), **info) is None
+        assert [dispatch.fits_free_memory(n, "cuda") for n in (5, 20, 30)] == [True, False, False]
+        assert torch.cuda.mem_get_info() == (5, 80)
+        values = counters.values()
+    assert seen == ["_finish_rows_kernel", "_anchored_exp_kernel"]
+    assert counters.kernels == seen and values["triton_compiles"] == 2 and values["triton_compile_s"] >= 0
+    assert (values["free_memory_checks"], values["free_memory_refusals"], values["driver_memory_queries"]) == (3, 2, 1)
+    assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == (hooks, None)
+    assert dispatch.fits_free_memory is fits and torch.cuda.mem_get_info is mem_get_info
+    rounded = anchored.kept_e_rows
+    with script.e_allocation("exact"):
+        assert anchored.kept_e_rows(300) == 300
+    assert anchored.kept_e_rows is rounded and rounded(300) == 384
+    with pytest.raises(ValueError, match="e_alloc"), script.e_allocation("bogus"):
+        pass
 
 
 @pytest.mark.slow  # about 80 s on two shared cores: 24 runs, the Liger rows through the interpreter
