@@ -28,8 +28,10 @@ head), fusedkern (fusedkern.integrations.trl.patch() before the trainer is built
 
 Each run appends one CSV row: tokens/s at the median step time (step_ms_p20/p50/p80 over the timed steps after
 --warmup), peak MiB (torch.cuda.max_memory_allocated over the timed steps), first and final logged loss, the batch
-layout, protocol and workload, versions, commit and --phase. Hub kernels stay off (USE_HUB_KERNELS=NO,
-use_kernels=False): Transformers 5.25 would otherwise kernelize the layers where the `kernels` package is installed.
+layout, protocol and workload, versions, commit and --phase; with --steps-csv, one row per optimizer step beside it
+(STEP_COLUMNS: the step's time and what the caching allocator, Triton's JIT and fusedkern's free-memory check did in
+it). Hub kernels stay off (USE_HUB_KERNELS=NO, use_kernels=False): Transformers 5.25 would otherwise kernelize the
+layers where the `kernels` package is installed.
 """
 
 from __future__ import annotations
