@@ -226,10 +226,11 @@ class StepProbe(TrainerCallback):
         snap["dynamo_graphs"] = dynamo.counters["stats"]["unique_graphs"] if dynamo is not None else 0
         if self.cuda:
             stats = torch.cuda.memory_stats()
-            snap.update({name: stats.get(key, 0) for name, key in ALLOCATOR_COUNTERS.items()})
-            snap.update(peak_reserved=stats.get("reserved_bytes.all.peak", 0),
-                        reserved=stats.get("reserved_bytes.all.current", 0),
-                        inactive_split=stats.get("inactive_split_bytes.all.current", 0))
+            # a counter this torch does not keep stays None, written empty rather than as a measured 0
+            snap.update({name: stats.get(key) for name, key in ALLOCATOR_COUNTERS.items()})
+            snap.update(peak_reserved=stats.get("reserved_bytes.all.peak"),
+                        reserved=stats.get("reserved_bytes.all.current"),
+                        inactive_split=stats.get("inactive_split_bytes.all.current"))
         return snap
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -246,10 +247,11 @@ class StepProbe(TrainerCallback):
         for key in ("dynamo_graphs", "free_memory_checks", "free_memory_refusals", "driver_memory_queries"):
             record[key] = after[key] - before[key]
         for name in ALLOCATOR_COUNTERS:
-            record[name] = after[name] - before[name] if self.cuda else ""
+            kept = self.cuda and after[name] is not None and before[name] is not None
+            record[name] = after[name] - before[name] if kept else ""
         mib = {"peak_reserved_mib": "peak_reserved", "reserved_mib": "reserved", "inactive_split_mib": "inactive_split"}
         for column, key in mib.items():
-            record[column] = f"{after[key] / 2**20:.1f}" if self.cuda else ""
+            record[column] = f"{after[key] / 2**20:.1f}" if self.cuda and after[key] is not None else ""
         self.records.append(record)
 
 

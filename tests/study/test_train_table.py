@@ -168,6 +168,33 @@ def test_event_counters_and_e_allocation(monkeypatch):
         pass
 
 
+def test_step_probe_on_cuda_counters(monkeypatch):
+    """StepProbe's CUDA columns from two memory_stats() snapshots (invented counters): each event counter's change
+    over the step, the reserved bytes in MiB at its end; a counter this torch does not keep is written empty, not 0;
+    Triton's compilations of the step with their kernels' names (each once)."""
+    script = load_script(monkeypatch)
+    counters = script.EventCounters()
+    snapshots = iter([
+        {"num_alloc_retries": 1, "num_device_alloc": 10, "num_device_free": 4, "num_ooms": 0,
+         "reserved_bytes.all.peak": 2**30, "reserved_bytes.all.current": 2**30,
+         "inactive_split_bytes.all.current": 0},
+        {"num_alloc_retries": 2, "num_device_alloc": 13, "num_device_free": 9, "num_ooms": 0,
+         "reserved_bytes.all.peak": 3 * 2**30, "reserved_bytes.all.current": 2 * 2**30,
+         "inactive_split_bytes.all.current": 2**21}])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: next(snapshots))
+    probe = script.StepProbe(True, counters, triton_counted=True)
+    probe.on_step_begin(None, None, None)
+    counters.compiles, counters.compile_s, counters.kernels = 3, 0.25, ["b", "a", "b"]
+    probe.on_step_end(None, None, None)
+    (r,) = probe.records
+    assert (r["alloc_retries"], r["device_allocs"], r["device_frees"], r["ooms"], r["sync_all_streams"]) == (
+        1, 3, 5, 0, "")
+    assert (r["peak_reserved_mib"], r["reserved_mib"], r["inactive_split_mib"]) == ("3072.0", "2048.0", "2.0")
+    assert (r["triton_compiles"], r["triton_compile_ms"], r["triton_kernels"]) == (3, "250.0", "a b")
+    assert set(r) | {"model", "step", "row", "micro_batch", "grad_accum", "e_alloc", "phase", "commit", "device",
+                     "step_index", "timed", "step_ms", "peak_allocated_mib"} == set(script.STEP_COLUMNS)
+
+
 @pytest.mark.slow  # about 80 s on two shared cores: 24 runs, the Liger rows through the interpreter
 def test_tiny_table_every_run(tmp_path, monkeypatch, rows_of_the_8b_head):
     """--tiny: every model, step and row of the GPU table: the two small models' runs in one process (Liger's
