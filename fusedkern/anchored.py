@@ -479,21 +479,6 @@ class AnchoredLogprobs(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
-def entropy_grads_on_chunked(x, w, target, opts: LossOptions, grad_loss, grad_entropy, *, need_dx: bool,
-                             need_dw: bool, weight_grad_accum: str, chunk_tokens):
-    """(dx, dw) of Σ_t grad_loss·ℓ_t + grad_entropy·H_t on the chunked strategy alone, its statistics pass included:
-    its backward recomputes the logits in bf16, whose rounding (half a unit at |s| = 128) must meet statistics of the
-    same logits — the anchored pass's fp32 ones would turn a confident row's p_y − 1 ≈ 0 into that rounding."""
-    from fusedkern.chunked import chunked_grads, chunked_loss
-
-    entropy = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
-    _, stats = chunked_loss(x, w, None, target, None, opts, chunk_tokens, entropy=entropy)
-    dx, dw, _ = chunked_grads(x, w, None, target, None, opts, stats, grad_loss, need_dx=need_dx, need_dw=need_dw,
-                              need_db=False, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
-                              entropy=entropy, grad_entropy=grad_entropy)
-    return (None if dx is None else dx.to(x.dtype)), (None if dw is None else dw.to(w.dtype))
-
-
 def kept_logprobs(x2d, w, y, opts: LossOptions, with_entropy: bool, checks=(None, None, -1),
                   with_row_max: bool = False):
     """(−log p [T], entropy [T] or [0], stats [2, T]: `row_stats`) through `AnchoredLogprobs` (E kept to the

@@ -134,3 +134,17 @@ def chunked_grads(x, w, b, target, class_weight, opts: LossOptions, stats: torch
                 compute_stats=False, grad=grad_tok, per_token_grad=True, grads=grads, entropy=entropy,
                 grad_entropy=grad_entropy)
     return grads.dx, grads.weight_grad(), grads.db
+
+
+def grads_on_own_statistics(x, w, b, target, class_weight, opts: LossOptions, grad_tok: torch.Tensor, *,
+                            need_dx: bool, need_dw: bool, need_db: bool, weight_grad_accum: str,
+                            chunk_tokens: int | None = None, grad_entropy: torch.Tensor | None = None):
+    """`chunked_grads` behind this strategy's own statistics pass, for a backward whose forward statistics came from
+    fp32 logits (the Gluon and anchored passes): the recomputed logits are bf16, and a confident row's p_y − 1 ≈ 0
+    needs statistics of those same logits (with fp32 ones it becomes their rounding, ~1e-1 at |s| ~ 100). One GEMM
+    more than `chunked_grads`. grad_entropy: the entropy's term, its entropy from the same pass."""
+    entropy = None if grad_entropy is None else torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    _, stats = chunked_loss(x, w, b, target, class_weight, opts, chunk_tokens, entropy=entropy)
+    return chunked_grads(x, w, b, target, class_weight, opts, stats, grad_tok, need_dx=need_dx, need_dw=need_dw,
+                         need_db=need_db, weight_grad_accum=weight_grad_accum, chunk_tokens=chunk_tokens,
+                         entropy=entropy, grad_entropy=grad_entropy)

@@ -9,7 +9,8 @@ entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from th
 - `GLUON` (`kernels/gluon_logits_stats.py`): the statistics in the logits GEMM's epilogue (no logits buffer; sm_90,
   bf16, no bias, class weights, label smoothing, z-loss or softcap; a temperature and the entropy are fine; no logits'
   sum: a call that asks for TRL's mean_logits takes the chunked pass). It has no backward of its own: a gradient
-  recomputes the logits with the chunked strategy's GEMMs.
+  recomputes the logits with the chunked strategy's GEMMs behind that strategy's own statistics pass (its bf16
+  logits need statistics of the same logits: `chunked.grads_on_own_statistics`).
 - `ANCHORED` (`anchored.py`): anchored exponentials: the logits GEMM's epilogue (`kernels/gluon_anchored_exp.py`)
   writes E = exp(s − s_y − A) in bf16 and per-tile sums, a row kernel finishes each row, and dX, dW are two cuBLAS
   GEMMs over E: no row pass over [C, V] in HBM. No bias, class weights, label smoothing, z-loss, softcap or logits'
@@ -43,7 +44,7 @@ import torch
 
 from fusedkern._validation import IMPLS as VALID_IMPLS
 from fusedkern.autograd import is_traced
-from fusedkern.chunked import chunked_grads, chunked_loss, plan_for_grads
+from fusedkern.chunked import chunked_grads, chunked_loss, plan_for_grads, grads_on_own_statistics
 from fusedkern.engine import LossOptions
 
 AUTO, ANCHORED, CHUNKED, FUSED, GLUON = "auto", "anchored", "chunked", "fused", "gluon"
@@ -156,6 +157,13 @@ class Gluon(Strategy):
             return "this Triton has no Gluon API the kernel was written for"
         return kernels.unsupported_reason(call.x2d, call.w)
 
+    def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
+                  weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
+        # the forward's statistics are of fp32 logits, the recomputation's logits bf16: statistics of those
+        return grads_on_own_statistics(x, w, b, target, class_weight, opts, grad_tok, need_dx=need_dx,
+                                       need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+                                       chunk_tokens=chunk_tokens, grad_entropy=grad_entropy)
+
     def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
                    row_max=False):
         assert logit_sum is None, "the Gluon pass has no logits' sum"
@@ -189,11 +197,10 @@ class Anchored(Strategy):
     def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
                   weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
         anchored = _anchored()
-        if grad_entropy is not None:  # the entropy's gradient is not formed on E: the chunked strategy's own pass
-            dx, dw = anchored.entropy_grads_on_chunked(x, w, target, opts, grad_tok, grad_entropy, need_dx=need_dx,
-                                                       need_dw=need_dw, weight_grad_accum=weight_grad_accum,
-                                                       chunk_tokens=chunk_tokens)
-            return dx, dw, None
+        if grad_entropy is not None:  # the entropy's gradient is not formed on recomputed E: the chunked strategy's
+            return grads_on_own_statistics(x, w, b, target, class_weight, opts, grad_tok, need_dx=need_dx,
+                                           need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
+                                           chunk_tokens=chunk_tokens, grad_entropy=grad_entropy)
         plan = anchored.anchored_plan(x.shape[0], w.shape[0], w.shape[1], need_dw=need_dw,
                                       fp32_accum=weight_grad_accum == "fp32" and w.dtype != torch.float32,
                                       chunk_tokens=chunk_tokens)

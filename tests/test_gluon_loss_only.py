@@ -654,3 +654,22 @@ def test_gpu_mean_logits_take_the_chunked_pass(monkeypatch, gluon_launches):
     tch = (torch.nn.functional.linear(x, w).float() / 0.7).mean(-1)
     _assert_fp32_within_2x_torch({"mean_logits": (with_mean[4], ref, tch)})
     assert rel_err(with_mean[0], plain[0]) < 1e-2
+
+
+def test_gradient_of_confident_rows_after_the_gluon_statistics(emulated_gluon):
+    """A per-token call with a gradient whose statistics came from the Gluon pass (fp32 logits) recomputes the logits
+    in bf16 for its backward: rows confident in a target logit of ~100 (bf16 rounds it by up to a quarter) must still
+    get p_y − 1 ≈ 0, which needs statistics of the same bf16 logits. dX and dW against fp64 within 2× torch's error."""
+    x, w, y = make_inputs(24, 64, 300, seed=16, ignore_frac=0.1)
+    x[:12] = x[:12] + (6.0 * w[torch.where(y[:12] != -100, y[:12], 0)].float()).to(x.dtype) * 6
+    up = torch.randn(24, generator=torch.Generator().manual_seed(4))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (fusedkern.linear_logprobs(xl, wl, y) * up).sum().backward()
+    assert emulated_gluon, "the statistics pass was not the Gluon one"
+    f64 = [t.double().requires_grad_() for t in (x, w)]
+    (reference.linear_logprobs_fp64(f64[0], f64[1], y) * up.double()).sum().backward()
+    same = [t.clone().requires_grad_() for t in (x, w)]
+    (torch_logprobs_entropy(same[0], same[1], y, None, softcap=None, temperature=1.0, upcast=True)[0] * up).sum() \
+        .backward()
+    assert_close_to_ref("dX", xl.grad, f64[0].grad, same[0].grad, atol=1e-3)
+    assert_close_to_ref("dW", wl.grad, f64[1].grad, same[1].grad, atol=1e-3)
