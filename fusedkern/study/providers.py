@@ -254,7 +254,7 @@ def _liger_cute_import(module: str, name: str):
         raise ProviderUnavailable(f"Liger's CuTe kernel failed to import: {type(error).__name__}: {error}") from error
 
 
-# Liger 0.8.5's CuTe SM90 fused linear cross-entropy raises NotImplementedError for V % TILE_N != 0 (TILE_N = 256 in
+# Liger 0.8.5's CuTe SM90 fused linear cross-entropy refuses (raises) any V with V % TILE_N != 0 (TILE_N = 256 in
 # liger_kernel/ops/cutedsl/ops/_fused_linear_cross_entropy_forward_sm90.py): Qwen's 151936 is 128 past a multiple
 LIGER_CUTE_VOCAB_MULTIPLE = 256
 
