@@ -14,7 +14,8 @@ entropy where asked) and the gradients of Σ_t g_t·ℓ_t (+ g^H_t·H_t) from th
 - `ANCHORED` (`anchored.py`): anchored exponentials: the logits GEMM's epilogue (`kernels/gluon_anchored_exp.py`)
   writes E = exp(s − s_y − A) in bf16 and per-tile sums, a row kernel finishes each row, and dX, dW are two cuBLAS
   GEMMs over E: no row pass over [C, V] in HBM. No bias, class weights, label smoothing, z-loss, softcap or logits'
-  sum; the entropy is a value, whose gradient (when one flows) recomputes the logits as the chunked strategy does.
+  sum. With E kept to the backward the entropy's gradient is formed over E; on the operators (E recomputed) it takes
+  the chunked strategy whole.
   Its statistics are the pair (s_y, ℓ), or (max, lse − max) when the row max is asked for (`Call.with_row_max`).
 - `FUSED` (`kernels/fused_ce.py`): Triton GEMM with an online log-sum-exp, logits recomputed in backward; O(T + V)
   extra memory. No logit scale, no entropy and no logits' sum. Its backward adds into dX, dW and db with fp32
@@ -27,10 +28,10 @@ without a gradient, so that a forward with gradient and one without compute the 
 not fit the free GPU memory (then fused, except under `torch.use_deterministic_algorithms(True)`), and runs a
 statistics-only forward on Gluon wherever it applies, for the same reason. The three-GEMM uses of the anchored pass
 (cross-entropy's gradient formed in the forward, per-token log-probs with E kept to the backward) are routed by their
-callers (`linear_cross_entropy`, `logprobs`); the formula losses (preference, GRPO, SimPO) still take the chunked
-engine. An explicit `impl` that cannot take the call raises ValueError saying why; the fused
-backward under deterministic algorithms raises RuntimeError (a warning with `warn_only=True`), as torch's own
-non-deterministic operations do.
+callers (`linear_cross_entropy`, `logprobs`), and the formula losses (preference, GRPO, SimPO) take their generic path
+on those log-probs (`formula_on_anchored`). An explicit `impl` that cannot take the call raises ValueError saying
+why; the fused backward under deterministic algorithms raises RuntimeError (a warning with `warn_only=True`), as
+torch's own non-deterministic operations do.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fusedkern import anchored
 from fusedkern._validation import IMPLS as VALID_IMPLS
 from fusedkern.autograd import is_traced
-from fusedkern.chunked import chunked_grads, chunked_loss, plan_for_grads, grads_on_own_statistics
+from fusedkern.chunked import chunked_grads, chunked_loss, grads_on_own_statistics, plan_for_grads
 from fusedkern.engine import LossOptions
 
 AUTO, ANCHORED, CHUNKED, FUSED, GLUON = "auto", "anchored", "chunked", "fused", "gluon"
@@ -188,15 +190,14 @@ class Anchored(Strategy):
     def statistics(self, x, w, b, target, class_weight, opts, chunk_tokens, entropy=None, logit_sum=None,
                    row_max=False):
         assert b is None and class_weight is None and logit_sum is None
-        res = _anchored().loss_only(x, w, target, opts, with_entropy=entropy is not None, chunk_tokens=chunk_tokens,
+        res = anchored.loss_only(x, w, target, opts, with_entropy=entropy is not None, chunk_tokens=chunk_tokens,
                                     with_row_max=row_max)
         if entropy is not None:
             entropy.copy_(res.entropy)
-        return res.loss, _anchored().row_stats(res)
+        return res.loss, anchored.row_stats(res)
 
     def gradients(self, x, w, b, target, class_weight, opts, stats, grad_tok, *, need_dx, need_dw, need_db,
                   weight_grad_accum, chunk_tokens, entropy=None, grad_entropy=None):
-        anchored = _anchored()
         if grad_entropy is not None:  # the entropy's gradient is not formed on recomputed E: the chunked strategy's
             return grads_on_own_statistics(x, w, b, target, class_weight, opts, grad_tok, need_dx=need_dx,
                                            need_dw=need_dw, need_db=need_db, weight_grad_accum=weight_grad_accum,
@@ -211,12 +212,6 @@ class Anchored(Strategy):
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Anchored(), Chunked(), Fused(), Gluon())}
 assert set(IMPLS) == {AUTO, *STRATEGIES} == set(VALID_IMPLS), "a strategy is registered here and validated there"
-
-
-def _anchored():
-    from fusedkern import anchored
-
-    return anchored
 
 
 def _fused_kernels():
@@ -277,7 +272,7 @@ def anchored_for(impl: str, call: Call) -> bool:
         return False
     if anchored_producer_reason(call.x2d, call.w) is not None:
         return False
-    return not call.x2d.is_cuda or fits_free_memory(_anchored().ANCHORED_EXTRA_BUDGET_BYTES, call.x2d.device)
+    return not call.x2d.is_cuda or fits_free_memory(anchored.ANCHORED_EXTRA_BUDGET_BYTES, call.x2d.device)
 
 
 def keeps_anchored_e(x2d: torch.Tensor, w: torch.Tensor) -> bool:
@@ -288,8 +283,8 @@ def keeps_anchored_e(x2d: torch.Tensor, w: torch.Tensor) -> bool:
     if not (torch.is_grad_enabled() and (x2d.requires_grad or w.requires_grad)) or is_traced(x2d, w):
         return False
     T, V = x2d.shape[0], w.shape[0]
-    kept = _anchored().kept_e_rows(T) * _anchored().e_row_stride(V) * 2
-    return not x2d.is_cuda or fits_free_memory(kept + _anchored().ANCHORED_EXTRA_BUDGET_BYTES, x2d.device)
+    kept = anchored.kept_e_rows(T) * anchored.e_row_stride(V) * 2
+    return not x2d.is_cuda or fits_free_memory(kept + anchored.ANCHORED_EXTRA_BUDGET_BYTES, x2d.device)
 
 
 def formula_on_anchored(impl: str, input: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
