@@ -112,11 +112,14 @@ def test_no_data_is_not_measured(tmp_path):
 
 
 def test_readme_states_the_committed_standing():
-    """The README's first screen names QuACK 0.6.5 and gives the standing the committed data hold."""
+    """The README's first screen names QuACK 0.6.5, and results.md's "At a glance", which it points to, gives the
+    standing the committed data hold."""
     table = peers.peer_table(ROOT / "data" / "measured" / "h100")
     readme = (ROOT / "README.md").read_text()
-    first_screen = readme[:readme.index("## Quickstart")]
-    assert "QuACK 0.6.5" in first_screen
+    assert "QuACK 0.6.5" in readme[:readme.index("## Quickstart")] and "At a glance" in readme
+    results = (ROOT / "docs" / "results.md").read_text()
+    start = results.index("## At a glance")
+    first_screen = results[start:results.index("\n## ", start + 1)]
     for pass_, hidden, vocab in (("dense_ce", 4096, 128256), ("dense_ce", 1024, 151936), ("loss_only", 4096, 128256),
                                  ("loss_only", 1024, 151936)):
         said = peers.standing(table, pass_, hidden, vocab)
