@@ -12,7 +12,9 @@ The model, data, trainer and rows are gpu_train_table.py's own (`build_trainer` 
 its micro-batches: 8 sequences of 2048 tokens × 2 accumulation steps on both models); the step profiled comes after
 --warmup steps (compilation and autotuning), and every run of a call shares one process (a profile needs no peak
 memory of its own). One CSV row per (model, row, category) with kernel_ms and the run's kernel total; one
-`head_floor_3gemm` row per model. The profiled step's wall time (`step_wall_ms`) includes the profiler's overhead.
+`head_floor_3gemm` row per model. The profiled step's wall time (`step_wall_ms`) includes the profiler's overhead;
+`gpu_busy_ms` is the time at least one kernel ran in it (their union): a step whose GPU is busy well under its wall
+time waits on the host, and a faster head cannot shorten it.
 The biggest kernels of each category are printed, so a misplaced one shows in the log.
 """
 
@@ -35,7 +37,8 @@ from transformers import TrainerCallback  # noqa: E402
 from fusedkern.study import step_profile  # noqa: E402
 
 SMALL_MODELS = ("qwen3-0.6b", "llama-3.2-1b")
-COLUMNS = ("model", "step", "row", "category", "kernel_ms", "kernel_total_ms", "step_wall_ms", "layers", "hidden",
+COLUMNS = ("model", "step", "row", "category", "kernel_ms", "kernel_total_ms", "step_wall_ms", "gpu_busy_ms",
+           "layers", "hidden",
            "vocab", "seq_len", "micro_batch", "grad_accum", "tokens_per_step", "workload", "protocol", "device",
            "torch", "triton", "transformers", "trl", "liger_kernel", "commit", "phase", "note")
 
@@ -137,7 +140,7 @@ def main(argv=None) -> list[dict]:
                 ms = floor_ms(shape, micro, args.seq, global_batch // micro, args.cuda)
                 rows.append({**{k: done[0][k] for k in COLUMNS if k not in ("row", "category", "kernel_ms")},
                              "row": "floor", "category": step_profile.FLOOR_CATEGORY, "kernel_ms": f"{ms:.3f}",
-                             "kernel_total_ms": "", "step_wall_ms": "", "protocol": "timed_reps",
+                             "kernel_total_ms": "", "step_wall_ms": "", "gpu_busy_ms": "", "protocol": "timed_reps",
                              "note": f"cuBLAS logits, dX and dW GEMMs over {micro * args.seq} tokens, p50 of timed "
                                      f"reps, x {global_batch // micro} micro-batches"})
                 print(f"{model_name}: the head's 3-GEMM floor over the step's tokens {ms:.2f} ms", flush=True)
@@ -157,13 +160,19 @@ def profile_run(model_name: str, row: str, args, opts) -> list[dict]:
         raise RuntimeError(f"{model_name} {row}: the step after {opts.warmup} warm-up steps was not profiled")
     ops, unclaimed = step_profile.ops_from_profile(callback.prof, device_kernels=args.cuda)
     totals, ranked = step_profile.classify(ops, unclaimed_us=unclaimed)
+    busy_ms = step_profile.device_busy_us(callback.prof) / 1e3 if args.cuda else float("nan")
+    gaps = step_profile.idle_gaps(callback.prof) if args.cuda else []
     del callback, ops
     gc.collect()
     if args.cuda:
         torch.cuda.empty_cache()
     total_ms = sum(totals.values()) / 1e3
-    print(f"{model_name} sft {row}: kernels {total_ms:.1f} ms in a step of {float(result['step_ms_p50']):.1f} ms "
-          f"(profiled)", flush=True)
+    print(f"{model_name} sft {row}: kernels {total_ms:.1f} ms, the GPU busy {busy_ms:.1f} ms, in a step of "
+          f"{float(result['step_ms_p50']):.1f} ms (profiled)", flush=True)
+    if gaps:
+        largest = "; ".join(f"{g / 1e3:.2f} ms {before[:40]} → {after[:40]}" for g, before, after in gaps[:opts.top])
+        print(f"  idle gaps ≥ 0.5 ms: {len(gaps)}, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; the largest: {largest}",
+              flush=True)
     for category in step_profile.CATEGORIES:
         top = [(n, us) for c, n, us in ranked if c == category][:opts.top]
         print(f"  {category:<13} {totals[category] / 1e3:9.2f} ms  " + "; ".join(
@@ -173,7 +182,7 @@ def profile_run(model_name: str, row: str, args, opts) -> list[dict]:
                                      "transformers", "trl", "liger_kernel", "commit", "phase")}
     return [{**common, "category": category, "kernel_ms": f"{totals[category] / 1e3:.3f}",
              "kernel_total_ms": f"{total_ms:.3f}", "step_wall_ms": result["step_ms_p50"],
-             "protocol": "profiled_step",
+             "gpu_busy_ms": f"{busy_ms:.3f}", "protocol": "profiled_step",
              "note": f"includes {unclaimed / 1e3:.3f} ms of device kernels no operator claims"
              if category == "rest" and unclaimed else ""} for category in step_profile.CATEGORIES]
 

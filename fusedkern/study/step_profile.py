@@ -141,10 +141,49 @@ def ops_from_profile(prof, *, device_kernels: bool) -> tuple[list[Op], float]:
                       fwd_thread=int(e.fwd_thread), kernels=kernels))
     unclaimed = 0.0
     if device_kernels:
-        device_us = sum(e.time_range.end - e.time_range.start for e in prof.events()
-                        if e.device_type == DeviceType.CUDA)
+        device_us = sum(end - start for start, end, _ in _device_intervals(prof))
         unclaimed = max(0.0, device_us - claimed)
     return ops, unclaimed
+
+
+def _device_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start, end) µs and name of every device kernel, copy and memset of the trace. The named ranges
+    (`scope_hooks`, `record_function`) also appear on the device's timeline, each spanning the kernels inside it:
+    counted as kernels, they would add the whole forward again."""
+    from torch.autograd import DeviceType
+
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
+def device_busy_us(prof) -> float:
+    """µs during which at least one device kernel, copy or memset of the trace ran (the union of their intervals,
+    so concurrent streams count once): the profiled step's wall time minus this is the time the GPU sat idle,
+    waiting on the host."""
+    return sum(end - start for start, end in _busy_spans(prof))
+
+
+def idle_gaps(prof, min_us: float = 500.0) -> list[tuple[float, str, str]]:
+    """The device's idle gaps of at least `min_us` between its first and last kernel, largest first: (µs, the kernel
+    before the gap, the kernel after it). The kernel after a gap is what the GPU waited for the host to launch."""
+    intervals = sorted(_device_intervals(prof))
+    gaps, reach, last = [], None, ""
+    for start, end, name in intervals:
+        if reach is not None and start - reach >= min_us:
+            gaps.append((start - reach, last, name))
+        if reach is None or end > reach:
+            reach, last = end, name
+    return sorted(gaps, reverse=True)
+
+
+def _busy_spans(prof) -> list[tuple[float, float]]:
+    spans: list[tuple[float, float]] = []
+    for start, end, _ in sorted(_device_intervals(prof)):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
 
 
 def _chain(op: Op, by_id: dict[int, Op]) -> list[Op]:

@@ -128,3 +128,26 @@ def test_script_tiny_writes_the_breakdown(tmp_path):
     assert total <= float(steps[0]["step_wall_ms"]) * 1.05
     (floor,) = [r for r in rows if r["category"] == sp.FLOOR_CATEGORY]
     assert float(floor["kernel_ms"]) > 0 and floor["model"] == "qwen3-0.6b"
+
+
+def test_device_busy_counts_overlaps_once_and_skips_named_ranges():
+    """The GPU's busy time is the union of its kernels' intervals; a named range on the device's timeline (a
+    `record_function` around the forward) spans kernels and is neither busy time nor an unclaimed kernel."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(start, end, *, annotation=False, device=DeviceType.CUDA, name="k"):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation, kernels=(), cpu_parent=None, name=name,
+                               sequence_nr=-1, thread=0, fwd_thread=0, self_cpu_time_total=0.0)
+
+    # two streams overlapping on 4-6, a gap 10-12, a range 0-100 around all of it
+    events = [event(0, 6), event(4, 10, name="a"), event(12, 15, name="b"), event(13, 14),
+              event(0, 100, annotation=True), event(1015, 1020, name="c")]
+    prof = SimpleNamespace(events=lambda: events)
+    assert sp.device_busy_us(prof) == 18
+    assert sp.idle_gaps(prof, min_us=500) == [(1000, "b", "c")]
+    assert sp.idle_gaps(prof, min_us=1) == [(1000, "b", "c"), (2, "a", "b")]
+    _, unclaimed = sp.ops_from_profile(prof, device_kernels=True)
+    assert unclaimed == 6 + 6 + 3 + 1 + 5
