@@ -129,7 +129,12 @@ def target_anchors(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, *, ig
     return s_y, anchor
 
 
-@triton.jit
+# the plane offsets are T·P (they follow the token count, as the per-row vectors' alignment does when they are rows
+# of [planes, T] buffers): compiled once for every token count, not once per residue of it (a GRPO loop's
+# micro-batches score different counts). Each per-row value is read or written one element a row.
+@triton.jit(do_not_specialize=["plane_stride", "max_plane_offset"],
+            do_not_specialize_on_alignment=["s_y_ptr", "target_ptr", "sum_ptr", "loss_ptr", "lse_ptr", "flag_ptr",
+                                            "entropy_ptr", "max_ptr", "grad_ptr", "r_ptr"])
 def _finish_rows_kernel(
     part_ptr,  # (planes, C, P) fp32: Σ e per column tile (plane 0), Σ e·arg (plane 1, HAS_ENTROPY), the tile's
     #            max of x·w_v (the last plane, at max_plane_offset; ROW_MAX)

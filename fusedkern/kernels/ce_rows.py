@@ -128,10 +128,20 @@ def _program_row(logits_ptr, stride_row):
     return row, tl.program_id(1), logits_ptr + row * stride_row
 
 
+#: the row kernels' per-row vectors and partials, compiled without an assumption on their pointers' 16-byte
+#: alignment: they are rows and slices of [2, T] and [planes, C, SPLIT] buffers, whose alignment changes with the
+#: token count, and a specialization on it recompiled both kernels (0.2–0.5 s each) whenever a GRPO micro-batch's
+#: token count changed its residue mod 4. Each is read or written one element a row: the alignment buys nothing.
+ROW_VECTORS = ("partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr", "partial_ent_ptr", "target_ptr",
+               "target_logit_ptr", "loss_ptr", "row_max_ptr", "log_sumexp_ptr", "entropy_ptr", "grad_entropy_ptr",
+               "logit_sum_ptr", "grad_ptr")
+
+
 @triton.autotune(configs=autotune_configs(_CONFIGS),
                  key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT",
                       "HAS_ENTROPY", "HAS_SCALE"])
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr",
+                                            "partial_ent_ptr", "target_ptr", "target_logit_ptr"])
 def _row_stats_kernel(
     # pointers
     partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
@@ -200,7 +210,7 @@ def _row_stats_kernel(
                       "HAS_ENTROPY", "HAS_SCALE", "SUM_LOGITS"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=list(ROW_VECTORS))
 def _row_finish_kernel(
     # pointers
     logits_ptr,  # (C, V) input dtype. In: logits z. Out (WRITE_GRAD): ∂L/∂z, in place
