@@ -444,7 +444,9 @@ if not have_breakdown:
         "not a profile of the step."))
 else:
     breakdown["kernel_ms"] = breakdown.kernel_ms.astype(float)
-    floors = breakdown[breakdown.category == step_profile.FLOOR_CATEGORY].set_index("model").kernel_ms
+    floor_rows = breakdown[breakdown.category == step_profile.FLOOR_CATEGORY]
+    floors = floor_rows.set_index("model").kernel_ms
+    floors_by_phase = floor_rows.set_index(["phase", "model"]).kernel_ms
     parts = breakdown[breakdown.category != step_profile.FLOOR_CATEGORY]
     for column in ("phase", "commit", "device", "torch", "triton", "transformers", "trl", "liger_kernel"):
         print(f"{column}: {', '.join(sorted(set(map(str, breakdown[column]))))}")
@@ -452,50 +454,66 @@ else:
 # %%
 if have_breakdown:
     bd_models = list(dict.fromkeys(parts.model))
-    fig, axes = plt.subplots(1, len(bd_models), figsize=(6.5 * len(bd_models), 3.4), layout="constrained",
-                             squeeze=False)
+    bd_phases = list(dict.fromkeys(parts.phase))
+    # rows profiled before step_profile left the named ranges out of `rest` hold their spans there (the note says
+    # how many ms no operator claimed): those are the forward's kernels counted again, not time, so they go
+    unclaimed_ms = parts.note.str.extract(r"includes ([0-9.]+) ms of device kernels no operator claims")[0]
+    stale = (parts.category == "rest") & (parts.gpu_busy_ms == "") & unclaimed_ms.notna()
+    parts = parts.assign(kernel_ms=parts.kernel_ms - unclaimed_ms.astype(float).where(stale, 0.0))
+    fig, axes = plt.subplots(1, len(bd_models), figsize=(6.5 * len(bd_models), 1.2 + 0.5 * len(bd_phases) * 4),
+                             layout="constrained", squeeze=False)
     summary = []
     for ax, model in zip(axes[0], bd_models):
-        mine = parts[parts.model == model].pivot_table(index="row", columns="category", values="kernel_ms",
+        mine = parts[parts.model == model].pivot_table(index=["phase", "row"], columns="category", values="kernel_ms",
                                                        aggfunc="sum")
-        mine = mine.loc[[r for r in ROW_ORDER if r in mine.index], list(step_profile.CATEGORIES)]
+        order = [(p, r) for p in bd_phases for r in ROW_ORDER if (p, r) in mine.index]
+        mine = mine.loc[order, list(step_profile.CATEGORIES)]
         left = pd.Series(0.0, index=mine.index)
         for category in step_profile.CATEGORIES:
             ax.barh(range(len(mine)), mine[category], left=left, color=CATEGORY_COLOR[category],
                     label=step_profile.LABELS[category] if model == bd_models[0] else None)
             left += mine[category]
-        floor = floors.get(model, float("nan"))
-        walls = parts[parts.model == model].groupby("row").step_wall_ms.first().astype(float)
-        for y, (row, r) in enumerate(mine.iterrows()):
+        floor = floors[floors.index == model]
+        walls = parts[parts.model == model].groupby(["phase", "row"]).step_wall_ms.first().astype(float)
+        # where the profile measured the GPU's busy time: the rest of the profiled step's wall time, the GPU idle
+        busy = parts[parts.model == model].groupby(["phase", "row"]).gpu_busy_ms.first()
+        idle = pd.Series({key: walls[key] - float(busy[key]) for key in mine.index if busy.get(key, "") != ""},
+                         dtype=float).reindex(mine.index, fill_value=0.0)
+        ax.barh(range(len(mine)), idle, left=left, color="white", edgecolor="0.45", hatch="///", linewidth=0.5,
+                label="GPU idle, waiting on the host (profiled step)" if model == bd_models[0] else None)
+        left += idle
+        for y, (key, r) in enumerate(mine.iterrows()):
             head = r.head_gemm + r.head_other
-            # the head's kernels run on the step's one stream, so the wall time loses what they lose; the kernel
-            # total is not the step (it exceeds the wall time, below)
-            bound = step_profile.amdahl_bound(walls[row], head, floor)
-            summary.append((model, row, walls[row], head, floor, bound, left[row]))
-            ax.text(left[row] * 1.01, y, f"head {head / walls[row]:.0%} of the step; at its floor: ≤ {bound:.3f}×",
-                    va="center", fontsize=7.5)
-        ax.set_yticks(range(len(mine)), [ROW_LABEL[r] for r in mine.index], fontsize=8)
+            phase_floor = float(floors_by_phase.get((key[0], model), floor.iloc[0]))
+            # the head's kernels run on the step's one stream, so the wall time loses what they lose
+            bound = step_profile.amdahl_bound(walls[key], head, phase_floor)
+            summary.append((key[0], model, key[1], walls[key], head, phase_floor, bound, left[key] - idle[key]))
+            ax.text(left[key] * 1.01, y, f"head {head:.0f} ms = {head / phase_floor:.2f}× its floor, "
+                    f"{head / walls[key]:.0%} of the step; at its floor: ≤ {bound:.3f}×", va="center", fontsize=7.5)
+        ax.set_yticks(range(len(mine)), [f"{ROW_LABEL[row]} ({phase})" for phase, row in mine.index], fontsize=8)
         ax.set_ylim(len(mine) - 0.5, -0.5)
-        ax.set_xlim(0, left.max() * 1.45)
-        ax.set_xlabel("kernel time in one optimizer step, ms")
-        ax.set_title(f"{model}: SFT, one step (head's 3-GEMM floor {floor:.0f} ms)", fontsize=10)
+        ax.set_xlim(0, left.max() * 1.6)
+        ax.set_xlabel("kernel time in one optimizer step (and the GPU's idle time where measured), ms")
+        ax.set_title(f"{model}: SFT, one step (head's 3-GEMM floor {floor.iloc[0]:.0f} ms)", fontsize=10)
         ax.grid(axis="y", visible=False)
-    fig.legend(loc="outside upper center", ncol=6, fontsize=8)
+    fig.legend(loc="outside upper center", ncol=4, fontsize=8)
     plotting.add_caption(fig, f"scripts/gpu_step_profile.py on one {breakdown.device.iloc[0]}; "
                               f"data/measured/{train_gpu}/{breakdown_table} (torch.profiler, one SFT optimizer step "
-                              "after two warm-up steps; the floor timed in the same process). The bound: step / "
-                              "(step − head + floor), on the step's wall time (p50 of the timed steps).")
+                              "after two warm-up steps; the floor timed in the same process; phases: "
+                              + ", ".join(f"{p} ({', '.join(sorted(set(parts[parts.phase == p].commit)))})"
+                                          for p in bd_phases)
+                              + "). The bound: step / (step − head + floor), on the profiled step's wall time.")
     display(plotting.save_figure(fig, figures_dir / "10_step_time_breakdown"))
-    bounds = pd.DataFrame(summary, columns=["model", "row", "step wall ms", "head ms", "floor ms", "Amdahl bound",
-                                            "step kernel ms"])
-    display(bounds.round(3).set_index(["model", "row"]))
-    excess = bounds["step kernel ms"] / bounds["step wall ms"]
+    bounds = pd.DataFrame(summary, columns=["phase", "model", "row", "step wall ms", "head ms", "floor ms",
+                                            "Amdahl bound", "step kernel ms"])
+    display(bounds.round(3).set_index(["phase", "model", "row"]))
     display(Markdown(
-        f"**Read the grey bar with care.** The profiled kernels add up to {excess.min():.2f}–{excess.max():.2f}× the "
-        "step's wall time, on one stream. The named categories are kernels their operators launched; `rest` also "
-        "holds the device time that no operator claims (`step_profile.ops_from_profile`), and that is where the "
-        "excess must sit: the profiler's device events are probably counted twice there. Until that is found, `rest` "
-        "is an upper estimate, and the head's share and the bound use the wall time, not the kernel total."))
+        "**How the bars are counted.** Each category is the kernels its operators launched. The profiler also puts "
+        "the named ranges that `step_profile.scope_hooks` opens (around the model, its backbone and each layer) on "
+        "the device's timeline; the rows profiled before `step_profile` left them out counted their spans as "
+        "kernels no operator claims (about 0.35–0.5 s a step, the forward counted again). Those spans are taken "
+        "out of `rest` here, from each row's note; rows profiled since carry the GPU's busy time (`gpu_busy_ms`, "
+        "the union of the kernels' intervals) instead."))
 
 # %% [markdown]
 # The same bound from the head's microbenchmarks (in the profile's place until it is committed): the head's three-GEMM floor and the
@@ -556,9 +574,10 @@ if have_trl:
 # %%
 if have_trl:
     if have_breakdown:
-        shares = [(m, row, head / total, bound) for m, row, total, head, floor, bound, _ in summary
-                  if row.startswith("fusedkern")]
-        how = "profiled"
+        # the bound is what a head at its floor would buy over the head the table's first phase ran
+        shares = [(m, row, head / total, bound) for phase, m, row, total, head, floor, bound, _ in summary
+                  if row.startswith("fusedkern") and phase == bd_phases[0]]
+        how = f"profiled, phase {bd_phases[0]}"
     else:
         shares, how = estimates, "estimated from the microbenchmarks"
     def span(values, fmt):

@@ -360,6 +360,7 @@ def gpu_main(args) -> int:
 
 
 def main() -> int:
+    global BLOCK_K, STAGES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile", action="store_true", help="lower to sm_90a on this machine (no GPU needed)")
     parser.add_argument("--gpu", action="store_true", help="check and time on a CUDA GPU")
@@ -367,7 +368,10 @@ def main() -> int:
     parser.add_argument("--heads", default="qwen3,llama1b,llama8b")
     parser.add_argument("--tokens", default="8192,16384")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block-k", type=int, default=BLOCK_K, help="the ring's K step (32 or 64)")
+    parser.add_argument("--stages", type=int, default=STAGES, help="the ring's depth (4 at BK 32, 2 at BK 64)")
     args = parser.parse_args()
+    BLOCK_K, STAGES = args.block_k, args.stages
     if args.compile:
         return compile_main()
     if args.gpu:
