@@ -170,9 +170,9 @@ def profile_run(model_name: str, row: str, args, opts) -> list[dict]:
     print(f"{model_name} sft {row}: kernels {total_ms:.1f} ms, the GPU busy {busy_ms:.1f} ms, in a step of "
           f"{float(result['step_ms_p50']):.1f} ms (profiled)", flush=True)
     if gaps:
-        largest = "; ".join(f"{g / 1e3:.2f} ms {before[:40]} → {after[:40]}" for g, before, after in gaps[:opts.top])
-        print(f"  idle gaps ≥ 0.5 ms: {len(gaps)}, {sum(g for g, _, _ in gaps) / 1e3:.1f} ms; the largest: {largest}",
-              flush=True)
+        print(f"  idle gaps ≥ 0.5 ms: {len(gaps)}, {sum(g for g, *_ in gaps) / 1e3:.1f} ms", flush=True)
+        for gap, at, before, after in gaps:  # every one: where in the step, and between which kernels
+            print(f"    {gap / 1e3:6.2f} ms at +{at / 1e3:7.1f} ms: {before[:90]} → {after[:90]}", flush=True)
     for category in step_profile.CATEGORIES:
         top = [(n, us) for c, n, us in ranked if c == category][:opts.top]
         print(f"  {category:<13} {totals[category] / 1e3:9.2f} ms  " + "; ".join(

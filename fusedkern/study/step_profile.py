@@ -163,14 +163,16 @@ def device_busy_us(prof) -> float:
     return sum(end - start for start, end in _busy_spans(prof))
 
 
-def idle_gaps(prof, min_us: float = 500.0) -> list[tuple[float, str, str]]:
-    """The device's idle gaps of at least `min_us` between its first and last kernel, largest first: (µs, the kernel
-    before the gap, the kernel after it). The kernel after a gap is what the GPU waited for the host to launch."""
+def idle_gaps(prof, min_us: float = 500.0) -> list[tuple[float, float, str, str]]:
+    """The device's idle gaps of at least `min_us` between its first and last kernel, largest first: (µs, where the
+    gap starts in µs after the first kernel began, the kernel before the gap, the kernel after it). The kernel after
+    a gap is what the GPU waited for the host to launch."""
     intervals = sorted(_device_intervals(prof))
     gaps, reach, last = [], None, ""
+    first = intervals[0][0] if intervals else 0.0
     for start, end, name in intervals:
         if reach is not None and start - reach >= min_us:
-            gaps.append((start - reach, last, name))
+            gaps.append((start - reach, reach - first, last, name))
         if reach is None or end > reach:
             reach, last = end, name
     return sorted(gaps, reverse=True)

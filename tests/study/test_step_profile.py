@@ -147,7 +147,7 @@ def test_device_busy_counts_overlaps_once_and_skips_named_ranges():
               event(0, 100, annotation=True), event(1015, 1020, name="c")]
     prof = SimpleNamespace(events=lambda: events)
     assert sp.device_busy_us(prof) == 18
-    assert sp.idle_gaps(prof, min_us=500) == [(1000, "b", "c")]
-    assert sp.idle_gaps(prof, min_us=1) == [(1000, "b", "c"), (2, "a", "b")]
+    assert sp.idle_gaps(prof, min_us=500) == [(1000, 15, "b", "c")]
+    assert sp.idle_gaps(prof, min_us=1) == [(1000, 15, "b", "c"), (2, 10, "a", "b")]
     _, unclaimed = sp.ops_from_profile(prof, device_kernels=True)
     assert unclaimed == 6 + 6 + 3 + 1 + 5
