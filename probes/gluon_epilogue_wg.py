@@ -1,4 +1,4 @@
-"""Probe (issue 47 item 2): the anchored producer's no-grad epilogue moved off the tensor cores' path.
+"""Probe (issue 47 item 2): two ways to take the anchored producer's no-grad epilogue off the tensor cores' path.
 
 The library's producer (`fusedkern/kernels/gluon_anchored_exp.py`) is cooperative: its two MMA warpgroups run a
 128 × 256 tile's main loop, then its epilogue (per element one FFMA, one min, one MUFU ex2, one add), and only then the
@@ -6,31 +6,36 @@ next tile's main loop. At H 1024 the main loop is 16 384 clocks a tile and the e
 2 048): the sums-only pass ran 1.06–1.09× cuBLAS where the main loop alone ran 0.92–0.95× (design.md, "Anchored
 exponentials"). A second accumulator would hide it but does not fit (128 registers a thread each).
 
-Here the MMA warpgroups store each tile's fp32 accumulator into shared memory (two 64 × 256 boxes, rows padded by 4
-floats so the store runs at two wavefronts an instruction) and go on with the next tile; two epilogue warps read the
-boxes 8 rows at a time and form Σ e (and Σ e·arg, the entropy's plane) per row and column tile, the library's SUMS
-epilogue on the same anchors, into the same partials. Shared memory: 130 KiB of boxes leave the operand ring 96 KiB
-(4 stages of BK 32). Registers: ptxas compiles a 64 × 256 wgmma only under a launch bound of 154 or more, so the
-block has 12 warps at 168 (64.5K): the two MMA warpgroups (168 each, no longer the epilogue's 232) and, in the third,
-the epilogue's 2 warps beside the producer's. Two warps drive two of the SM's four MUFU quarters: ~4 100 clocks of
-exponentials a tile, under the main loop's 16 384 at H 1024 as long as they overlap it. What it costs: the store of
-the accumulator (64 KiB a warpgroup, ~256 clocks at two wavefronts an instruction) and a ring half as deep in K.
-The sums are not bitwise the library producer's (another reduction order): a library version would move the
-gradient pass's epilogue (SUMS_AND_E) onto the same warps, so a policy and its reference model keep equal bits.
+`epilogue_wg`: the MMA warpgroups store each tile's fp32 accumulator into shared memory (two 64 × 256 boxes, rows
+padded by 4 floats so the store runs at two wavefronts an instruction) and go on with the next tile; two epilogue warps
+read the boxes 8 rows at a time and form Σ e (and Σ e·arg, the entropy's plane) per row and column tile, the library's
+SUMS epilogue on the same anchors, into the same partials. Shared memory: 130 KiB of boxes leave the operand ring
+96 KiB (4 stages of BK 32). Registers: ptxas compiles a 64 × 256 wgmma only under a launch bound of 154 or more, so
+the block has 12 warps at 168 (64.5K): the two MMA warpgroups (168 each) and, in the third, the epilogue's 2 warps
+beside the producer's. Prediction (before its first GPU run): 0.95–1.00× cuBLAS at H 1024, 0.96–1.01 at H 2048,
+0.97–1.02 at H 4096. Measured 1.20 / 1.03–1.10 / 1.04–1.05: the two epilogue warps are the critical path
+(docs/design.md, "The epilogue on its own warps").
 
-Prediction, written before the first GPU run (H100, 8192 and 16384 tokens, weights N(0, 0.02²), shuffled rounds,
-p50 × cuBLAS's bf16 logits GEMM): this kernel's sums 0.95–1.00 at H 1024, 0.96–1.01 at H 2048, 0.97–1.02 at H 4096,
-against the library's sums 1.06–1.09 / 1.02 / 1.01 and its main loop alone 0.92–0.95 / 0.95–0.96 / 0.97–0.98. If the
-main loop itself loses more than 3 % to the shallower ring, the ring goes to 3 × BK 64 with the boxes unpadded (a
-bank conflict on the store instead).
+`overlap128`: 128 × 128 tiles, so each consumer's 64 × 128 accumulator is 64 registers and the previous tile's fits
+beside the current one: a consumer issues the next tile's first OV_LEAD K steps as asynchronous wgmma groups, runs the
+previous tile's epilogue while they execute (FlashAttention-3's overlap of softmax with the next GEMM), then waits and
+finishes the main loop. Four warps a consumer keep all four MUFU quarters; the price is the tile: W is read from L2
+once per 128 rows and X once per 128 columns, 1.33× the 128 × 256 tile's traffic. Prediction, written before its
+first GPU run: 1.00–1.10× cuBLAS at H 1024, 0.98–1.06 at H 2048 and 4096; if the main loop of a 128-wide tile is
+L2-bound as the one-consumer and ping-pong 128 × 128 configs of `gluon_logits_stats` were (1.42–1.48×), it loses
+everywhere and the next step is the 2-CTA cluster sharing W through TMA multicast.
 
-    TRITON_INTERPRET=0 python probes/gluon_epilogue_wg.py --compile       # CPU: sm_90a cubin, registers, spills,
-                                                                          # the store's and load's bank conflicts
+Neither kernel's sums are bitwise the library producer's (another reduction order or tile): a library version would
+move the gradient pass's epilogue (SUMS_AND_E) the same way, so a policy and its reference model keep equal bits.
+
+    TRITON_INTERPRET=0 python probes/gluon_epilogue_wg.py --compile       # CPU: sm_90a cubins, registers, spills
     python probes/gluon_epilogue_wg.py --gpu --out OUT [--heads qwen3,llama1b,llama8b] [--tokens 8192,16384]
+        [--kernels epilogue_wg,overlap128]
 
---gpu: (1) check: the partials against the library producer's SUMS (same anchors; ragged T 300 × V 5000, capped grid
-and full; poisoned partials first), with and without the entropy's plane; (2) bench: cuBLAS `torch.mm`, the library's
-NONE and SUMS, this kernel's SUMS (and with the entropy), shuffled rounds -> OUT/epilogue_wg.csv (protocol, workload).
+--gpu: (1) check: each kernel's partials against the library producer's SUMS (same anchors; ragged T 300 × V 5000,
+capped grid and full; poisoned partials first), slot by slot where the tiles match, each row's sum always, with and
+without the entropy's plane; (2) bench: cuBLAS `torch.mm`, the library's NONE and SUMS, each kernel's SUMS (and with
+the entropy), shuffled rounds -> OUT/epilogue_wg.csv (protocol, workload).
 """
 from __future__ import annotations
 
@@ -44,11 +49,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from fusedkern.kernels.anchored_rows import CLAMP2, IGNORED, LOG2E, column_tiles  # noqa: E402
 from fusedkern.kernels.gluon_logits_stats import (  # noqa: E402
     GROUP_M,
+    accumulator_layout,
     cooperative_mainloop,
     operand_ring,
     tile_coords,
@@ -177,6 +188,121 @@ def _sums_wg_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, 
     ], [4, EPI_WARPS, 1], [MMA_REGS, EPI_REGS, PRODUCER_REGS])
 
 
+# ------------------------------------------------------------------------- the in-line overlap (128 × 128 tiles)
+#: 128 × 128 tiles: each consumer's 64 × 128 accumulator is 64 registers, so the previous tile's fits beside it
+OV_BLOCK_M, OV_BLOCK_N, OV_BLOCK_K, OV_STAGES = 128, 128, 64, 6
+#: K steps of the next tile issued (asynchronous wgmma groups) before the previous tile's epilogue runs: 3 × 2 MFLOP
+#: ≈ 1 500 clocks of tensor-core work, against the epilogue's ~1 000 of MUFU a tile
+OV_LEAD = 3
+OV_MAXNREG, OV_CONSUMER_REGS, OV_PRODUCER_REGS = 168, 232, 40
+
+
+@gluon.jit
+def _ov_epilogue(acc, off_m, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                 ENTROPY: gl.constexpr):
+    """The library producer's SUMS epilogue on one consumer's rows of a 128-wide column tile."""
+    ROWS: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+    rows = off_m + gl.arange(0, ROWS, layout=row_layout)
+    row_ok = rows < T
+    anchor = gl.load(anchor_ptr + rows, mask=row_ok, other=_IGNORED)
+    arg = gl.minimum(acc * scale2 - gl.expand_dims(anchor, 1), _CLAMP2)
+    off_n = pid_n * BN
+    if off_n + BN > V:
+        col_ok = gl.arange(0, BN, layout=col_layout) < V - off_n
+        arg = gl.where(gl.expand_dims(col_ok, 0), arg, -_IGNORED)
+    e = _exp2_ftz(arg)
+    part = rows.to(gl.int64) * part_stride + pid_n
+    gl.store(part_ptr + part, gl.sum(e, axis=1), mask=row_ok)
+    if ENTROPY:
+        gl.store(part_ptr + plane_stride + part, gl.sum(e * arg, axis=1), mask=row_ok)
+
+
+@gluon.jit
+def _ov_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
+                 scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr,
+                 ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
+    """Consumer CONSUMER: per tile, LEAD K steps issued, then the previous tile's epilogue while they run, then the
+    rest of the main loop (one wgmma group in flight, as the library's)."""
+    TILE_M: gl.constexpr = x_desc.block_type.shape[0]
+    ROWS: gl.constexpr = TILE_M // 2
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    acc_layout: gl.constexpr = accumulator_layout(BN)
+    pid = gl.program_id(0)
+    grid = gl.num_programs(0)
+    i = 0
+    prev = gl.zeros([ROWS, BN], gl.float32, acc_layout)
+    prev_m = 0
+    prev_n = 0
+    for t in range(pid, num_m * num_n, grid):
+        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
+        base = i * k_tiles
+        acc = gl.zeros([ROWS, BN], gl.float32, acc_layout)
+        for j in gl.static_range(LEAD):
+            count = base + j
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
+            acc = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+        if i > 0:
+            _ov_epilogue(prev, prev_m * TILE_M + CONSUMER * ROWS, prev_n, anchor_ptr, part_ptr, T, V, part_stride,
+                         plane_stride, scale2, ENTROPY)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        for j in gl.static_range(LEAD - 1):
+            mbarrier.arrive(empty.index((base + j) % STAGES))
+        prev_slot = (base + LEAD - 1) % STAGES
+        for k in range(LEAD, k_tiles):
+            count = base + k
+            slot = count % STAGES
+            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+            a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
+            b = b_bufs.index(slot)
+            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
+            mbarrier.arrive(empty.index(prev_slot))
+            prev_slot = slot
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev_slot))
+        prev = acc
+        prev_m = pid_m
+        prev_n = pid_n
+        i += 1
+    if i > 0:
+        _ov_epilogue(prev, prev_m * TILE_M + CONSUMER * ROWS, prev_n, anchor_ptr, part_ptr, T, V, part_stride,
+                     plane_stride, scale2, ENTROPY)
+
+
+@gluon.jit
+def _ov_consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        LEAD: gl.constexpr, ENTROPY: gl.constexpr):
+    _ov_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
+                 scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 1)
+
+
+@gluon.jit
+def _overlap_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, plane_stride, scale2,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, ENTROPY: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    a_bufs, b_bufs, ready, empty = operand_ring(x_desc, w_desc, STAGES, 2)
+    fence_async_shared()
+    num_m = gl.cdiv(T, BM)
+    num_n = gl.cdiv(V, BN)
+    k_tiles = gl.cdiv(H, BK)
+    gl.warp_specialize([
+        (_ov_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 0)),
+        (_ov_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                               plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY)),
+        (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # ---------------------------------------------------------------------------------------------------- host
 
 
@@ -208,46 +334,81 @@ def launch(x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0
                           maxnreg=MAXNREG)
 
 
+def launch_overlap(x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0) -> None:
+    """The in-line overlap's partials: parts[0][t, j] = Σ_{v in 128-wide tile j} e[t, v] (parts[1]: Σ e·arg), so a
+    row's sum over its slots is the library producer's row sum."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fusedkern._runtime import sm_count
+
+    (T, H), V = x2d.shape, w.shape[0]
+    assert parts.dtype == torch.float32 and parts.shape[1] == T and parts.stride(2) == 1
+    assert parts.shape[0] in (1, 2) and parts.shape[2] >= triton.cdiv(V, OV_BLOCK_N)
+    assert H >= OV_LEAD * OV_BLOCK_K, "the lead needs as many K steps"
+    a_layout = gl.NVMMASharedLayout.get_default_for([OV_BLOCK_M, OV_BLOCK_K], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([OV_BLOCK_N, OV_BLOCK_K], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x2d, [OV_BLOCK_M, OV_BLOCK_K], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w, [OV_BLOCK_N, OV_BLOCK_K], b_layout)
+    tiles = triton.cdiv(T, OV_BLOCK_M) * triton.cdiv(V, OV_BLOCK_N)
+    grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
+    _overlap_kernel[grid](x_desc, w_desc, anchor, parts, T, V, H, parts.stride(1), parts.stride(0),
+                          float(logit_scale) * LOG2E, GROUP_M=GROUP_M, STAGES=OV_STAGES, LEAD=OV_LEAD,
+                          ENTROPY=parts.shape[0] == 2, CONSUMER_REGS=OV_CONSUMER_REGS,
+                          PRODUCER_REGS=OV_PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=OV_MAXNREG)
+
+
 # ------------------------------------------------------------------------------------------------ compile
 
 
-def compile_kernel(entropy: bool):
+def _compile(fn, block_m: int, block_n: int, block_k: int, constexprs: dict, maxnreg: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    a, b = operand_layouts()
+    a = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    b = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
     signature = {
-        "x_desc": f"tensordesc<bf16[{BLOCK_M}, {BLOCK_K}],{a!r}>",
-        "w_desc": f"tensordesc<bf16[{BLOCK_N}, {BLOCK_K}],{b!r}>",
+        "x_desc": f"tensordesc<bf16[{block_m}, {block_k}],{a!r}>",
+        "w_desc": f"tensordesc<bf16[{block_n}, {block_k}],{b!r}>",
         "anchor_ptr": "*fp32", "part_ptr": "*fp32", "T": "i32", "V": "i32", "H": "i32", "part_stride": "i32",
         "plane_stride": "i32", "scale2": "fp32"}
-    constexprs = dict(GROUP_M=GROUP_M, STAGES=STAGES, ENTROPY=entropy, MMA_REGS=MMA_REGS, EPI_REGS=EPI_REGS,
-                      EPI_WARPS=EPI_WARPS, PRODUCER_REGS=PRODUCER_REGS)
     signature.update({n: "constexpr" for n in constexprs})
-    names = _sums_wg_kernel.arg_names
+    names = fn.arg_names
     attrs = {(names.index(n), ): [["tt.divisibility", 16]]
              for n in ("anchor_ptr", "part_ptr", "H", "part_stride", "plane_stride")}
-    source = GluonASTSource(fn=_sums_wg_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": NUM_WARPS, "maxnreg": MAXNREG})
+                          options={"num_warps": NUM_WARPS, "maxnreg": maxnreg})
+
+
+def compile_kernel(kernel: str, entropy: bool):
+    """`kernel` "epilogue_wg" or "overlap128" lowered to sm_90a at its launch parameters."""
+    if kernel == "epilogue_wg":
+        return _compile(_sums_wg_kernel, BLOCK_M, BLOCK_N, BLOCK_K, dict(
+            GROUP_M=GROUP_M, STAGES=STAGES, ENTROPY=entropy, MMA_REGS=MMA_REGS, EPI_REGS=EPI_REGS,
+            EPI_WARPS=EPI_WARPS, PRODUCER_REGS=PRODUCER_REGS), MAXNREG)
+    return _compile(_overlap_kernel, OV_BLOCK_M, OV_BLOCK_N, OV_BLOCK_K, dict(
+        GROUP_M=GROUP_M, STAGES=OV_STAGES, LEAD=OV_LEAD, ENTROPY=entropy, CONSUMER_REGS=OV_CONSUMER_REGS,
+        PRODUCER_REGS=OV_PRODUCER_REGS), OV_MAXNREG)
 
 
 def compile_main() -> int:
     from probe_anchored_exp import resources  # probes/ is the script's own folder
 
     failed = 0
-    for entropy in (False, True):
-        try:
-            compiled = compile_kernel(entropy)
-        except Exception as error:  # noqa: BLE001  (report which variant, go on)
-            print(f"FAILED epilogue_wg entropy={entropy}: {type(error).__name__}: {str(error)[-3000:]}", flush=True)
-            failed += 1
-            continue
-        line = resources(compiled)
-        ptx = compiled.asm["ptx"]
-        barriers = sorted(set(ln.strip() for ln in ptx.splitlines() if "bar.sync" in ln or "barrier.sync" in ln))
-        print(f"sm_90a ok: epilogue_wg entropy={entropy} {line}; barriers: {barriers}", flush=True)
-        failed += " stack=0 " not in f" {line} " or " spill=0 " not in f" {line} "
+    for kernel in ("epilogue_wg", "overlap128"):
+        for entropy in (False, True):
+            try:
+                compiled = compile_kernel(kernel, entropy)
+            except Exception as error:  # noqa: BLE001  (report which variant, go on)
+                print(f"FAILED {kernel} entropy={entropy}: {type(error).__name__}: {str(error)[-3000:]}", flush=True)
+                failed += 1
+                continue
+            line = resources(compiled)
+            ptx = compiled.asm["ptx"]
+            barriers = sorted(set(ln.strip() for ln in ptx.splitlines() if "bar.sync" in ln or "barrier.sync" in ln))
+            print(f"sm_90a ok: {kernel} entropy={entropy} {line}; barriers: {barriers}", flush=True)
+            failed += " stack=0 " not in f" {line} " or " spill=0 " not in f" {line} "
     return 1 if failed else 0
 
 
@@ -271,30 +432,33 @@ def check(out_rows: list, gpu: str) -> bool:
         y = torch.randint(0, V, (T,), device="cuda", generator=gen)
         y[::7] = -100
         _, anchor = target_anchors(x, w, y, ignore_index=-100)
-        for planes in (1, 2):
-            n = column_tiles(V)
-            ref = torch.full((planes, T, n), float("nan"), device="cuda")
-            mine = torch.full((planes, T, n), float("nan"), device="cuda")
-            g.launch(x, w, anchor, ref, None, epilogue=SUMS, max_ctas=ctas)
-            launch(x, w, anchor, mine, max_ctas=ctas)
-            torch.cuda.synchronize()
-            written = bool(torch.isfinite(mine).all())
-            err = float(((mine - ref).abs() / ref.abs().clamp_min(1e-30)).max()) if written else float("nan")
-            row_err = float(((mine.sum(-1) - ref.sum(-1)).abs() / ref.sum(-1).abs().clamp_min(1e-30)).max())
-            passed = written and row_err < 1e-5
-            ok &= passed
-            print(f"check T={T} V={V} H={H} ctas={ctas} planes={planes}: every slot written {written}, "
-                  f"max rel err per slot {err:.2e}, per row {row_err:.2e} -> {'ok' if passed else 'FAILED'}",
-                  flush=True)
-            out_rows.append(dict(section="check", provider=f"epilogue_wg_planes{planes}", vocab=V, hidden=H,
-                                 tokens=T, ms_p20="", ms_p50="", ms_p80="", ratio_p50="", note=(
-                                     f"ctas={ctas or 'all'} written={written} slot_rel_err={err:.2e} "
-                                     f"row_rel_err={row_err:.2e} {'ok' if passed else 'FAILED'}"),
-                                 protocol="check", workload="dense_w0.02", gpu=gpu))
+        for kernel, launcher, n_slots in (("epilogue_wg", launch, column_tiles(V)),
+                                          ("overlap128", launch_overlap, triton.cdiv(V, OV_BLOCK_N))):
+            for planes in (1, 2):
+                ref = torch.full((planes, T, column_tiles(V)), float("nan"), device="cuda")
+                mine = torch.full((planes, T, n_slots), float("nan"), device="cuda")
+                g.launch(x, w, anchor, ref, None, epilogue=SUMS, max_ctas=ctas)
+                launcher(x, w, anchor, mine, max_ctas=ctas)
+                torch.cuda.synchronize()
+                written = bool(torch.isfinite(mine).all())
+                # slot by slot where the column tiles are the library's; every kernel: each row's sum
+                same_slots = n_slots == column_tiles(V) and written
+                err = float(((mine - ref).abs() / ref.abs().clamp_min(1e-30)).max()) if same_slots else float("nan")
+                row_err = float(((mine.sum(-1) - ref.sum(-1)).abs() / ref.sum(-1).abs().clamp_min(1e-30)).max())
+                passed = written and row_err < 1e-5
+                ok &= passed
+                print(f"check {kernel} T={T} V={V} H={H} ctas={ctas} planes={planes}: every slot written {written}, "
+                      f"max rel err per slot {err:.2e}, per row {row_err:.2e} -> {'ok' if passed else 'FAILED'}",
+                      flush=True)
+                out_rows.append(dict(section="check", provider=f"{kernel}_planes{planes}", vocab=V, hidden=H,
+                                     tokens=T, ms_p20="", ms_p50="", ms_p80="", ratio_p50="", note=(
+                                         f"ctas={ctas or 'all'} written={written} slot_rel_err={err:.2e} "
+                                         f"row_rel_err={row_err:.2e} {'ok' if passed else 'FAILED'}"),
+                                     protocol="check", workload="dense_w0.02", gpu=gpu))
     return ok
 
 
-def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: str) -> None:
+def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: str, kernels=None) -> None:
     import torch
     from probe_anchored_exp import quantiles, timed_rounds
 
@@ -309,6 +473,8 @@ def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: s
     logits = torch.empty(T, V, device="cuda", dtype=torch.bfloat16)
     parts1 = torch.empty((1, T, column_tiles(V)), device="cuda")
     parts2 = torch.empty((2, T, column_tiles(V)), device="cuda")
+    ov1 = torch.empty((1, T, triton.cdiv(V, OV_BLOCK_N)), device="cuda")
+    ov2 = torch.empty((2, T, triton.cdiv(V, OV_BLOCK_N)), device="cuda")
     providers = {
         "cublas_mm": lambda: torch.mm(x, w.t(), out=logits),
         "library_none": lambda: g.launch(x, w, anchor, parts1, None, epilogue=NONE),
@@ -316,7 +482,12 @@ def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: s
         "library_sums_entropy": lambda: g.launch(x, w, anchor, parts2, None, epilogue=SUMS),
         "epilogue_wg_sums": lambda: launch(x, w, anchor, parts1),
         "epilogue_wg_sums_entropy": lambda: launch(x, w, anchor, parts2),
+        "overlap128_sums": lambda: launch_overlap(x, w, anchor, ov1),
+        "overlap128_sums_entropy": lambda: launch_overlap(x, w, anchor, ov2),
     }
+    if kernels is not None:
+        providers = {n: f for n, f in providers.items() if not n.startswith(("epilogue_wg", "overlap128"))
+                     or n.startswith(tuple(kernels))}
     times = timed_rounds(providers, rounds)
     floor = quantiles(times["cublas_mm"])[1]
     for name, ts in times.items():
@@ -354,7 +525,7 @@ def gpu_main(args) -> int:
     for head in args.heads.split(","):
         V, H = HEADS[head]
         for T in (int(t) for t in args.tokens.split(",")):
-            bench(rows, head, V, H, T, args.rounds, gpu)
+            bench(rows, head, V, H, T, args.rounds, gpu, kernels=args.kernels.split(","))
             flush()
     return 0
 
@@ -368,8 +539,9 @@ def main() -> int:
     parser.add_argument("--heads", default="qwen3,llama1b,llama8b")
     parser.add_argument("--tokens", default="8192,16384")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--block-k", type=int, default=BLOCK_K, help="the ring's K step (32 or 64)")
-    parser.add_argument("--stages", type=int, default=STAGES, help="the ring's depth (4 at BK 32, 2 at BK 64)")
+    parser.add_argument("--kernels", default="epilogue_wg,overlap128", help="which of this probe's kernels to time")
+    parser.add_argument("--block-k", type=int, default=BLOCK_K, help="epilogue_wg's ring K step (32 or 64)")
+    parser.add_argument("--stages", type=int, default=STAGES, help="epilogue_wg's ring depth (4 at BK 32, 2 at 64)")
     args = parser.parse_args()
     BLOCK_K, STAGES = args.block_k, args.stages
     if args.compile:
