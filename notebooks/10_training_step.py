@@ -444,6 +444,8 @@ if not have_breakdown:
         "not a profile of the step."))
 else:
     breakdown["kernel_ms"] = breakdown.kernel_ms.astype(float)
+    if "gpu_busy_ms" not in breakdown.columns:  # files profiled before the GPU's busy time was measured
+        breakdown["gpu_busy_ms"] = ""
     floor_rows = breakdown[breakdown.category == step_profile.FLOOR_CATEGORY]
     floors = floor_rows.set_index("model").kernel_ms
     floors_by_phase = floor_rows.set_index(["phase", "model"]).kernel_ms

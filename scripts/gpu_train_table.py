@@ -115,7 +115,8 @@ CSV_COLUMNS = ("model", "step", "row", "workload", "protocol", "layers", "hidden
 #: allocator, Triton's JIT, TorchDynamo and fusedkern's free-memory check did during it, so that a slow step can be
 #: matched with its events. The allocator's columns are empty off CUDA, Triton's under its interpreter (which compiles
 #: nothing), the free-memory columns for the rows with TRL's head
-STEP_COLUMNS = ("model", "step", "row", "micro_batch", "grad_accum", "e_alloc", "phase", "commit", "device",
+STEP_COLUMNS = ("model", "step", "row", "workload", "protocol", "micro_batch", "grad_accum", "e_alloc", "phase",
+                "commit", "device",
                 "step_index", "timed", "step_ms", "peak_allocated_mib", "peak_reserved_mib", "reserved_mib",
                 "inactive_split_mib", "alloc_retries", "device_allocs", "device_frees", "sync_all_streams", "ooms",
                 "triton_compiles", "triton_compile_ms", "triton_kernels", "dynamo_graphs", "free_memory_checks",
@@ -512,7 +513,8 @@ def run_one(model_name: str, step: str, row: str, args, callbacks=(), step_rows:
     print(f"{model_name} {step} {row}: {float(result['tokens_per_s']):.0f} tokens/s, p50 {p50:.1f} ms, peak "
           f"{result['peak_mib'] or '-'} MiB, loss {result['first_loss']} -> {result['final_loss']} ({head} head)",
           flush=True)
-    same = {"model": model_name, "step": step, "row": row, "micro_batch": micro, "grad_accum": global_batch // micro,
+    same = {"model": model_name, "step": step, "row": row, "workload": result["workload"],
+            "protocol": result["protocol"], "micro_batch": micro, "grad_accum": global_batch // micro,
             "e_alloc": e_alloc if head == "fusedkern" else "", "phase": args.phase, "commit": result["commit"],
             "device": result["device"]}
     for i, (t, events) in enumerate(zip(timer.records, probe.records)):

@@ -191,8 +191,9 @@ def test_step_probe_on_cuda_counters(monkeypatch):
         1, 3, 5, 0, "")
     assert (r["peak_reserved_mib"], r["reserved_mib"], r["inactive_split_mib"]) == ("3072.0", "2048.0", "2.0")
     assert (r["triton_compiles"], r["triton_compile_ms"], r["triton_kernels"]) == (3, "250.0", "a b")
-    assert set(r) | {"model", "step", "row", "micro_batch", "grad_accum", "e_alloc", "phase", "commit", "device",
-                     "step_index", "timed", "step_ms", "peak_allocated_mib"} == set(script.STEP_COLUMNS)
+    assert set(r) | {"model", "step", "row", "workload", "protocol", "micro_batch", "grad_accum", "e_alloc", "phase",
+                     "commit", "device", "step_index", "timed", "step_ms",
+                     "peak_allocated_mib"} == set(script.STEP_COLUMNS)
 
 
 @pytest.mark.slow  # about 80 s on two shared cores: 24 runs, the Liger rows through the interpreter
