@@ -34,15 +34,21 @@
 #                                       # cuBLAS floors in the same shuffled rounds (Llama 3's head, bf16, seq 1024,
 #                                       # dense; PREF_BATCHES, default "2 4 8 16"; PREF_MODES, default "full";
 #                                       # PREF_LIGER_REF_MODEL=1 adds Liger's DPO/KTO with a reference model)
+#   scripts/gpu_calls.sh OUTDIR anchored  # carry .triton_cache .whl/liger085 .whl/trl: issue 47's first call after
+#                                       # 2026-12-08: the GPU tests of what changed without a GPU (the row kernels
+#                                       # compiled once across token counts, the anchored pass, GRPO), the in-line
+#                                       # overlap probe (`probes/gluon_epilogue_wg.py --kernels overlap128`: checked
+#                                       # against the library producer, timed beside cuBLAS), then the whole suite
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
 # in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
 # then the cu13 files: the other order loses them), so table must land on the machine cold left warm.
 # CALL_BUDGET_S (default 585) is the call's wall-time limit: a step's cap shrinks to what is left of it.
 set -uo pipefail
-part="${2:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile|preference}"
+usage="usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile|preference|anchored"
+part="${2:?$usage}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
-device_setup "${1:?usage: scripts/gpu_calls.sh OUTDIR cold|probe|table|rest|warm|check|logprobs|profile|preference}"
+device_setup "${1:?$usage}"
 budget=${CALL_BUDGET_S:-585}
 # QuACK's and Liger's CuTe DSL kernels compiled once per machine, not once per bench process
 export CUTE_DSL_CACHE_DIR="${TMPDIR:-/tmp}/cute_dsl_cache"
@@ -163,6 +169,14 @@ elif [ "$part" = profile ]; then
     step ce_dense_16384 150 python3 -m fusedkern.bench ce --head llama3 --tokens 16384 $timing --modes full \
         --workload dense --providers cublas_3gemm fusedkern_chunked fusedkern_chunked_c8192 $peers \
         --append --out "$res/ce_llama3_dense.csv"
+elif [ "$part" = anchored ]; then
+    triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
+    SUITE_CAP_S=150 suite gpu_changed tests/test_linear_cross_entropy.py tests/test_anchored_wiring.py \
+        tests/test_anchored_exp.py tests/test_grpo.py
+    step overlap128 150 python3 probes/gluon_epilogue_wg.py --gpu --out "$res" --heads qwen3,llama1b,llama8b \
+        --tokens 8192,16384 --rounds 10 --kernels overlap128
+    SUITE_CAP_S=300 suite gpu_suite_warm tests/
+    triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" = preference ]; then
     # (data/measured/h100/preference_shuffled.csv); warm-up 2: the last warm-up rep, which sets the rep count, runs
     # after Liger's torch.compile and Triton's JIT
