@@ -327,30 +327,6 @@ if __name__ == "__main__":  # invented measurements somewhere, for manual checks
     print(write_fake_measurements(target))
 
 
-def test_a_fresh_render_is_byte_identical_to_the_committed_one(tmp_path):
-    """`python run_all.py` leaves `git status` clean: notebook 03 (every figure type it draws, tables, the
-    committed H200 data) rendered again here equals the committed notebook and figures byte for byte.
-
-    The render goes over a copy of the committed figures, as `python run_all.py` does: a PNG whose SVG is
-    unchanged keeps its committed bytes (rasterization differs between CPUs in anti-aliased pixels)."""
-    out, figs = tmp_path / "rendered", tmp_path / "figures"
-    figs.mkdir()
-    for name in ("03_memory", "03_vocab_parallel_memory"):
-        for suffix in (".png", ".svg"):
-            shutil.copyfile(ROOT / "figures" / (name + suffix), figs / (name + suffix))
-    copied_svg_inodes = {p.name: p.stat().st_ino for p in figs.glob("*.svg")}
-    done = _run("--notebooks", "03", "--measure", "no", "--output-dir", str(out), "--figures-dir", str(figs))
-    assert done.returncode == 0, done.stderr[-4000:]
-    text = (out / "03_memory.ipynb").read_text()
-    text = text.replace(f'figures_dir = \\"{figs}\\"', 'figures_dir = \\"../figures\\"')
-    assert text == (ROOT / "notebooks" / "03_memory.ipynb").read_text()  # (the figures' folder is a parameter)
-    rendered = sorted(p.name for p in figs.iterdir())
-    assert len(rendered) == 4, rendered
-    assert all(p.stat().st_ino != copied_svg_inodes[p.name] for p in figs.glob("*.svg")), "an SVG was not saved"
-    for name in rendered:
-        assert (figs / name).read_bytes() == (ROOT / "figures" / name).read_bytes(), name
-
-
 def test_publish_keeps_a_png_whose_svg_is_unchanged(tmp_path):
     run_all = _import_run_all()
     staged, published = tmp_path / "staged", tmp_path / "published"
