@@ -126,36 +126,23 @@ def _mma_worker(a_bufs, b_bufs, ready, empty, boxes, full, free, num_m, num_n, k
 @gluon.jit
 def _epilogue(boxes, full, free, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2, num_m, num_n,
               GROUP_M: gl.constexpr, ENTROPY: gl.constexpr):
-    """The epilogue warpgroup: per tile and box, SLICE rows at a time, arg = min(log2(e)·k·acc − a_t, CLAMP2),
-    e = 2^arg, and the row's Σ e (Σ e·arg) over the tile's columns below V into slot pid_n of its partials."""
+    """The epilogue warps: per tile and box, SLICE rows at a time, the SUMS epilogue (`_store_sums`)."""
     ROWS: gl.constexpr = boxes.type.shape[1]
     BN: gl.constexpr = boxes.type.shape[2]
     layout: gl.constexpr = slice_layout(BN)
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     i = 0
     for t in range(pid, num_m * num_n, grid):
         pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
-        off_n = pid_n * BN
         for c in gl.static_range(2):
             mbarrier.wait(full.index(c), i & 1)
             box = boxes.index(c)
             for r in gl.static_range(ROWS // _SLICE):
                 acc = box.slice(r * _SLICE, _SLICE).load(layout)
                 rows = pid_m * (2 * ROWS) + c * ROWS + r * _SLICE + gl.arange(0, _SLICE, layout=row_layout)
-                row_ok = rows < T
-                anchor = gl.load(anchor_ptr + rows, mask=row_ok, other=_IGNORED)
-                arg = gl.minimum(acc * scale2 - gl.expand_dims(anchor, 1), _CLAMP2)
-                if off_n + BN > V:  # the ragged last column tile: TMA zero-filled W there
-                    col_ok = gl.arange(0, BN, layout=col_layout) < V - off_n
-                    arg = gl.where(gl.expand_dims(col_ok, 0), arg, -_IGNORED)
-                e = _exp2_ftz(arg)
-                part = rows.to(gl.int64) * part_stride + pid_n
-                gl.store(part_ptr + part, gl.sum(e, axis=1), mask=row_ok)
-                if ENTROPY:
-                    gl.store(part_ptr + plane_stride + part, gl.sum(e * arg, axis=1), mask=row_ok)
+                _store_sums(acc, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2, ENTROPY)
             gl.thread_barrier()  # every thread has read the box before the one arrival frees it
             mbarrier.arrive(free.index(c))
         i += 1
@@ -198,19 +185,18 @@ OV_MAXNREG, OV_CONSUMER_REGS, OV_PRODUCER_REGS = 168, 232, 40
 
 
 @gluon.jit
-def _ov_epilogue(acc, off_m, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
-                 ENTROPY: gl.constexpr):
-    """The library producer's SUMS epilogue on one consumer's rows of a 128-wide column tile."""
-    ROWS: gl.constexpr = acc.shape[0]
+def _store_sums(acc, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                ENTROPY: gl.constexpr):
+    """The library producer's SUMS epilogue on rows `rows` of a BN-wide column tile pid_n, in acc's own layout:
+    arg = min(log2(e)·k·acc − a_t, CLAMP2), e = 2^arg, the row's Σ e (and Σ e·arg) over the columns below V into
+    slot pid_n of its partials."""
     BN: gl.constexpr = acc.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    rows = off_m + gl.arange(0, ROWS, layout=row_layout)
     row_ok = rows < T
     anchor = gl.load(anchor_ptr + rows, mask=row_ok, other=_IGNORED)
     arg = gl.minimum(acc * scale2 - gl.expand_dims(anchor, 1), _CLAMP2)
     off_n = pid_n * BN
-    if off_n + BN > V:
+    if off_n + BN > V:  # the ragged last column tile: TMA zero-filled W there
         col_ok = gl.arange(0, BN, layout=col_layout) < V - off_n
         arg = gl.where(gl.expand_dims(col_ok, 0), arg, -_IGNORED)
     e = _exp2_ftz(arg)
@@ -218,6 +204,14 @@ def _ov_epilogue(acc, off_m, pid_n, anchor_ptr, part_ptr, T, V, part_stride, pla
     gl.store(part_ptr + part, gl.sum(e, axis=1), mask=row_ok)
     if ENTROPY:
         gl.store(part_ptr + plane_stride + part, gl.sum(e * arg, axis=1), mask=row_ok)
+
+
+@gluon.jit
+def _ov_epilogue(acc, off_m, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                 ENTROPY: gl.constexpr):
+    """One consumer's rows of a 128-wide column tile, in the wgmma accumulator's layout."""
+    rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+    _store_sums(acc, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2, ENTROPY)
 
 
 @gluon.jit
@@ -252,20 +246,8 @@ def _ov_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         for j in gl.static_range(LEAD - 1):
             mbarrier.arrive(empty.index((base + j) % STAGES))
-        prev_slot = (base + LEAD - 1) % STAGES
-        for k in range(LEAD, k_tiles):
-            count = base + k
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
-            b = b_bufs.index(slot)
-            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))[0]
-            mbarrier.arrive(empty.index(prev_slot))
-            prev_slot = slot
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev_slot))
-        prev = acc
+        prev = cooperative_mainloop(a_bufs, b_bufs, ready, empty, base, k_tiles, ROWS, BN, STAGES, CONSUMER, acc=acc,
+                                    K_FIRST=LEAD)
         prev_m = pid_m
         prev_n = pid_n
         i += 1
@@ -416,22 +398,18 @@ def compile_main() -> int:
 
 
 def check(out_rows: list, gpu: str) -> bool:
-    """This kernel's partials against the library producer's SUMS on the same anchors: ragged T 300 × V 5000 (grid
+    """Each kernel's partials against the library producer's SUMS on the same anchors: ragged T 300 × V 5000 (grid
     capped to 7 CTAs and full) and a study shape; poisoned partials first, so a slot never written shows."""
     import torch
+    from probe_anchored_exp import producer_inputs
 
     from fusedkern.kernels import gluon_anchored_exp as g
-    from fusedkern.kernels.anchored_rows import SUMS, target_anchors
+    from fusedkern.kernels.anchored_rows import SUMS
 
     ok = True
     for T, V, H, ctas in ((300, 5000, 1024, 7), (300, 5000, 1024, 0), (4096, 151936, 1024, 0),
                           (2048, 128256, 4096, 0)):
-        gen = torch.Generator(device="cuda").manual_seed(T + V + H + ctas)
-        x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-        w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
-        y = torch.randint(0, V, (T,), device="cuda", generator=gen)
-        y[::7] = -100
-        _, anchor = target_anchors(x, w, y, ignore_index=-100)
+        x, w, _, anchor = producer_inputs(T, H, V, seed=T + V + H + ctas, ignored_every=7)
         for kernel, launcher, n_slots in (("epilogue_wg", launch, column_tiles(V)),
                                           ("overlap128", launch_overlap, triton.cdiv(V, OV_BLOCK_N))):
             for planes in (1, 2):
@@ -460,16 +438,12 @@ def check(out_rows: list, gpu: str) -> bool:
 
 def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: str, kernels=None) -> None:
     import torch
-    from probe_anchored_exp import quantiles, timed_rounds
+    from probe_anchored_exp import producer_inputs, quantiles, timed_rounds
 
     from fusedkern.kernels import gluon_anchored_exp as g
-    from fusedkern.kernels.anchored_rows import NONE, SUMS, target_anchors
+    from fusedkern.kernels.anchored_rows import NONE, SUMS
 
-    gen = torch.Generator(device="cuda").manual_seed(T + H)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
-    y = torch.randint(0, V, (T,), device="cuda", generator=gen)
-    _, anchor = target_anchors(x, w, y, ignore_index=-100)
+    x, w, _, anchor = producer_inputs(T, H, V, seed=T + H)
     logits = torch.empty(T, V, device="cuda", dtype=torch.bfloat16)
     parts1 = torch.empty((1, T, column_tiles(V)), device="cuda")
     parts2 = torch.empty((2, T, column_tiles(V)), device="cuda")

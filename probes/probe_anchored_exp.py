@@ -310,18 +310,31 @@ def block_rows(section, times, floors: dict, head, V, H, T, gpu, workload, peaks
     return rows
 
 
+def producer_inputs(T: int, H: int, V: int, seed: int, ignored_every: int = 0):
+    """(x [T, H] bf16 N(0, 1), w [V, H] bf16 N(0, 0.02²), targets [T] (every `ignored_every`-th ignored), anchors
+    [T]) on the GPU: the producer's inputs in the probes that time or check it."""
+    import torch
+
+    from fusedkern.kernels.anchored_rows import target_anchors
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
+    y = torch.randint(0, V, (T,), device="cuda", generator=gen)
+    if ignored_every:
+        y[::ignored_every] = -100
+    _, anchor = target_anchors(x, w, y, ignore_index=-100)
+    return x, w, y, anchor
+
+
 def producer_section(writer, head, V, H, T, rounds, gpu):
     import torch
 
     from fusedkern.kernels import gluon_anchored_exp as g
     from fusedkern.kernels import gluon_logits_stats as stats
-    from fusedkern.kernels.anchored_rows import NONE, SUMS, SUMS_AND_E, column_tiles, target_anchors
+    from fusedkern.kernels.anchored_rows import NONE, SUMS, SUMS_AND_E, column_tiles
 
-    gen = torch.Generator(device="cuda").manual_seed(T + H)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16()
-    y = torch.randint(0, V, (T,), device="cuda", generator=gen)
-    _, anchor = target_anchors(x, w, y, ignore_index=-100)
+    x, w, y, anchor = producer_inputs(T, H, V, seed=T + H)
     logits = torch.empty(T, V, device="cuda", dtype=torch.bfloat16)
     e = torch.empty((T, g.e_row_stride(V)), device="cuda", dtype=torch.bfloat16)[:, :V]
     parts1 = torch.empty((1, T, column_tiles(V)), device="cuda")

@@ -38,9 +38,8 @@ from fusedkern.study import step_profile  # noqa: E402
 
 SMALL_MODELS = ("qwen3-0.6b", "llama-3.2-1b")
 COLUMNS = ("model", "step", "row", "category", "kernel_ms", "kernel_total_ms", "step_wall_ms", "gpu_busy_ms",
-           "layers", "hidden",
-           "vocab", "seq_len", "micro_batch", "grad_accum", "tokens_per_step", "workload", "protocol", "device",
-           "torch", "triton", "transformers", "trl", "liger_kernel", "commit", "phase", "note")
+           "layers", "hidden", "vocab", "seq_len", "micro_batch", "grad_accum", "tokens_per_step", "workload",
+           "protocol", "device", "torch", "triton", "transformers", "trl", "liger_kernel", "commit", "phase", "note")
 
 
 class ProfileOneStep(TrainerCallback):

@@ -116,11 +116,10 @@ CSV_COLUMNS = ("model", "step", "row", "workload", "protocol", "layers", "hidden
 #: matched with its events. The allocator's columns are empty off CUDA, Triton's under its interpreter (which compiles
 #: nothing), the free-memory columns for the rows with TRL's head
 STEP_COLUMNS = ("model", "step", "row", "workload", "protocol", "micro_batch", "grad_accum", "e_alloc", "phase",
-                "commit", "device",
-                "step_index", "timed", "step_ms", "peak_allocated_mib", "peak_reserved_mib", "reserved_mib",
-                "inactive_split_mib", "alloc_retries", "device_allocs", "device_frees", "sync_all_streams", "ooms",
-                "triton_compiles", "triton_compile_ms", "triton_kernels", "dynamo_graphs", "free_memory_checks",
-                "free_memory_refusals", "driver_memory_queries")
+                "commit", "device", "step_index", "timed", "step_ms", "peak_allocated_mib", "peak_reserved_mib",
+                "reserved_mib", "inactive_split_mib", "alloc_retries", "device_allocs", "device_frees",
+                "sync_all_streams", "ooms", "triton_compiles", "triton_compile_ms", "triton_kernels", "dynamo_graphs",
+                "free_memory_checks", "free_memory_refusals", "driver_memory_queries")
 #: the step CSV's columns from torch.cuda.memory_stats()'s event counters, each the counter's change over the step:
 #: failed cudaMallocs that flushed the cache and retried (a device synchronization each), cudaMalloc / cudaFree
 #: calls (cuMemMap / cuMemUnmap with expandable segments), synchronize_and_free_events calls, out-of-memory errors

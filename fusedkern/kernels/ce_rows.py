@@ -131,17 +131,18 @@ def _program_row(logits_ptr, stride_row):
 #: the row kernels' per-row vectors and partials, compiled without an assumption on their pointers' 16-byte
 #: alignment: they are rows and slices of [2, T] and [planes, C, SPLIT] buffers, whose alignment changes with the
 #: token count, and a specialization on it recompiled both kernels (0.2–0.5 s each) whenever a GRPO micro-batch's
-#: token count changed its residue mod 4. Each is read or written one element a row: the alignment buys nothing.
-ROW_VECTORS = ("partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr", "partial_ent_ptr", "target_ptr",
+#: token count changed its residue mod 4. Each is touched once a row (one element, or a row's SPLIT ≤ 64 partials in
+#: the merge) beside the row's V logits; what the merge's partial loads lose without 16-byte alignment is not yet
+#: measured.
+ROW_VECTORS = ["partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr", "partial_ent_ptr", "target_ptr",
                "target_logit_ptr", "loss_ptr", "row_max_ptr", "log_sumexp_ptr", "entropy_ptr", "grad_entropy_ptr",
-               "logit_sum_ptr", "grad_ptr")
+               "logit_sum_ptr", "grad_ptr"]
 
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),
                  key=["V", "SPLIT", "HAS_WEIGHT", "HAS_SMOOTHING", "HAS_SOFTCAP", "FIND_TARGET", "HAS_ROW_COUNT",
                       "HAS_ENTROPY", "HAS_SCALE"])
-@triton.jit(do_not_specialize_on_alignment=["partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr",
-                                            "partial_ent_ptr", "target_ptr", "target_logit_ptr"])
+@triton.jit(do_not_specialize_on_alignment=ROW_VECTORS)  # (the names a kernel lacks are ignored)
 def _row_stats_kernel(
     # pointers
     partial_max_ptr,  # (C, SPLIT) fp32 out: max of the slice's s
@@ -210,7 +211,7 @@ def _row_stats_kernel(
                       "HAS_ENTROPY", "HAS_SCALE", "SUM_LOGITS"],
                  # the kernel overwrites the logits with the gradient: every autotune trial starts from them
                  restore_value=["logits_ptr"])
-@triton.jit(do_not_specialize_on_alignment=list(ROW_VECTORS))
+@triton.jit(do_not_specialize_on_alignment=ROW_VECTORS)
 def _row_finish_kernel(
     # pointers
     logits_ptr,  # (C, V) input dtype. In: logits z. Out (WRITE_GRAD): ∂L/∂z, in place

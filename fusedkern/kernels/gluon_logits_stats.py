@@ -117,14 +117,20 @@ def tma_producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_t
 
 @gluon.jit
 def cooperative_mainloop(a_bufs, b_bufs, ready, empty, base, k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER: gl.constexpr):
+                         STAGES: gl.constexpr, CONSUMER: gl.constexpr, acc=None, K_FIRST: gl.constexpr = 0):
     """One consumer's fp32 accumulator [BLOCK_M, BLOCK_N] of a tile: rows [CONSUMER·BLOCK_M, (CONSUMER+1)·BLOCK_M) of
     each X slot against the whole W slot over k_tiles K blocks from ring position `base` (the producer's count). Per
     block: wait for the slot, async wgmma from shared memory (W permuted to K-major [BK, BN]), one wgmma group in
-    flight; the previous one is done, so its slot goes back to the producer (2 arrivals free it)."""
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, accumulator_layout(BLOCK_N))
-    prev = 0
-    for k in range(k_tiles):
+    flight; the previous one is done, so its slot goes back to the producer (2 arrivals free it). With K_FIRST > 0
+    the caller has issued blocks 0 … K_FIRST − 1 into `acc` itself, freed every slot but the last one's, and left
+    that block's group in flight."""
+    if acc is None:
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, accumulator_layout(BLOCK_N))
+    if K_FIRST == 0:
+        prev = 0
+    else:
+        prev = (base + K_FIRST - 1) % STAGES
+    for k in range(K_FIRST, k_tiles):
         count = base + k
         slot = count % STAGES
         mbarrier.wait(ready.index(slot), (count // STAGES) & 1)

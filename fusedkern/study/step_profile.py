@@ -160,31 +160,27 @@ def device_busy_us(prof) -> float:
     """µs during which at least one device kernel, copy or memset of the trace ran (the union of their intervals,
     so concurrent streams count once): the profiled step's wall time minus this is the time the GPU sat idle,
     waiting on the host."""
-    return sum(end - start for start, end in _busy_spans(prof))
+    return sum(end - start for start, end, _, _ in _busy_spans(prof))
 
 
 def idle_gaps(prof, min_us: float = 500.0) -> list[tuple[float, float, str, str]]:
     """The device's idle gaps of at least `min_us` between its first and last kernel, largest first: (µs, where the
     gap starts in µs after the first kernel began, the kernel before the gap, the kernel after it). The kernel after
     a gap is what the GPU waited for the host to launch."""
-    intervals = sorted(_device_intervals(prof))
-    gaps, reach, last = [], None, ""
-    first = intervals[0][0] if intervals else 0.0
-    for start, end, name in intervals:
-        if reach is not None and start - reach >= min_us:
-            gaps.append((start - reach, reach - first, last, name))
-        if reach is None or end > reach:
-            reach, last = end, name
-    return sorted(gaps, reverse=True)
+    spans = _busy_spans(prof)
+    gaps = [(nxt[0] - cur[1], cur[1] - spans[0][0], cur[3], nxt[2]) for cur, nxt in zip(spans, spans[1:])]
+    return sorted((g for g in gaps if g[0] >= min_us), reverse=True)
 
 
-def _busy_spans(prof) -> list[tuple[float, float]]:
-    spans: list[tuple[float, float]] = []
-    for start, end, _ in sorted(_device_intervals(prof)):
+def _busy_spans(prof) -> list[tuple[float, float, str, str]]:
+    """The union of the device's intervals as (start, end, its first kernel, the kernel that ends it), in order."""
+    spans: list[tuple[float, float, str, str]] = []
+    for start, end, name in sorted(_device_intervals(prof)):
         if spans and start <= spans[-1][1]:
-            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+            s0, e0, first, last = spans[-1]
+            spans[-1] = (s0, end, first, name) if end > e0 else (s0, e0, first, last)
         else:
-            spans.append((start, end))
+            spans.append((start, end, name, name))
     return spans
 
 
