@@ -366,22 +366,28 @@ def test_gpu_chunked_step_never_waits_for_the_gpu(accum):
 def test_gpu_row_kernels_compile_once_across_token_counts(impl):
     """A training loop whose micro-batches score a different number of tokens each (GRPO's) compiles the row kernels
     once, not once per residue of the token count: their per-row vectors are rows of [2, T] buffers, whose alignment
-    follows T, and a specialization on it recompiled them for 0.2–0.5 s in timed GRPO steps on an H100."""
-    from fusedkern.kernels import anchored_rows, ce_rows
+    follows T, and a specialization on it recompiled them for 0.2–0.5 s in timed GRPO steps on an H100. So do the
+    row-count GEMMs, whose last chunk holds any count (tests/test_compiled_once.py checks every kernel on the CPU)."""
+    from fusedkern.kernels import anchored_rows, ce_rows, rowcount_gemm
 
-    kernels = (ce_rows._row_stats_kernel.fn, ce_rows._row_finish_kernel.fn, anchored_rows._finish_rows_kernel)
+    kernels = (ce_rows._row_stats_kernel.fn, ce_rows._row_finish_kernel.fn, anchored_rows._finish_rows_kernel,
+               rowcount_gemm._logits_kernel, rowcount_gemm._dx_kernel, rowcount_gemm._dw_kernel)
 
     def compiled() -> int:
         return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())
 
     def step(T):
         x, w, y, _, _ = make_inputs(T, 256, 4099, torch.bfloat16, device="cuda", seed=T)
-        x.requires_grad_()
+        x.requires_grad_(), w.requires_grad_()
         logp = fusedkern.linear_logprobs(x, w, y, impl=impl, temperature=0.7)
         logp.sum().backward()
+        y[::3] = -100  # the row-count GEMMs: a device count over the valid rows sorted first
+        fusedkern.linear_cross_entropy(x, w, y, impl=impl, reduction="sum", num_valid_tokens=(y != -100).sum(),
+                                       chunk_tokens=512).backward()
         torch.cuda.synchronize()
 
-    step(1024)  # every specialization the path needs at an aligned count, the autotuning too
+    for _ in range(2):  # every specialization the path needs at an aligned count, the autotuning, dX's tile pair
+        step(1024)
     before = compiled()
     for T in (1025, 1026, 1027, 1029, 1030):
         step(T)

@@ -82,11 +82,17 @@ def _config_list(kernel: str, fp32: bool) -> list:
     return autotune_configs([_INTERP_CONFIG] if interpreting() else _configs(kernel, fp32))
 
 
+#: Compiled once whatever the token extent: C (a chunk's rows; the last chunk's, any count) is a loop bound and a
+#: mask, never a stride, so Triton's specialization on C % 16 would only compile a second variant; the count is a
+#: slice of a per-chunk vector, 16-byte aligned or not by its chunk's index.
+ANY_EXTENT = dict(do_not_specialize=["C"], do_not_specialize_on_alignment=["count_ptr"])
+
+
 # ----------------------------------------------------------------------------------------------
 # (a) logits: Z[:n] = X[:n] @ Wᵀ (+ b)
 
 
-@triton.jit
+@triton.jit(**ANY_EXTENT)
 def _logits_kernel(
     x_ptr,  # (C, H) input dtype
     w_ptr,  # (V, H)
@@ -144,7 +150,7 @@ def _narrow_wins(n, C, H, NUM_SMS, BLOCK_M: tl.constexpr, WIDE_N: tl.constexpr):
     return waves_narrow * _NARROW_COST_PCT < waves_wide * 100
 
 
-@triton.jit
+@triton.jit(**ANY_EXTENT)
 def _dx_kernel(
     g_ptr,  # (C, V)
     w_ptr,  # (V, H)
@@ -185,7 +191,7 @@ def _dx_kernel(
 # (c) dW: DW (+)= G[:n]ᵀ @ X[:n]
 
 
-@triton.jit
+@triton.jit(**ANY_EXTENT)
 def _dw_kernel(
     g_ptr,  # (C, V)
     x_ptr,  # (C, H)
@@ -236,6 +242,38 @@ _DW = {(fp32, acc): _tuned(_dw_kernel, "dw", fp32, ["C", "V", "H", "USE_TMA"], [
 
 # ----------------------------------------------------------------------------------------------
 # host side
+
+#: the config the autotuner chose, per kernel and problem class (`_launch_tuned`)
+_CHOSEN: dict = {}
+
+
+def token_class(C: int) -> int:
+    """The token extents one autotuned choice stands for: C rounded up to a power of two, at least one row block of
+    the candidates (128). Which tile wins follows the extent's scale, not its exact value; tuned per exact C, a loop
+    whose micro-batches score a different count each would run every candidate config again at each new last-chunk
+    length."""
+    return max(128, triton.next_power_of_2(C))
+
+
+def problem_class(tuned, sizes: tuple, args: tuple, flags: dict) -> tuple:
+    """What a tuned choice is kept under: the kernel, the token class of sizes (C, V, H), V and H, the flags and the
+    operands' dtypes."""
+    C, V, H = sizes
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+    return (tuned, token_class(C), V, H, tuple(sorted(flags.items())), dtypes, args[0].device)
+
+
+def _launch_tuned(tuned, sizes: tuple, rows: int, cols: int, dev, args: tuple, flags: dict, config) -> None:
+    """`launch_persistent` with the autotuner's choice kept per `problem_class`: the first call of a class autotunes
+    (at its own extent), the later ones launch that config."""
+    if config is None:
+        key = problem_class(tuned, sizes, args, flags)
+        config = _CHOSEN.get(key)
+        if config is None:
+            launch_persistent(tuned, rows, cols, dev, args, flags, None)
+            _CHOSEN[key] = getattr(tuned, "best_config", None) or tuned.configs[0]
+            return
+    launch_persistent(tuned, rows, cols, dev, args, flags, config)
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -293,12 +331,8 @@ def logits_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, count:
             out.stride(0), out.stride(1))
     flags = dict(HAS_BIAS=b is not None, USE_TMA=H > 0 and use_tma(impl, (x, w), (out,)),
                  DOT_PRECISION=dot_precision(x.dtype))
-    launch_persistent(_LOGITS[fp32], C, V, dev, args, flags, config)
+    _launch_tuned(_LOGITS[fp32], (C, V, H), C, V, dev, args, flags, config)
     return out
-
-
-#: dX configs the autotuner chose, per problem key (see `dx_rows`)
-_DX_CHOSEN: dict = {}
 
 
 def _narrow_partner(config: triton.Config) -> triton.Config | None:
@@ -318,7 +352,7 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
     g: [C, V] fp32/fp16/bf16 · w: [V, H], g's dtype · count: one-element int32/int64 tensor on g's
     device · out: [C, H], g's dtype or fp32 · impl, config: as `logits_rows`. Returns out.
 
-    Tile width follows n without a sync: the first call for a problem key autotunes and runs the
+    Tile width follows n without a sync: the first call of a `problem_class` autotunes and runs the
     tuned kernel alone; later calls launch the tuned (wide) kernel and its half-width partner, and
     the one that finishes in fewer whole waves for this n does the work (`_narrow_wins`). With an
     explicit `config` only that kernel runs."""
@@ -339,11 +373,11 @@ def dx_rows(g: torch.Tensor, w: torch.Tensor, count: torch.Tensor, out: torch.Te
     if config is not None:
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), config)
         return out
-    key = (C, V, H, tma, g.dtype, out.dtype, dev)
-    chosen = _DX_CHOSEN.get(key)
+    key = problem_class(tuned, (C, V, H), args, flags)
+    chosen = _CHOSEN.get(key)
     if chosen is None:  # first call: autotune (at this call's n) and run the tuned kernel alone
         launch_persistent(tuned, C, H, dev, args, dict(flags, PICK=0), None)
-        _DX_CHOSEN[key] = getattr(tuned, "best_config", None) or tuned.configs[0]
+        _CHOSEN[key] = getattr(tuned, "best_config", None) or tuned.configs[0]
         return out
     partner = _narrow_partner(chosen)
     if partner is None:
@@ -383,5 +417,5 @@ def dw_rows(g: torch.Tensor, x: torch.Tensor, count: torch.Tensor, out: torch.Te
         mode = LOAD_ADD_STORE  # a 16-bit sum is formed in fp32 and rounded once
     flags = dict(ACCUMULATE=accumulate, USE_TMA=use_tma(impl, (g, x), (out,)), DOT_PRECISION=dot_precision(g.dtype),
                  EPI_MODE=mode)
-    launch_persistent(_DW[(fp32, accumulate)], V, H, dev, args, flags, config)
+    _launch_tuned(_DW[(fp32, accumulate)], (C, V, H), V, H, dev, args, flags, config)
     return out
