@@ -161,6 +161,7 @@ def profile_run(model_name: str, row: str, args, opts) -> list[dict]:
     totals, ranked = step_profile.classify(ops, unclaimed_us=unclaimed)
     busy_ms = step_profile.device_busy_us(callback.prof) / 1e3 if args.cuda else float("nan")
     gaps = step_profile.idle_gaps(callback.prof) if args.cuda else []
+    hosts = [step_profile.host_during_gap(callback.prof, at, gap) for gap, at, _, _ in gaps]
     del callback, ops
     gc.collect()
     if args.cuda:
@@ -170,8 +171,10 @@ def profile_run(model_name: str, row: str, args, opts) -> list[dict]:
           f"{float(result['step_ms_p50']):.1f} ms (profiled)", flush=True)
     if gaps:
         print(f"  idle gaps ≥ 0.5 ms: {len(gaps)}, {sum(g for g, *_ in gaps) / 1e3:.1f} ms", flush=True)
-        for gap, at, before, after in gaps:  # every one: where in the step, and between which kernels
-            print(f"    {gap / 1e3:6.2f} ms at +{at / 1e3:7.1f} ms: {before[:90]} → {after[:90]}", flush=True)
+        for (gap, at, before, after), host in zip(gaps, hosts):  # every one: where, between which kernels, and
+            # what the host did meanwhile
+            print(f"    {gap / 1e3:6.2f} ms at +{at / 1e3:7.1f} ms: {before[:70]} → {after[:70]}; host {host[:160]}",
+                  flush=True)
     for category in step_profile.CATEGORIES:
         top = [(n, us) for c, n, us in ranked if c == category][:opts.top]
         print(f"  {category:<13} {totals[category] / 1e3:9.2f} ms  " + "; ".join(

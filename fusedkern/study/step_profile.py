@@ -172,6 +172,38 @@ def idle_gaps(prof, min_us: float = 500.0) -> list[tuple[float, float, str, str]
     return sorted((g for g in gaps if g[0] >= min_us), reverse=True)
 
 
+def host_during_gap(prof, at_us: float, gap_us: float, depth: int = 4) -> str:
+    """What the host did while the GPU sat idle in a gap (`idle_gaps`' position and length): "waited in A ← B ← …"
+    when a CPU event that began well before the gap ended as it opened (a synchronization: the host blocked until
+    the GPU ran out of work, then had nothing queued), else "busy in A ← B ← …" for the innermost CPU event that
+    spans at least half of the gap (the host too slow to keep the GPU fed), else "not in any recorded event".
+    Chains go from the innermost event out, `depth` names at most."""
+    from torch.autograd import DeviceType
+
+    spans = _busy_spans(prof)
+    opened = spans[0][0] + at_us if spans else at_us
+    closed = opened + gap_us
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    # 100 µs: the host's return from a wait lags the GPU's last kernel by a few µs, and the waiting event began
+    # before the GPU drained
+    waited = [e for e in cpu if e.time_range.start < opened - 100
+              and opened - 100 <= e.time_range.end <= opened + min(300.0, gap_us / 2)]
+    if waited:
+        return "waited in " + _chain_names(max(waited, key=lambda e: e.time_range.start), depth)
+    busy = [e for e in cpu if min(e.time_range.end, closed) - max(e.time_range.start, opened) >= gap_us / 2]
+    if busy:
+        return "busy in " + _chain_names(max(busy, key=lambda e: e.time_range.start), depth)
+    return "not in any recorded event"
+
+
+def _chain_names(event, depth: int) -> str:
+    names = []
+    while event is not None and len(names) < depth:
+        names.append(event.name)
+        event = event.cpu_parent
+    return " ← ".join(names)
+
+
 def _busy_spans(prof) -> list[tuple[float, float, str, str]]:
     """The union of the device's intervals as (start, end, its first kernel, the kernel that ends it), in order."""
     spans: list[tuple[float, float, str, str]] = []

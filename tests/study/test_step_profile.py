@@ -151,3 +151,28 @@ def test_device_busy_counts_overlaps_once_and_skips_named_ranges():
     assert sp.idle_gaps(prof, min_us=1) == [(1000, 15, "b", "c"), (2, 10, "a", "b")]
     _, unclaimed = sp.ops_from_profile(prof, device_kernels=True)
     assert unclaimed == 6 + 6 + 3 + 1 + 5
+
+
+def test_host_during_gap_names_the_wait_or_the_work():
+    """A gap that opens as a host event ends, which began before it, is a wait (a sync: `aten::item` under the
+    trainer's loss); a gap the host spends inside one event is the host's own work; else nothing is named."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, *, device=DeviceType.CPU, parent=None):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end), name=name,
+                               cpu_parent=parent, is_user_annotation=False)
+
+    loss = event("compute_loss", 0, 5000)
+    item = event("aten::item", 200, 2002, parent=loss)
+    launch = event("optimizer.step", 4000, 9000)
+    events = [event("k1", 100, 2000, device=DeviceType.CUDA), event("k2", 3000, 3100, device=DeviceType.CUDA),
+              event("k3", 8000, 8100, device=DeviceType.CUDA), loss, item, launch,
+              event("aten::_local_scalar_dense", 250, 2001, parent=item)]
+    prof = SimpleNamespace(events=lambda: events)
+    (first, at1, *_), (second, at2, *_) = sorted(sp.idle_gaps(prof, min_us=500), key=lambda g: g[1])
+    assert (first, at1, second, at2) == (1000, 1900, 4900, 3000)
+    assert sp.host_during_gap(prof, at1, first) == "waited in aten::_local_scalar_dense ← aten::item ← compute_loss"
+    assert sp.host_during_gap(prof, at2, second, depth=1) == "busy in optimizer.step"
+    assert sp.host_during_gap(SimpleNamespace(events=lambda: events[:3]), at2, second) == "not in any recorded event"
