@@ -36,7 +36,8 @@
 #                                       # PREF_LIGER_REF_MODEL=1 adds Liger's DPO/KTO with a reference model)
 #   scripts/gpu_calls.sh OUTDIR anchored  # carry .triton_cache .whl/liger085 .whl/trl: issue 47's first call after
 #                                       # 2026-12-08: the GPU tests of what changed without a GPU (the row kernels
-#                                       # compiled once across token counts, the anchored pass, GRPO), the in-line
+#                                       # and row-count GEMMs compiled once across token counts, the anchored pass,
+#                                       # GRPO, the row-count GEMMs' tuning per token class), the in-line
 #                                       # overlap probe (`probes/gluon_epilogue_wg.py --kernels overlap128`: checked
 #                                       # against the library producer, timed beside cuBLAS), then the whole suite
 #
@@ -171,8 +172,8 @@ elif [ "$part" = profile ]; then
         --append --out "$res/ce_llama3_dense.csv"
 elif [ "$part" = anchored ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
-    SUITE_CAP_S=150 suite gpu_changed tests/test_linear_cross_entropy.py tests/test_anchored_wiring.py \
-        tests/test_anchored_exp.py tests/test_grpo.py
+    SUITE_CAP_S=180 suite gpu_changed tests/test_linear_cross_entropy.py tests/test_anchored_wiring.py \
+        tests/test_anchored_exp.py tests/test_grpo.py tests/test_rowcount_gemm.py tests/test_num_valid_tokens.py
     step overlap128 150 python3 probes/gluon_epilogue_wg.py --gpu --out "$res" --heads qwen3,llama1b,llama8b \
         --tokens 8192,16384 --rounds 10 --kernels overlap128
     SUITE_CAP_S=300 suite gpu_suite_warm tests/
