@@ -169,7 +169,7 @@ def gluon_cases() -> list:
 
 def compile_gluon(target_type: str, with_entropy: bool):
     """The Gluon kernel at its launch parameters, lowered to sm_90a (wgmma, setmaxnreg): a launch at the study's
-    shapes gives 16-divisible pointers, H and partial_stride."""
+    shapes gives 16-divisible partial pointers, H and partial_stride (the targets are a launch's slices)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fusedkern.kernels import gluon_logits_stats as g
@@ -187,8 +187,7 @@ def compile_gluon(target_type: str, with_entropy: bool):
     signature.update({k: "constexpr" for k in constexprs})
     names = g._logits_partials_kernel.arg_names
     attrs = {(names.index(n), ): [["tt.divisibility", 16]]
-             for n in ("part_max_ptr", "part_rest_ptr", "part_ent_ptr", "target_ptr", "target_logit_ptr", "H",
-                       "partial_stride")}
+             for n in ("part_max_ptr", "part_rest_ptr", "part_ent_ptr", "H", "partial_stride")}
     source = GluonASTSource(fn=g._logits_partials_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": g.NUM_WARPS, "maxnreg": g.MAXNREG})
 
@@ -202,8 +201,10 @@ def compile_one(kernel, signature: dict, constexprs: dict, config: triton.Config
     full_signature = {**signature, **{name: "constexpr" for name in constexprs}}
     # what a launch at the study's shapes tells the compiler: pointers (torch allocations), strides and
     # the sizes C, V, H, T are multiples of 16 (Triton's specialization of integer arguments)
+    # (less what the kernel leaves unspecialized: do_not_specialize, do_not_specialize_on_alignment)
+    loose = {p.name for p in jit_fn.params if p.do_not_specialize or p.do_not_specialize_on_alignment}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jit_fn.arg_names)
-             if full_signature.get(n) not in (None, "constexpr", "fp32")
+             if full_signature.get(n) not in (None, "constexpr", "fp32") and n not in loose
              and (n.endswith("_ptr") or n.startswith("stride_") or n in ("C", "V", "H", "T"))}
     source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET,

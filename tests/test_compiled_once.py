@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="records the interpre
 
 H, V = 32, 67
 BASE_T = 32  # every key a path needs, at a token count aligned every way
-OTHER_T = (17, 18, 19)  # T % 4 = 1, 2, 3: the fp32 rows of a [2, T] buffer, unaligned each way
+OTHER_T = (17, 18)  # odd and even, neither a multiple of 4 or 16: every [·, T] row past the first unaligned in fp32
 
 
 class LaunchKeys:
@@ -95,6 +95,12 @@ def grpo_step(x, w, y, impl):
     loss.backward()
 
 
+def dpo_step(x, w, y, impl):
+    pairs, targets = torch.stack([x, x.flip(0)]), torch.stack([y, y.flip(0)])  # a chosen and a rejected sequence
+    loss, _ = fusedkern.linear_preference_loss(pairs, w, targets, loss_type="sigmoid", reference_free=True, impl=impl)
+    loss.backward()
+
+
 STEPS = {
     "logprobs": lambda x, w, y, impl: fusedkern.linear_logprobs(x, w, y.clamp(min=0), impl=impl,
                                                                 temperature=0.7).sum().backward(),
@@ -103,6 +109,7 @@ STEPS = {
     "ce_device_count": lambda x, w, y, impl: fusedkern.linear_cross_entropy(
         x, w, y, impl=impl, reduction="sum", num_valid_tokens=(y != -100).sum()).backward(),
     "grpo": grpo_step,
+    "dpo": dpo_step,
 }
 
 
@@ -144,3 +151,58 @@ def test_a_new_key_is_seen(launches):
     finally:
         kernel.kwargs.clear()
         kernel.kwargs.update(saved)
+
+
+class GluonRecorder:
+    """Stands in for a Gluon kernel (which needs an sm_90 GPU): each launch's compile key, and nothing run."""
+
+    def __init__(self, kernel, keys: LaunchKeys):
+        self.kernel, self.keys = kernel, keys
+        self.binder = create_function_from_signature(kernel.signature, kernel.params, keys.backend)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, specialization, options = self.binder(*args, **kwargs)
+            self.keys.keys.add((self.kernel.fn.__name__, tuple(map(str, specialization)),
+                                str(self.keys.backend.parse_options(options))))
+        return launch
+
+
+def anchored_passes(T: int) -> None:
+    """The anchored pass's three callers of the Gluon producer (whose outputs stay unwritten here: the row kernels
+    after it flag every row, and the exact pass computes them): the gradient pass over several chunks of a balanced
+    plan, the per-token log-probs with E kept, the no-grad pass over several launches; and the statistics kernel's
+    loss-only pass over several launches."""
+    from fusedkern import anchored
+    from fusedkern.engine import LossOptions
+    from fusedkern.kernels import gluon_anchored_exp, gluon_logits_stats
+
+    x, w, y = inputs(T)
+    x, w = x.detach(), w.detach()
+    x, w = torch.cat([x, x], 1), torch.cat([w, w], 1)  # H 64: the TMA boxes' K
+    opts, launch = LossOptions(logit_scale=1 / 0.7), gluon_anchored_exp.launch
+    plan = anchored.anchored_plan(T, V, 2 * H, need_dw=True, fp32_accum=True, chunk_tokens=T // 2 + 1)
+    anchored.anchored_loss_and_grads(x, w, y, opts, torch.ones(1), need_dx=True, need_dw=True, plan=plan,
+                                     producer=launch)
+    anchored.logprobs_forward(x, w, y, opts, producer=launch, with_entropy=True)
+    anchored.loss_only(x, w, y, opts, producer=launch, chunk_tokens=T // 3 + 1)
+    gluon_logits_stats.loss_only(x, w, y, -100, chunk_tokens=T // 3 + 1)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the row kernels read the producer's unwritten outputs
+def test_the_gluon_kernels_compile_once_across_token_counts(launches, monkeypatch):
+    pytest.importorskip("triton.experimental.gluon")
+    from fusedkern.kernels import gluon_anchored_exp, gluon_logits_stats
+
+    keys, _ = launches
+    for module, name in ((gluon_anchored_exp, "_anchored_exp_kernel"), (gluon_logits_stats, "_logits_partials_kernel")):
+        monkeypatch.setattr(module, name, GluonRecorder(getattr(module, name), keys))
+    for _ in range(2):
+        anchored_passes(BASE_T)
+    needed = set(keys.keys)
+    assert {"_anchored_exp_kernel", "_logits_partials_kernel"} <= {k[0] for k in needed}
+    for T in OTHER_T:
+        keys.keys.clear()
+        anchored_passes(T)
+        new = keys.keys - needed
+        assert not new, f"T={T}: {len(new)} new compile keys of {sorted({k[0] for k in new})}"

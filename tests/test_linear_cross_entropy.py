@@ -367,11 +367,15 @@ def test_gpu_row_kernels_compile_once_across_token_counts(impl):
     """A training loop whose micro-batches score a different number of tokens each (GRPO's) compiles the row kernels
     once, not once per residue of the token count: their per-row vectors are rows of [2, T] buffers, whose alignment
     follows T, and a specialization on it recompiled them for 0.2–0.5 s in timed GRPO steps on an H100. So do the
-    row-count GEMMs, whose last chunk holds any count (tests/test_compiled_once.py checks every kernel on the CPU)."""
+    row-count GEMMs, whose last chunk holds any count, and the Gluon producer (tests/test_compiled_once.py checks
+    every kernel's compile key on the CPU)."""
     from fusedkern.kernels import anchored_rows, ce_rows, rowcount_gemm
 
-    kernels = (ce_rows._row_stats_kernel.fn, ce_rows._row_finish_kernel.fn, anchored_rows._finish_rows_kernel,
-               rowcount_gemm._logits_kernel, rowcount_gemm._dx_kernel, rowcount_gemm._dw_kernel)
+    kernels = [ce_rows._row_stats_kernel.fn, ce_rows._row_finish_kernel.fn, anchored_rows._finish_rows_kernel,
+               rowcount_gemm._logits_kernel, rowcount_gemm._dx_kernel, rowcount_gemm._dw_kernel]
+    if impl == "auto" and torch.cuda.get_device_capability() == (9, 0):  # the anchored pass's Gluon producer
+        from fusedkern.kernels import gluon_anchored_exp
+        kernels.append(gluon_anchored_exp._anchored_exp_kernel)
 
     def compiled() -> int:
         return sum(len(cache[0]) for kernel in kernels for cache in kernel.device_caches.values())

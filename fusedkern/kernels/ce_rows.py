@@ -129,14 +129,14 @@ def _program_row(logits_ptr, stride_row):
 
 
 #: the row kernels' per-row vectors and partials, compiled without an assumption on their pointers' 16-byte
-#: alignment: they are rows and slices of [2, T] and [planes, C, SPLIT] buffers, whose alignment changes with the
-#: token count, and a specialization on it recompiled both kernels (0.2–0.5 s each) whenever a GRPO micro-batch's
-#: token count changed its residue mod 4. Each is touched once a row (one element, or a row's SPLIT ≤ 64 partials in
-#: the merge) beside the row's V logits; what the merge's partial loads lose without 16-byte alignment is not yet
-#: measured.
+#: alignment: they are rows and slices of [2, T] and [planes, C, SPLIT] buffers (and the row count a slice of the
+#: per-chunk counts), whose alignment changes with the token count, and a specialization on it recompiled both
+#: kernels (0.2–0.5 s each) whenever a GRPO micro-batch's token count changed its residue mod 4. Each is touched once
+#: a row (one element, or a row's SPLIT ≤ 64 partials in the merge) beside the row's V logits; what the merge's
+#: partial loads lose without 16-byte alignment is not yet measured.
 ROW_VECTORS = ["partial_max_ptr", "partial_sumexp_ptr", "partial_wsum_ptr", "partial_ent_ptr", "target_ptr",
                "target_logit_ptr", "loss_ptr", "row_max_ptr", "log_sumexp_ptr", "entropy_ptr", "grad_entropy_ptr",
-               "logit_sum_ptr", "grad_ptr"]
+               "logit_sum_ptr", "grad_ptr", "row_count_ptr"]
 
 
 @triton.autotune(configs=autotune_configs(_CONFIGS),

@@ -19,7 +19,9 @@ import triton.language as tl
 from fusedkern._runtime import interpreting
 
 
-@triton.jit
+# the index, factor and count are a chunk's slices of [T] vectors (and of the per-chunk counts), 16-byte aligned or
+# not by where the chunk starts: compiled once for any, read one element a program
+@triton.jit(do_not_specialize_on_alignment=["index_ptr", "factor_ptr", "count_ptr"])
 def _counted_rows_kernel(
     src_ptr,  # (rows, H): read at row index[i] (gather) or i (scatter)
     out_ptr,  # (rows, H): written at row i (gather) or index[i] (scatter)

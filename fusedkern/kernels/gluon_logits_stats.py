@@ -211,7 +211,9 @@ def _consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, part_max_ptr,
               HAS_ENTROPY, 1)
 
 
-@gluon.jit
+# Compiled once whatever the token count (as `gluon_anchored_exp`'s kernel): T is a bound and a mask, and a launch's
+# targets and target logits are slices at its first row, read and written one element a row.
+@gluon.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["target_ptr", "target_logit_ptr"])
 def _logits_partials_kernel(
     x_desc, w_desc,  # TMA descriptors: X [T, H] in [BLOCK_M, BLOCK_K] boxes, W [V, H] in [BLOCK_N, BLOCK_K]
     part_max_ptr, part_rest_ptr,  # (T, partial_stride) fp32 out: slot pid_n of each row = column tile pid_n
