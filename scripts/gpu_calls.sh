@@ -38,7 +38,7 @@
 #                                       # 2026-12-08: the GPU tests of what changed without a GPU (the row kernels
 #                                       # and row-count GEMMs compiled once across token counts, the anchored pass,
 #                                       # GRPO, the row-count GEMMs' tuning per token class), the in-line
-#                                       # overlap probe (`probes/gluon_epilogue_wg.py --kernels overlap128`: checked
+#                                       # overlap probes (`probes/gluon_epilogue_wg.py`, overlap128 and packed256: checked
 #                                       # against the library producer, timed beside cuBLAS), then the whole suite
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
@@ -174,8 +174,8 @@ elif [ "$part" = anchored ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
     SUITE_CAP_S=180 suite gpu_changed tests/test_linear_cross_entropy.py tests/test_anchored_wiring.py \
         tests/test_anchored_exp.py tests/test_grpo.py tests/test_rowcount_gemm.py tests/test_num_valid_tokens.py
-    step overlap128 150 python3 probes/gluon_epilogue_wg.py --gpu --out "$res" --heads qwen3,llama1b,llama8b \
-        --tokens 8192,16384 --rounds 10 --kernels overlap128
+    step overlap 150 python3 probes/gluon_epilogue_wg.py --gpu --out "$res" --heads qwen3,llama1b,llama8b \
+        --tokens 8192,16384 --rounds 10 --kernels overlap128,packed256
     SUITE_CAP_S=300 suite gpu_suite_warm tests/
     triton_cache_save "$TRITON_CACHE_DIR" "$outdir/triton_cache.tar.xz" | tee -a "$res/steps.log"
 elif [ "$part" = preference ]; then
