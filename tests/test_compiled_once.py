@@ -132,6 +132,20 @@ def test_every_kernel_compiles_and_tunes_once_across_token_counts(launches, monk
     assert len(tunings) == tuned, f"the row-count GEMMs autotuned again: {tunings[tuned:]}"
 
 
+def test_the_fused_strategy_compiles_once_across_token_counts(launches):
+    """impl="fused" (the ≤ 16 MiB strategy, one kernel a pass): its autotuner keys on a power-of-two bucket of T
+    already; its specialization now does not key on T either."""
+    keys, tunings = launches
+    for _ in range(2):
+        STEPS["ce_mean"](*inputs(BASE_T), "fused")
+    needed = set(keys.keys)
+    for T in OTHER_T:
+        keys.keys.clear()
+        STEPS["ce_mean"](*inputs(T), "fused")
+        new = keys.keys - needed
+        assert not new, f"T={T}: {len(new)} new compile keys of {sorted({k[0] for k in new})}"
+
+
 def test_a_new_key_is_seen(launches):
     """The recorder sees what Triton would compile anew: the row kernel's per-row vectors at an odd count are
     unaligned, which the kernel's own options leave out of its key, and which a kernel without them keys on."""

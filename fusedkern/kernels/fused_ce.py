@@ -102,7 +102,10 @@ def _config_list(configs: list) -> list:
     return autotune_configs([_INTERP_CONFIG] if interpreting() else configs)
 
 
-@triton.jit
+# Compiled once whatever the token count (T_BUCKET keys the autotuner): T and the launch's token range are bounds and
+# masks, the partials' strides multiples of T, the statistics rows of [2, T] buffers; their specialization on 16 would
+# compile a variant per residue of T. They address per-token vectors beside the kernels' GEMM work.
+@triton.jit(do_not_specialize=["T", "stride_pk", "stride_ps"])
 def _fused_ce_fwd_kernel(
     # outputs
     part_ptr,  # (4, N_SPLIT, T) fp32: running max m, rest = Σ exp(s − m) − 1 (see step 4), target logit s_y, Σ_v w_v·s_v
@@ -213,7 +216,8 @@ _BWD_CONFIGS = {fp32: _config_list(_bwd_configs(fp32)) for fp32 in (False, True)
 _MODE_SINGLE, _MODE_DX, _MODE_DW = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "T_START", "T_END"],
+            do_not_specialize_on_alignment=["row_max_ptr", "log_sumexp_ptr", "coef_ptr"])
 def _fused_ce_bwd_kernel(
     # outputs
     dx_ptr,  # fp32 accumulator of dX rows T_START.. (row 0 = token T_START) (COMPUTE_DX)
