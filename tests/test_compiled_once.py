@@ -101,6 +101,14 @@ def dpo_step(x, w, y, impl):
     loss.backward()
 
 
+def distillation_step(x, w, y, impl):
+    """GKD's loss against a teacher head of another hidden size (impl: the chunked strategy is the only one)."""
+    teacher = torch.cat([x.detach(), x.detach()], 1)
+    loss = fusedkern.linear_distillation_loss(x, w, teacher, torch.cat([w.detach(), w.detach()], 1) / 2, y, beta=0.5,
+                                              weight_hard_loss=0.5, weight_soft_loss=0.5)
+    loss.backward()
+
+
 STEPS = {
     "logprobs": lambda x, w, y, impl: fusedkern.linear_logprobs(x, w, y.clamp(min=0), impl=impl,
                                                                 temperature=0.7).sum().backward(),
@@ -132,16 +140,18 @@ def test_every_kernel_compiles_and_tunes_once_across_token_counts(launches, monk
     assert len(tunings) == tuned, f"the row-count GEMMs autotuned again: {tunings[tuned:]}"
 
 
-def test_the_fused_strategy_compiles_once_across_token_counts(launches):
-    """impl="fused" (the ≤ 16 MiB strategy, one kernel a pass): its autotuner keys on a power-of-two bucket of T
-    already; its specialization now does not key on T either."""
-    keys, tunings = launches
+@pytest.mark.parametrize("step, impl", [("ce_mean", "fused"), ("distillation", "chunked")])
+def test_the_other_strategies_compile_once_across_token_counts(launches, step, impl):
+    """impl="fused" (the ≤ 16 MiB strategy, one kernel a pass; its autotuner keys on a power-of-two bucket of T) and
+    the distillation loss's row kernels."""
+    keys, _ = launches
+    run = distillation_step if step == "distillation" else STEPS[step]
     for _ in range(2):
-        STEPS["ce_mean"](*inputs(BASE_T), "fused")
+        run(*inputs(BASE_T), impl)
     needed = set(keys.keys)
     for T in OTHER_T:
         keys.keys.clear()
-        STEPS["ce_mean"](*inputs(T), "fused")
+        run(*inputs(T), impl)
         new = keys.keys - needed
         assert not new, f"T={T}: {len(new)} new compile keys of {sorted({k[0] for k in new})}"
 
