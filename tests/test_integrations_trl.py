@@ -636,6 +636,31 @@ def test_refusals(tiny):
         wrapped(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]]), fused_lm_head=True)
 
 
+def test_head_finds_the_scored_positions_before_the_backbone_runs(tiny, monkeypatch):
+    """The scored positions are found (a host sync on a GPU) before the backbone's forward is queued, so the sync
+    does not leave the GPU idle between the backbone's last kernel and the head's first; the outputs are the ones
+    of the head that found them after."""
+    import fusedkern.integrations.trl as fk_trl
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["path"])
+    fk_trl.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    order = []
+    model.model.register_forward_pre_hook(lambda module, args: order.append("backbone"))
+    nonzero = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: order.append("nonzero") or nonzero(self, *a,
+                                                                                                      **k))
+    ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
+    labels = torch.tensor([[-100, -100, 5, 6, 7], [-100, 9, 10, -100, 12]])
+    out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert order == ["nonzero", "backbone"]
+    logits = AutoModelForCausalLM.from_pretrained(tiny["path"])(input_ids=ids).logits[:, :-1].double()
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    mask = labels[:, 1:] != -100
+    torch.testing.assert_close(out.log_probs.double(), torch.where(mask, expected, 0.0), atol=2e-5, rtol=0)
+    assert torch.equal(out.label_mask, mask)
+
+
 def test_head_softcap_scale_temperature_and_empty_rows(tiny):
     """fusedkern's head against TRL's on one model: Gemma-2's softcap, Granite's logits_scaling, a temperature,
     and a batch whose labels are all ignored (a differentiable zero)."""

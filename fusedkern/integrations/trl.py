@@ -677,11 +677,6 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
-        backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)
-        if shift_labels is None:
-            hidden, labels = backbone_outputs.last_hidden_state[:, :-1], labels[:, 1:]
-        else:
-            hidden, labels = backbone_outputs.last_hidden_state, shift_labels
         # looked up at each call (FSDP and PEFT replace modules): a plain nn.Linear, or PEFT's LoRA Linear or
         # ModulesToSaveWrapper over one, resolved to what its forward uses (heads.py); anything else raises TypeError
         head = resolve_head(self.get_output_embeddings(), "fusedkern's TRL head", linear_subclasses=False)
@@ -689,15 +684,21 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         if hasattr(weight, "ds_id"):
             raise TypeError("fusedkern's TRL head does not support DeepSpeed ZeRO-3 parameters (its backward "
                             "recomputes the logits from lm_head.weight)")
+        labels = (labels[:, 1:] if shift_labels is None else shift_labels).to(weight.device)
+        mask = labels != -100
+        # only the scored positions reach the GEMMs. Finding them is a host sync; made before the backbone's kernels
+        # are queued, it waits for the previous step's work and the backbone follows at once, where after the
+        # backbone (TRL's own head) the GPU would sit idle while the host prepares the head's launches
+        rows = mask.reshape(-1).nonzero().squeeze(-1)
+        backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)
+        hidden = backbone_outputs.last_hidden_state
+        if shift_labels is None:
+            hidden = hidden[:, :-1]
         every_mean = None
         if mean_logits_at_every_position:  # [B, S] (CPO's and ORPO's logits/* metrics average over all positions)
             every_mean = mean_logits_of(*head.operands(backbone_outputs.last_hidden_state.to(weight.device),
                                                        dropout=False), effective_temperature)
         hidden = hidden.to(weight.device)
-        labels = labels.to(weight.device)
-        mask = labels != -100
-        # only the scored positions reach the GEMMs (a host sync, as TRL's own head on a Triton device)
-        rows = mask.reshape(-1).nonzero().squeeze(-1)
         x = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
         y = labels.reshape(-1).index_select(0, rows)
         x, weight, bias = head.operands(x)  # a LoRA adapter's low-rank term, folded or as extra columns
