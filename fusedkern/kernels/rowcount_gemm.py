@@ -275,6 +275,7 @@ def _launch_tuned(tuned, sizes: tuple, rows: int, cols: int, dev, args: tuple, f
             return
     launch_persistent(tuned, rows, cols, dev, args, flags, config)
 
+
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
