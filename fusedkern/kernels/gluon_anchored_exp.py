@@ -163,7 +163,7 @@ def _consumer_worker(x_desc, w_desc, e_desc, a_bufs, b_bufs, c_bufs, ready, empt
 
 # Compiled once whatever the token count: T is a bound and a mask, the plane stride (T·P or C·P) a per-row scalar
 # store's offset, and the anchors a slice at the chunk's first row; Triton's specialization on their divisibility by 16
-# would compile a variant per residue of T, seconds each, in the steps of a loop whose micro-batches vary in length.
+# would compile a variant per residue of T, in the steps of a loop whose micro-batches vary in length.
 @gluon.jit(do_not_specialize=["T", "plane_stride"], do_not_specialize_on_alignment=["anchor_ptr"])
 def _anchored_exp_kernel(
     x_desc, w_desc,  # TMA descriptors: X [T, H] in [BLOCK_M, BLOCK_K] boxes, W [V, H] in [BLOCK_N, BLOCK_K]
