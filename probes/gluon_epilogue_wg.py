@@ -17,7 +17,7 @@ beside the producer's. Prediction (before its first GPU run): 0.95–1.00× cuBL
 (docs/design.md, "The epilogue on its own warps").
 
 `overlap128`: 128 × 128 tiles, so each consumer's 64 × 128 accumulator is 64 registers and the previous tile's fits
-beside the current one: a consumer issues the next tile's first OV_LEAD K steps as asynchronous wgmma groups, runs the
+beside the current one: a consumer issues the next tile's first 3 K steps as asynchronous wgmma groups, runs the
 previous tile's epilogue while they execute (FlashAttention-3's overlap of softmax with the next GEMM), then waits and
 finishes the main loop. Four warps a consumer keep all four MUFU quarters; the price is the tile: W is read from L2
 once per 128 rows and X once per 128 columns, 1.33× the 128 × 256 tile's traffic. Prediction, written before its
@@ -26,11 +26,11 @@ L2-bound as the one-consumer and ping-pong 128 × 128 configs of `gluon_logits_s
 everywhere and the next step is the 2-CTA cluster sharing W through TMA multicast.
 
 `packed256`: the library's 128 × 256 tile and cooperative consumers, the previous tile's epilogue overlapped with
-the next tile's first PK_LEAD K steps as in `overlap128`, from a copy that fits beside the accumulator: at a tile's
+the next tile's first 3 K steps as in `overlap128`, from a copy that fits beside the accumulator: at a tile's
 end each consumer packs d = arg + A2 = log2(e)·k·(s − s_y) into fp16 (64 registers a thread; the same FFMA and min an
 element as the library's epilogue, then one convert per two), and the next tile's lead wgmma groups run while it forms
-2^d and the sums. The registers: 240 a consumer thread, 24 the producer's (FlashAttention-3's split); ptxas spills 10
-words a consumer thread outside the K loop without the entropy's plane, none with it. The price is precision: fp16
+2^d and the sums. The registers: 240 a consumer thread, 24 the producer's (FlashAttention-3's split); without the
+entropy's plane ptxas spills 60 bytes (10 stores, 10 loads a consumer thread, outside the K loop), none with it. The price is precision: fp16
 holds d to 2^-11 of its size, so a term's exponential to ln 2 · 2^-11 · |d| (3·10⁻⁴ for a logit within 1.4 nats of
 the target's, 0.5 % for one 20 nats away), against bf16 logits' 2^-9 of |s| (6 % a term at |s| = 16) in the
 materializing path it must stay within twice of. `--emulate` (CPU, T 512 × V 32000, against float64): max loss
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import sys
 
@@ -191,12 +192,17 @@ def _sums_wg_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, 
 
 
 # ------------------------------------------------------------------------- the in-line overlap (128 × 128 tiles)
-#: 128 × 128 tiles: each consumer's 64 × 128 accumulator is 64 registers, so the previous tile's fits beside it
-OV_BLOCK_M, OV_BLOCK_N, OV_BLOCK_K, OV_STAGES = 128, 128, 64, 6
-#: K steps of the next tile issued (asynchronous wgmma groups) before the previous tile's epilogue runs: 3 × 2 MFLOP
-#: ≈ 1 500 clocks of tensor-core work, against the epilogue's ~1 000 of MUFU a tile
-OV_LEAD = 3
-OV_MAXNREG, OV_CONSUMER_REGS, OV_PRODUCER_REGS = 168, 232, 40
+#: the two in-line designs (one kernel, `_inline_kernel`): their tile, K step, ring depth, the K steps of the next
+#: tile issued before the previous tile's epilogue runs, and the consumer / producer registers after setmaxnreg.
+#: overlap128: each consumer's 64 × 128 accumulator is 64 registers, so the previous tile's fits beside it; its lead,
+#: 3 × 2 MFLOP ≈ 1 500 clocks of tensor-core work, against the epilogue's ~1 000 of MUFU a tile. packed256: the
+#: library's tile, the previous one kept as fp16 exponents (64 registers beside the accumulator's 128).
+INLINE = {"overlap128": dict(block_n=128, block_k=64, stages=6, lead=3, consumer_regs=232, producer_regs=40),
+          "packed256": dict(block_n=256, block_k=64, stages=4, lead=3, consumer_regs=240, producer_regs=24)}
+INLINE_MAXNREG = 168
+#: the packed exponent's floor: 2^-150 is 0 in fp32 (ftz), and 0·floor stays 0 where an fp16 −inf would give NaN
+_D_FLOOR = gl.constexpr(-150.0)
+_A2 = gl.constexpr(A2)
 
 
 @gluon.jit
@@ -219,95 +225,6 @@ def _store_sums(acc, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane
     gl.store(part_ptr + part, gl.sum(e, axis=1), mask=row_ok)
     if ENTROPY:
         gl.store(part_ptr + plane_stride + part, gl.sum(e * arg, axis=1), mask=row_ok)
-
-
-@gluon.jit
-def _ov_epilogue(acc, off_m, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
-                 ENTROPY: gl.constexpr):
-    """One consumer's rows of a 128-wide column tile, in the wgmma accumulator's layout."""
-    rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
-    _store_sums(acc, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2, ENTROPY)
-
-
-@gluon.jit
-def _ov_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
-                 scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr,
-                 ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
-    """Consumer CONSUMER: per tile, LEAD K steps issued, then the previous tile's epilogue while they run, then the
-    rest of the main loop (one wgmma group in flight, as the library's)."""
-    TILE_M: gl.constexpr = x_desc.block_type.shape[0]
-    ROWS: gl.constexpr = TILE_M // 2
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    acc_layout: gl.constexpr = accumulator_layout(BN)
-    pid = gl.program_id(0)
-    grid = gl.num_programs(0)
-    i = 0
-    prev = gl.zeros([ROWS, BN], gl.float32, acc_layout)
-    prev_m = 0
-    prev_n = 0
-    for t in range(pid, num_m * num_n, grid):
-        pid_m, pid_n = tile_coords(t, num_m, num_n, GROUP_M)
-        base = i * k_tiles
-        acc = gl.zeros([ROWS, BN], gl.float32, acc_layout)
-        for j in gl.static_range(LEAD):
-            count = base + j
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
-            acc = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-        if i > 0:
-            _ov_epilogue(prev, prev_m * TILE_M + CONSUMER * ROWS, prev_n, anchor_ptr, part_ptr, T, V, part_stride,
-                         plane_stride, scale2, ENTROPY)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        for j in gl.static_range(LEAD - 1):
-            mbarrier.arrive(empty.index((base + j) % STAGES))
-        prev = cooperative_mainloop(a_bufs, b_bufs, ready, empty, base, k_tiles, ROWS, BN, STAGES, CONSUMER, acc=acc,
-                                    K_FIRST=LEAD)
-        prev_m = pid_m
-        prev_n = pid_n
-        i += 1
-    if i > 0:
-        _ov_epilogue(prev, prev_m * TILE_M + CONSUMER * ROWS, prev_n, anchor_ptr, part_ptr, T, V, part_stride,
-                     plane_stride, scale2, ENTROPY)
-
-
-@gluon.jit
-def _ov_consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        LEAD: gl.constexpr, ENTROPY: gl.constexpr):
-    _ov_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
-                 scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 1)
-
-
-@gluon.jit
-def _overlap_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, plane_stride, scale2,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, ENTROPY: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    BM: gl.constexpr = x_desc.block_type.shape[0]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    a_bufs, b_bufs, ready, empty = operand_ring(x_desc, w_desc, STAGES, 2)
-    fence_async_shared()
-    num_m = gl.cdiv(T, BM)
-    num_n = gl.cdiv(V, BN)
-    k_tiles = gl.cdiv(H, BK)
-    gl.warp_specialize([
-        (_ov_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 0)),
-        (_ov_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                               plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY)),
-        (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-# ------------------------------------------------- the in-line overlap from a packed copy (128 × 256 tiles)
-#: the library's 128 × 256 tile, the previous tile's epilogue run while the next tile's first PK_LEAD K steps execute,
-#: from an fp16 copy of its exponents relative to the target (64 registers a thread beside the accumulator's 128)
-PK_BLOCK_K, PK_STAGES, PK_LEAD = 64, 4, 3
-PK_MAXNREG, PK_CONSUMER_REGS, PK_PRODUCER_REGS = 168, 240, 24
-#: the packed exponent's floor: 2^-150 is 0 in fp32 (ftz), and 0·floor stays 0 where an fp16 −inf would give NaN
-_D_FLOOR = gl.constexpr(-150.0)
-_A2 = gl.constexpr(A2)
 
 
 @gluon.jit
@@ -343,12 +260,12 @@ def _sums_from_packed(d16, rows, pid_n, part_ptr, T, part_stride, plane_stride, 
 
 
 @gluon.jit
-def _pk_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
-                 scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr,
-                 ENTROPY: gl.constexpr, CONSUMER: gl.constexpr):
-    """Consumer CONSUMER: per tile, LEAD K steps issued, then the previous tile's sums from its packed exponents
-    while they run, then the rest of the main loop; at its end the accumulator is packed (its registers free for the
-    next tile's wgmma)."""
+def _inline_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                     plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     LEAD: gl.constexpr, ENTROPY: gl.constexpr, PACKED: gl.constexpr, CONSUMER: gl.constexpr):
+    """Consumer CONSUMER: per tile, LEAD K steps issued, then the previous tile's epilogue while they run, then the
+    rest of the main loop (one wgmma group in flight, as the library's). The previous tile is its accumulator, or with
+    PACKED its exponents packed at the tile's end (the accumulator's registers free for the next tile's wgmma)."""
     TILE_M: gl.constexpr = x_desc.block_type.shape[0]
     ROWS: gl.constexpr = TILE_M // 2
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -357,7 +274,10 @@ def _pk_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_
     pid = gl.program_id(0)
     grid = gl.num_programs(0)
     i = 0
-    prev = gl.zeros([ROWS, BN], gl.float16, acc_layout)
+    if PACKED:
+        prev = gl.zeros([ROWS, BN], gl.float16, acc_layout)
+    else:
+        prev = gl.zeros([ROWS, BN], gl.float32, acc_layout)
     prev_rows = gl.arange(0, ROWS, layout=row_layout)
     prev_n = 0
     for t in range(pid, num_m * num_n, grid):
@@ -371,32 +291,46 @@ def _pk_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_
             a = a_bufs.index(slot).slice(CONSUMER * ROWS, ROWS)
             acc = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
         if i > 0:
-            _sums_from_packed(prev, prev_rows, prev_n, part_ptr, T, part_stride, plane_stride, ENTROPY)
+            _inline_epilogue(prev, prev_rows, prev_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                             ENTROPY, PACKED)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         for j in gl.static_range(LEAD - 1):
             mbarrier.arrive(empty.index((base + j) % STAGES))
         acc = cooperative_mainloop(a_bufs, b_bufs, ready, empty, base, k_tiles, ROWS, BN, STAGES, CONSUMER, acc=acc,
                                    K_FIRST=LEAD)
         prev_rows = pid_m * TILE_M + CONSUMER * ROWS + gl.arange(0, ROWS, layout=row_layout)
-        prev = _pack_exponents(acc, prev_rows, pid_n, anchor_ptr, T, V, scale2)
+        if PACKED:
+            prev = _pack_exponents(acc, prev_rows, pid_n, anchor_ptr, T, V, scale2)
+        else:
+            prev = acc
         prev_n = pid_n
         i += 1
     if i > 0:
-        _sums_from_packed(prev, prev_rows, prev_n, part_ptr, T, part_stride, plane_stride, ENTROPY)
+        _inline_epilogue(prev, prev_rows, prev_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                         ENTROPY, PACKED)
 
 
 @gluon.jit
-def _pk_consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        LEAD: gl.constexpr, ENTROPY: gl.constexpr):
-    _pk_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride, plane_stride,
-                 scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 1)
+def _inline_epilogue(prev, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2,
+                     ENTROPY: gl.constexpr, PACKED: gl.constexpr):
+    if PACKED:
+        _sums_from_packed(prev, rows, pid_n, part_ptr, T, part_stride, plane_stride, ENTROPY)
+    else:
+        _store_sums(prev, rows, pid_n, anchor_ptr, part_ptr, T, V, part_stride, plane_stride, scale2, ENTROPY)
 
 
 @gluon.jit
-def _packed_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, plane_stride, scale2,
+def _inline_consumer_worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                            plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                            LEAD: gl.constexpr, ENTROPY: gl.constexpr, PACKED: gl.constexpr):
+    _inline_consumer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                     plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, PACKED, 1)
+
+
+@gluon.jit
+def _inline_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, plane_stride, scale2,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LEAD: gl.constexpr, ENTROPY: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                   PACKED: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -406,10 +340,11 @@ def _packed_kernel(x_desc, w_desc, anchor_ptr, part_ptr, T, V, H, part_stride, p
     num_n = gl.cdiv(V, BN)
     k_tiles = gl.cdiv(H, BK)
     gl.warp_specialize([
-        (_pk_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                        plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, 0)),
-        (_pk_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
-                               plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY)),
+        (_inline_consumer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V, part_stride,
+                            plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD, ENTROPY, PACKED, 0)),
+        (_inline_consumer_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, anchor_ptr, part_ptr, T, V,
+                                   part_stride, plane_stride, scale2, num_m, num_n, k_tiles, GROUP_M, STAGES, LEAD,
+                                   ENTROPY, PACKED)),
         (tma_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, num_m, num_n, k_tiles, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -445,52 +380,36 @@ def launch(x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0
                           maxnreg=MAXNREG)
 
 
-def launch_overlap(x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0) -> None:
-    """The in-line overlap's partials: parts[0][t, j] = Σ_{v in 128-wide tile j} e[t, v] (parts[1]: Σ e·arg), so a
-    row's sum over its slots is the library producer's row sum."""
+def inline_slots(kernel: str, vocab: int) -> int:
+    """Partials per row of an in-line design: one per column tile of its width."""
+    return triton.cdiv(vocab, INLINE[kernel]["block_n"])
+
+
+def launch_inline(kernel: str, x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0) -> None:
+    """An in-line design's partials: parts[0][t, j] = Σ_{v in column tile j} e[t, v] (parts[1]: Σ e·arg), so a row's
+    sum over its slots is the library producer's row sum; packed256's tiles are the library's, slot by slot its SUMS
+    up to the fp16 rounding of each exponent."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from fusedkern._runtime import sm_count
 
+    c = INLINE[kernel]
     (T, H), V = x2d.shape, w.shape[0]
     assert parts.dtype == torch.float32 and parts.shape[1] == T and parts.stride(2) == 1
-    assert parts.shape[0] in (1, 2) and parts.shape[2] >= triton.cdiv(V, OV_BLOCK_N)
-    assert H >= OV_LEAD * OV_BLOCK_K, "the lead needs as many K steps"
-    a_layout = gl.NVMMASharedLayout.get_default_for([OV_BLOCK_M, OV_BLOCK_K], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([OV_BLOCK_N, OV_BLOCK_K], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x2d, [OV_BLOCK_M, OV_BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w, [OV_BLOCK_N, OV_BLOCK_K], b_layout)
-    tiles = triton.cdiv(T, OV_BLOCK_M) * triton.cdiv(V, OV_BLOCK_N)
+    assert parts.shape[0] in (1, 2) and parts.shape[2] >= inline_slots(kernel, V)
+    assert H >= c["lead"] * c["block_k"], "the lead needs as many K steps"
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, c["block_k"]], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([c["block_n"], c["block_k"]], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x2d, [BLOCK_M, c["block_k"]], a_layout)
+    w_desc = TensorDescriptor.from_tensor(w, [c["block_n"], c["block_k"]], b_layout)
+    tiles = triton.cdiv(T, BLOCK_M) * inline_slots(kernel, V)
     grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
-    _overlap_kernel[grid](x_desc, w_desc, anchor, parts, T, V, H, parts.stride(1), parts.stride(0),
-                          float(logit_scale) * LOG2E, GROUP_M=GROUP_M, STAGES=OV_STAGES, LEAD=OV_LEAD,
-                          ENTROPY=parts.shape[0] == 2, CONSUMER_REGS=OV_CONSUMER_REGS,
-                          PRODUCER_REGS=OV_PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=OV_MAXNREG)
-
-
-def launch_packed(x2d, w, anchor, parts, *, logit_scale: float = 1.0, max_ctas: int = 0) -> None:
-    """The packed overlap's partials, slot by slot the library producer's SUMS (same 256-wide column tiles) up to the
-    fp16 rounding of each exponent."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from fusedkern._runtime import sm_count
-
-    (T, H), V = x2d.shape, w.shape[0]
-    assert parts.dtype == torch.float32 and parts.shape[1] == T and parts.stride(2) == 1
-    assert parts.shape[0] in (1, 2) and parts.shape[2] >= column_tiles(V)
-    assert H >= PK_LEAD * PK_BLOCK_K, "the lead needs as many K steps"
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, PK_BLOCK_K], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, PK_BLOCK_K], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x2d, [BLOCK_M, PK_BLOCK_K], a_layout)
-    w_desc = TensorDescriptor.from_tensor(w, [BLOCK_N, PK_BLOCK_K], b_layout)
-    tiles = triton.cdiv(T, BLOCK_M) * column_tiles(V)
-    grid = (min(max_ctas if max_ctas > 0 else sm_count(x2d.device), tiles), )
-    _packed_kernel[grid](x_desc, w_desc, anchor, parts, T, V, H, parts.stride(1), parts.stride(0),
-                         float(logit_scale) * LOG2E, GROUP_M=GROUP_M, STAGES=PK_STAGES, LEAD=PK_LEAD,
-                         ENTROPY=parts.shape[0] == 2, CONSUMER_REGS=PK_CONSUMER_REGS, PRODUCER_REGS=PK_PRODUCER_REGS,
-                         num_warps=NUM_WARPS, maxnreg=PK_MAXNREG)
+    _inline_kernel[grid](x_desc, w_desc, anchor, parts, T, V, H, parts.stride(1), parts.stride(0),
+                         float(logit_scale) * LOG2E, GROUP_M=GROUP_M, STAGES=c["stages"], LEAD=c["lead"],
+                         ENTROPY=parts.shape[0] == 2, PACKED=kernel == "packed256",
+                         CONSUMER_REGS=c["consumer_regs"], PRODUCER_REGS=c["producer_regs"], num_warps=NUM_WARPS,
+                         maxnreg=INLINE_MAXNREG)
 
 
 # ------------------------------------------------------------------------------------------------ compile
@@ -518,17 +437,14 @@ def _compile(fn, block_m: int, block_n: int, block_k: int, constexprs: dict, max
 
 def compile_kernel(kernel: str, entropy: bool):
     """`kernel` "epilogue_wg", "overlap128" or "packed256" lowered to sm_90a at its launch parameters."""
-    if kernel == "packed256":
-        return _compile(_packed_kernel, BLOCK_M, BLOCK_N, PK_BLOCK_K, dict(
-            GROUP_M=GROUP_M, STAGES=PK_STAGES, LEAD=PK_LEAD, ENTROPY=entropy, CONSUMER_REGS=PK_CONSUMER_REGS,
-            PRODUCER_REGS=PK_PRODUCER_REGS), PK_MAXNREG)
-    if kernel == "epilogue_wg":
-        return _compile(_sums_wg_kernel, BLOCK_M, BLOCK_N, BLOCK_K, dict(
-            GROUP_M=GROUP_M, STAGES=STAGES, ENTROPY=entropy, MMA_REGS=MMA_REGS, EPI_REGS=EPI_REGS,
-            EPI_WARPS=EPI_WARPS, PRODUCER_REGS=PRODUCER_REGS), MAXNREG)
-    return _compile(_overlap_kernel, OV_BLOCK_M, OV_BLOCK_N, OV_BLOCK_K, dict(
-        GROUP_M=GROUP_M, STAGES=OV_STAGES, LEAD=OV_LEAD, ENTROPY=entropy, CONSUMER_REGS=OV_CONSUMER_REGS,
-        PRODUCER_REGS=OV_PRODUCER_REGS), OV_MAXNREG)
+    if kernel in INLINE:
+        c = INLINE[kernel]
+        return _compile(_inline_kernel, BLOCK_M, c["block_n"], c["block_k"], dict(
+            GROUP_M=GROUP_M, STAGES=c["stages"], LEAD=c["lead"], ENTROPY=entropy, PACKED=kernel == "packed256",
+            CONSUMER_REGS=c["consumer_regs"], PRODUCER_REGS=c["producer_regs"]), INLINE_MAXNREG)
+    return _compile(_sums_wg_kernel, BLOCK_M, BLOCK_N, BLOCK_K, dict(
+        GROUP_M=GROUP_M, STAGES=STAGES, ENTROPY=entropy, MMA_REGS=MMA_REGS, EPI_REGS=EPI_REGS,
+        EPI_WARPS=EPI_WARPS, PRODUCER_REGS=PRODUCER_REGS), MAXNREG)
 
 
 def compile_main() -> int:
@@ -547,7 +463,7 @@ def compile_main() -> int:
             ptx = compiled.asm["ptx"]
             barriers = sorted(set(ln.strip() for ln in ptx.splitlines() if "bar.sync" in ln or "barrier.sync" in ln))
             print(f"sm_90a ok: {kernel} entropy={entropy} {line}; barriers: {barriers}", flush=True)
-    return 1 if failed else 0  # a spill is reported on its line (packed256 without the entropy spills 10 words)
+    return 1 if failed else 0  # a spill is reported on its line (packed256 without the entropy spills 60 bytes)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -567,9 +483,9 @@ def check(out_rows: list, gpu: str) -> set:
     for T, V, H, ctas in ((300, 5000, 1024, 7), (300, 5000, 1024, 0), (4096, 151936, 1024, 0),
                           (2048, 128256, 4096, 0)):
         x, w, _, anchor = producer_inputs(T, H, V, seed=T + V + H + ctas, ignored_every=7)
-        for kernel, launcher, n_slots in (("epilogue_wg", launch, column_tiles(V)),
-                                          ("overlap128", launch_overlap, triton.cdiv(V, OV_BLOCK_N)),
-                                          ("packed256", launch_packed, column_tiles(V))):
+        launchers = {"epilogue_wg": launch, **{k: functools.partial(launch_inline, k) for k in INLINE}}
+        for kernel, launcher in launchers.items():
+            n_slots = column_tiles(V) if kernel == "epilogue_wg" else inline_slots(kernel, V)
             # packed256 rounds each exponent d (≤ ~12 at these logits) to fp16: ≤ ln 2 · 2^-11 · |d| ≈ 4e-3 a term
             tolerance = 8e-3 if kernel == "packed256" else 1e-5
             for planes in (1, 2):
@@ -608,8 +524,8 @@ def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: s
     logits = torch.empty(T, V, device="cuda", dtype=torch.bfloat16)
     parts1 = torch.empty((1, T, column_tiles(V)), device="cuda")
     parts2 = torch.empty((2, T, column_tiles(V)), device="cuda")
-    ov1 = torch.empty((1, T, triton.cdiv(V, OV_BLOCK_N)), device="cuda")
-    ov2 = torch.empty((2, T, triton.cdiv(V, OV_BLOCK_N)), device="cuda")
+    ov1 = torch.empty((1, T, inline_slots("overlap128", V)), device="cuda")
+    ov2 = torch.empty((2, T, inline_slots("overlap128", V)), device="cuda")
     providers = {
         "cublas_mm": lambda: torch.mm(x, w.t(), out=logits),
         "library_none": lambda: g.launch(x, w, anchor, parts1, None, epilogue=NONE),
@@ -617,10 +533,10 @@ def bench(out_rows: list, head: str, V: int, H: int, T: int, rounds: int, gpu: s
         "library_sums_entropy": lambda: g.launch(x, w, anchor, parts2, None, epilogue=SUMS),
         "epilogue_wg_sums": lambda: launch(x, w, anchor, parts1),
         "epilogue_wg_sums_entropy": lambda: launch(x, w, anchor, parts2),
-        "overlap128_sums": lambda: launch_overlap(x, w, anchor, ov1),
-        "overlap128_sums_entropy": lambda: launch_overlap(x, w, anchor, ov2),
-        "packed256_sums": lambda: launch_packed(x, w, anchor, parts1),
-        "packed256_sums_entropy": lambda: launch_packed(x, w, anchor, parts2),
+        "overlap128_sums": lambda: launch_inline("overlap128", x, w, anchor, ov1),
+        "overlap128_sums_entropy": lambda: launch_inline("overlap128", x, w, anchor, ov2),
+        "packed256_sums": lambda: launch_inline("packed256", x, w, anchor, parts1),
+        "packed256_sums_entropy": lambda: launch_inline("packed256", x, w, anchor, parts2),
     }
     if kernels is not None:
         providers = {n: f for n, f in providers.items() if not n.startswith(KERNELS) or n.startswith(tuple(kernels))}
