@@ -25,20 +25,20 @@ first GPU run: 1.00–1.10× cuBLAS at H 1024, 0.98–1.06 at H 2048 and 4096; i
 L2-bound as the one-consumer and ping-pong 128 × 128 configs of `gluon_logits_stats` were (1.42–1.48×), it loses
 everywhere and the next step is the 2-CTA cluster sharing W through TMA multicast.
 
-`packed256`: the library's 128 × 256 tile and cooperative consumers, the previous tile's epilogue overlapped with
-the next tile's first 3 K steps as in `overlap128`, from a copy that fits beside the accumulator: at a tile's
-end each consumer packs d = arg + A2 = log2(e)·k·(s − s_y) into fp16 (64 registers a thread; the same FFMA and min an
-element as the library's epilogue, then one convert per two), and the next tile's lead wgmma groups run while it forms
-2^d and the sums. The registers: 240 a consumer thread, 24 the producer's (FlashAttention-3's split); without the
-entropy's plane ptxas spills 60 bytes (10 stores, 10 loads a consumer thread, outside the K loop), none with it. The price is precision: fp16
-holds d to 2^-11 of its size, so a term's exponential to ln 2 · 2^-11 · |d| (3·10⁻⁴ for a logit within 1.4 nats of
-the target's, 0.5 % for one 20 nats away), against bf16 logits' 2^-9 of |s| (6 % a term at |s| = 16) in the
-materializing path it must stay within twice of. `--emulate` (CPU, T 512 × V 32000, against float64): max loss
-error 8.0e-6 / 3.6e-4 / 5.0e-3 nats for logits N(0, σ²) of σ 0.6 / 2 / 3 (+12 on half the targets), against the fp32
-epilogue's 5.5e-7 / 1.3e-6 / 3.0e-6 and bf16 logits' 3.9e-3 / 1.5e-2 / 6.1e-2: inside the rule, far from fp32.
-Its L2 traffic is the library's. Prediction, written before its first GPU run (× cuBLAS `torch.mm`): the packing
-(~640 issue clocks a tile) is all that stays on the tensor cores' path, 4 % of the main loop at H 1024, 2 % at 2048,
-1 % at 4096, on a main loop that ran 0.92–0.95×: SUMS 0.96–1.02 at H 1024, 0.96–1.02 at H 2048 and 4096.
+`packed256`: the library's 128 × 256 tile and cooperative consumers, the previous tile's epilogue overlapped with the
+next tile's first 3 K steps as in `overlap128`, from a copy that fits beside the accumulator: at a tile's end each
+consumer packs d = arg + A2 = log2(e)·k·(s − s_y) into fp16 (64 registers a thread; the same FFMA and min an element as
+the library's epilogue, then one convert per two), and the next tile's lead wgmma groups run while it forms 2^d and the
+sums. The registers: 240 a consumer thread, 24 the producer's (FlashAttention-3's split); without the entropy's plane
+ptxas spills 60 bytes (10 stores, 10 loads a consumer thread, outside the K loop), none with it. The price is
+precision: fp16 holds d to 2^-11 of its size, so a term's exponential to ln 2 · 2^-11 · |d| (3·10⁻⁴ for a logit within
+1.4 nats of the target's, 0.5 % for one 20 nats away), against bf16 logits' 2^-9 of |s| (6 % a term at |s| = 16) in the
+materializing path it must stay within twice of. `--emulate` (CPU, T 512 × V 32000, against float64): max loss error
+8.0e-6 / 3.6e-4 / 5.0e-3 nats for logits N(0, σ²) of σ 0.6 / 2 / 3 (+12 on half the targets), against the fp32
+epilogue's 5.5e-7 / 1.3e-6 / 3.0e-6 and bf16 logits' 3.9e-3 / 1.5e-2 / 6.1e-2: inside the rule, far from fp32. Its L2
+traffic is the library's. Prediction, written before its first GPU run (× cuBLAS `torch.mm`): the packing (~640 issue
+clocks a tile) is all that stays on the tensor cores' path, 4 % of the main loop at H 1024, 2 % at 2048, 1 % at 4096,
+on a main loop that ran 0.92–0.95×: SUMS 0.96–1.02 at H 1024, 0.96–1.02 at H 2048 and 4096.
 
 Neither kernel's sums are bitwise the library producer's (another reduction order or tile): a library version would
 move the gradient pass's epilogue (SUMS_AND_E) the same way, so a policy and its reference model keep equal bits.
