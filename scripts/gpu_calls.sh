@@ -35,11 +35,12 @@
 #                                       # dense; PREF_BATCHES, default "2 4 8 16"; PREF_MODES, default "full";
 #                                       # PREF_LIGER_REF_MODEL=1 adds Liger's DPO/KTO with a reference model)
 #   scripts/gpu_calls.sh OUTDIR anchored  # carry .triton_cache .whl/liger085 .whl/trl: issue 47's first call after
-#                                       # 2026-12-08: the GPU tests of what changed without a GPU (the row kernels
-#                                       # and row-count GEMMs compiled once across token counts, the anchored pass,
-#                                       # GRPO, the row-count GEMMs' tuning per token class), the in-line
-#                                       # overlap probes (`probes/gluon_epilogue_wg.py`, overlap128 and packed256: checked
-#                                       # against the library producer, timed beside cuBLAS), then the whole suite
+#                                       # 2026-12-08: the GPU tests of what changed without a GPU (every kernel
+#                                       # compiled once across token counts, the Gluon producer's included; the
+#                                       # anchored pass, GRPO, the row-count GEMMs tuned per token class, the fused
+#                                       # strategy), the in-line overlap probes (`probes/gluon_epilogue_wg.py`,
+#                                       # overlap128 and packed256: checked against the library producer, timed
+#                                       # beside cuBLAS), then the whole suite
 #
 # QuACK's CUDA library travels in two halves (scripts/fetch_wheels.sh --quack): call cold leaves .whl/qa's part
 # in $TMPDIR/quack_parts, call table adds .whl/qb's and installs QuACK (the wheels into an empty target first,
@@ -173,7 +174,8 @@ elif [ "$part" = profile ]; then
 elif [ "$part" = anchored ]; then
     triton_cache_restore "${TMPDIR:-/tmp}/tc_suite" >> "$res/steps.log"
     SUITE_CAP_S=180 suite gpu_changed tests/test_linear_cross_entropy.py tests/test_anchored_wiring.py \
-        tests/test_anchored_exp.py tests/test_grpo.py tests/test_rowcount_gemm.py tests/test_num_valid_tokens.py
+        tests/test_anchored_exp.py tests/test_grpo.py tests/test_rowcount_gemm.py tests/test_num_valid_tokens.py \
+        tests/test_fused_ce.py
     step overlap 150 python3 probes/gluon_epilogue_wg.py --gpu --out "$res" --heads qwen3,llama1b,llama8b \
         --tokens 8192,16384 --rounds 10 --kernels overlap128,packed256
     SUITE_CAP_S=300 suite gpu_suite_warm tests/
